@@ -1,0 +1,1 @@
+"""kvmesh services: one package per service; they never import each other."""

@@ -1,0 +1,1 @@
+"""Engine worker: loads, validates and warms a model; executes step plans; samples."""

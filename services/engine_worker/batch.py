@@ -1,0 +1,98 @@
+"""Turns the scheduled requests of one step into the tensors the model runs on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine_worker.attention import AttentionMetadata, PrefillSegment
+from shared.sampling import SamplingParams
+
+
+@dataclass
+class RequestState:
+    """What the worker remembers of a request between steps."""
+
+    request_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingParams
+    prompt_len: int
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # (S,) rows whose logits are sampled
+    sampling_states: tuple[RequestState, ...]  # (S,) in sample_rows order
+
+
+def build_batch(scheduled: list[tuple[RequestState, int]], block_size: int, kv_heads: int,
+                num_heads: int) -> StepBatch:
+    """Decodes (one new token) first, then prefill chunks, each request's tokens contiguous."""
+    decodes = [(s, n) for s, n in scheduled if n == 1]
+    prefills = [(s, n) for s, n in scheduled if n > 1]
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_blocks: list[int] = []
+    pair_block: list[int] = []
+    pair_request: list[int] = []
+    pair_limit: list[int] = []
+    segments: list[PrefillSegment] = []
+    sample_rows: list[int] = []
+    sampling_states: list[RequestState] = []
+    for row, (state, _) in enumerate(decodes):
+        position = state.num_computed_tokens
+        input_ids.append(state.token_ids[position])
+        positions.append(position)
+        slot_blocks.append(state.block_ids[position // block_size])
+        num_blocks = position // block_size + 1
+        pair_block += state.block_ids[:num_blocks]
+        pair_request += [row] * num_blocks
+        pair_limit += [block_size] * (num_blocks - 1) + [position - (num_blocks - 1) * block_size + 1]
+        if position + 1 == len(state.token_ids):
+            sample_rows.append(row)
+            sampling_states.append(state)
+    for state, num_new in prefills:
+        start = state.num_computed_tokens
+        context = start + num_new
+        token_start = len(input_ids)
+        input_ids += state.token_ids[start:context]
+        positions += range(start, context)
+        slot_blocks += [state.block_ids[p // block_size] for p in range(start, context)]
+        mask = None
+        if start:  # a cached prefix: queries see all of it plus the causal part of the chunk
+            mask = torch.arange(context)[None, :] <= torch.arange(start, context)[:, None]
+        num_blocks = -(-context // block_size)
+        segments.append(PrefillSegment(token_start, num_new, context,
+                                       torch.tensor(state.block_ids[:num_blocks]), mask))
+        if context == len(state.token_ids):
+            sample_rows.append(len(input_ids) - 1)
+            sampling_states.append(state)
+    positions_t = torch.tensor(positions, dtype=torch.long)
+    heads = torch.arange(kv_heads)
+    slots = torch.tensor(slot_blocks, dtype=torch.long)
+    # Flat index of (block, kv_head, offset) in a (blocks, kv_heads, block_size, D) pool.
+    write_index = ((slots[:, None] * kv_heads + heads[None, :]) * block_size
+                   + (positions_t % block_size)[:, None]).flatten()
+    pair_request_t = torch.tensor(pair_request, dtype=torch.long)
+    group = num_heads // kv_heads
+    limit = torch.tensor(pair_limit, dtype=torch.long)
+    valid = torch.arange(block_size)[None, :] < limit[:, None]
+    pair_bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+    meta = AttentionMetadata(
+        num_decodes=len(decodes),
+        write_index=write_index,
+        pair_block=torch.tensor(pair_block, dtype=torch.long),
+        pair_request=pair_request_t,
+        pair_request_heads=pair_request_t.view(-1, 1, 1).expand(-1, kv_heads, group),
+        pair_bias=pair_bias.view(-1, 1, 1, block_size),
+        prefills=tuple(segments),
+    )
+    return StepBatch(torch.tensor(input_ids, dtype=torch.long), positions_t, meta,
+                     torch.tensor(sample_rows, dtype=torch.long), tuple(sampling_states))

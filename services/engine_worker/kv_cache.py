@@ -1,0 +1,50 @@
+"""The paged KV pool, sized from a memory budget rather than from the context length."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine_worker.architecture import ModelArchitecture
+from shared.errors import KvmeshError, Reason
+
+
+@dataclass(frozen=True)
+class KVCacheShape:
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+
+    @staticmethod
+    def from_budget(arch: ModelArchitecture, block_size: int, budget_bytes: int,
+                    dtype: torch.dtype) -> KVCacheShape:
+        element = torch.empty((), dtype=dtype).element_size()
+        block_bytes = arch.kv_bytes_per_token(element) * block_size
+        num_blocks = budget_bytes // block_bytes
+        if num_blocks < 2:
+            raise KvmeshError(Reason.KV_CACHE_TOO_SMALL,
+                              f"a KV budget of {budget_bytes} bytes holds {num_blocks} blocks of "
+                              f"{block_bytes} bytes; at least 2 are needed")
+        return KVCacheShape(num_blocks, block_size, arch.num_kv_heads, arch.head_dim, arch.num_layers)
+
+
+class KVCache:
+    """Per layer, K and V as (num_blocks, num_kv_heads, block_size, head_dim).
+
+    Heads before positions so a gathered block is ready for a (G, D) @ (D, block) matmul.
+    """
+
+    def __init__(self, shape: KVCacheShape, dtype: torch.dtype, device: str = "cpu") -> None:
+        self.shape = shape
+        dims = (shape.num_layers, 2, shape.num_blocks, shape.num_kv_heads, shape.block_size, shape.head_dim)
+        self.pool = torch.zeros(dims, dtype=dtype, device=device)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.pool.numel() * self.pool.element_size()
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool[index, 0], self.pool[index, 1]

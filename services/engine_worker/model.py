@@ -1,0 +1,58 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a ragged batch of flattened tokens.
+
+Every tensor in the layer loop is (T, ...) where T is the step's total token count: prefill
+chunks and decodes share each matmul; only attention looks at request boundaries.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.engine_worker.architecture import ModelArchitecture
+from services.engine_worker.attention import AttentionMetadata, paged_attention, write_kv
+from services.engine_worker.kv_cache import KVCache
+from services.engine_worker.weights import ModelWeights
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, heads, D); cos/sin: (T, 1, D). transformers' rotate_half convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class CausalLM:
+    def __init__(self, arch: ModelArchitecture, weights: ModelWeights, max_positions: int,
+                 dtype: torch.dtype) -> None:
+        self.arch = arch
+        self.weights = weights
+        self.cos, self.sin = arch.rope.cos_sin(arch.head_dim, max_positions, dtype)
+        self.scale = arch.head_dim ** -0.5
+        self._split = [arch.q_size, arch.kv_size, arch.kv_size]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata, sample_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: (T,); sample_rows: (S,) -> logits (S, vocab)."""
+        arch, w = self.arch, self.weights
+        hidden_shape = (arch.hidden_size,)
+        num_tokens = input_ids.shape[0]
+        cos = self.cos.index_select(0, positions).unsqueeze(1)  # (T, 1, D)
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        x = F.embedding(input_ids, w.embed)  # (T, hidden)
+        for index, layer in enumerate(w.layers):
+            h = F.rms_norm(x, hidden_shape, layer.input_norm, arch.rms_norm_eps)
+            q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split(self._split, dim=-1)
+            q = _rotate(q.view(num_tokens, arch.num_heads, arch.head_dim), cos, sin)
+            k = _rotate(k.view(num_tokens, arch.num_kv_heads, arch.head_dim), cos, sin)
+            k_cache, v_cache = kv_cache.layer(index)
+            write_kv(k_cache, v_cache, k, v.view(num_tokens, arch.num_kv_heads, arch.head_dim), meta)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            x = x + F.linear(attn, layer.o_proj, layer.o_bias)
+            h = F.rms_norm(x, hidden_shape, layer.post_norm, arch.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        # Only rows that sample need the final norm and the (large) vocabulary projection.
+        x = F.rms_norm(x.index_select(0, sample_rows), hidden_shape, w.final_norm, arch.rms_norm_eps)
+        return F.linear(x, w.lm_head).float()

@@ -1,0 +1,130 @@
+"""The tensor table a model must have, its validation, and the fused weights the model runs on.
+
+Names and shapes follow transformers' HF layout ([out_features, in_features]); GGUF names are
+mapped onto it. Q/K/V and gate/up projections are fused into one matmul each: fewer, larger
+GEMMs are faster on CPU and GPU alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from services.engine_worker.architecture import ModelArchitecture
+from shared.errors import ModelValidationError
+
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def expected_tensors(arch: ModelArchitecture) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """(required name -> shape, optional names)."""
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    required: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (arch.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    optional: set[str] = set()
+    lm_head = "lm_head.weight"
+    if arch.tie_word_embeddings:
+        optional.add(lm_head)  # some checkpoints store the tied copy anyway
+    else:
+        required[lm_head] = (arch.vocab_size, hidden)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}"
+        required.update({
+            f"{p}.input_layernorm.weight": (hidden,),
+            f"{p}.post_attention_layernorm.weight": (hidden,),
+            f"{p}.self_attn.q_proj.weight": (arch.q_size, hidden),
+            f"{p}.self_attn.k_proj.weight": (arch.kv_size, hidden),
+            f"{p}.self_attn.v_proj.weight": (arch.kv_size, hidden),
+            f"{p}.self_attn.o_proj.weight": (hidden, arch.q_size),
+            f"{p}.mlp.gate_proj.weight": (inter, hidden),
+            f"{p}.mlp.up_proj.weight": (inter, hidden),
+            f"{p}.mlp.down_proj.weight": (hidden, inter),
+        })
+        if arch.qkv_bias:
+            required[f"{p}.self_attn.q_proj.bias"] = (arch.q_size,)
+            required[f"{p}.self_attn.k_proj.bias"] = (arch.kv_size,)
+            required[f"{p}.self_attn.v_proj.bias"] = (arch.kv_size,)
+        if arch.o_bias:
+            required[f"{p}.self_attn.o_proj.bias"] = (hidden,)
+    return required, optional
+
+
+def validate_tensor_table(path: str, arch: ModelArchitecture, found: Mapping[str, tuple[int, ...]]) -> None:
+    """One clear error for the first missing, unexpected or mis-shaped tensor."""
+    required, optional = expected_tensors(arch)
+    for name, shape in required.items():
+        if name not in found:
+            raise ModelValidationError(path, "missing tensor", tensor=name, expected=shape, found=None)
+        if tuple(found[name]) != shape:
+            raise ModelValidationError(path, "tensor shape mismatch", tensor=name,
+                                       expected=shape, found=tuple(found[name]))
+    for name, shape in found.items():
+        if name in required or name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name not in optional:
+            raise ModelValidationError(path, "unexpected tensor", tensor=name, found=tuple(shape))
+        if name == "lm_head.weight" and tuple(shape) != (arch.vocab_size, arch.hidden_size):
+            raise ModelValidationError(path, "tensor shape mismatch", tensor=name,
+                                       expected=(arch.vocab_size, arch.hidden_size), found=tuple(shape))
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # (hidden,)
+    qkv: torch.Tensor  # (q_size + 2 * kv_size, hidden)
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor  # (hidden, q_size)
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # (hidden,)
+    gate_up: torch.Tensor  # (2 * intermediate, hidden)
+    down: torch.Tensor  # (hidden, intermediate)
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    embed: torch.Tensor  # (vocab, hidden)
+    layers: tuple[LayerWeights, ...]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor  # (vocab, hidden); the embedding itself when tied
+
+    @property
+    def num_parameters(self) -> int:
+        tensors = [self.embed, self.final_norm]
+        if self.lm_head is not self.embed:
+            tensors.append(self.lm_head)
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if t is not None]
+        return sum(t.numel() for t in tensors)
+
+    @staticmethod
+    def build(arch: ModelArchitecture, load: Callable[[str], torch.Tensor], dtype: torch.dtype) -> ModelWeights:
+        """`load(name)` returns one HF-layout tensor; each is converted to `dtype` once."""
+
+        def get(name: str) -> torch.Tensor:
+            return load(name).to(dtype)
+
+        def cat(*names: str) -> torch.Tensor:
+            return torch.cat([load(n).to(dtype) for n in names], dim=0)
+
+        layers = []
+        for i in range(arch.num_layers):
+            p = f"model.layers.{i}"
+            attn = f"{p}.self_attn"
+            layers.append(LayerWeights(
+                input_norm=get(f"{p}.input_layernorm.weight"),
+                qkv=cat(f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"),
+                qkv_bias=cat(f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias")
+                if arch.qkv_bias else None,
+                o_proj=get(f"{attn}.o_proj.weight"),
+                o_bias=get(f"{attn}.o_proj.bias") if arch.o_bias else None,
+                post_norm=get(f"{p}.post_attention_layernorm.weight"),
+                gate_up=cat(f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"),
+                down=get(f"{p}.mlp.down_proj.weight"),
+            ))
+        embed = get("model.embed_tokens.weight")
+        lm_head = embed if arch.tie_word_embeddings else get("lm_head.weight")
+        return ModelWeights(embed, tuple(layers), get("model.norm.weight"), lm_head)

@@ -1,0 +1,122 @@
+"""The engine worker: validate, load, prepare, allocate the KV pool, warm up; then run steps.
+
+Order matters: every check that can refuse a model runs before any large allocation.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+
+import torch
+
+from services.engine_worker.artifacts import artifact_files, open_artifact, resolve_model_path
+from services.engine_worker.backends import BACKENDS, resolve_backend
+from services.engine_worker.batch import RequestState, build_batch
+from services.engine_worker.kv_cache import KVCache, KVCacheShape
+from services.engine_worker.manifest import ModelManifest, sha256_file
+from services.engine_worker.sampler import sample
+from services.engine_worker.weights import ModelWeights
+from shared.config import EngineConfig
+from shared.errors import KvmeshError, Reason
+from shared.sampling import SamplingParams
+from shared.step import StepPlan, StepResult
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        artifact = open_artifact(self.model_path)
+        artifact.validate()
+        self.architecture = arch = artifact.architecture
+        self.max_model_len = self._max_model_len(config, arch.max_position_embeddings)
+        self.dtype = _DTYPES[config.dtype]
+        self.backend = resolve_backend(config.backend)
+        kv_shape = KVCacheShape.from_budget(arch, config.cache.block_size,
+                                            config.cache.kv_memory_bytes, self.dtype)
+        weights = ModelWeights.build(arch, artifact.load, self.dtype)
+        model_module = importlib.import_module(BACKENDS[self.backend])
+        self.model = model_module.CausalLM(arch, weights, self.max_model_len, self.dtype)
+        self.kv_cache = KVCache(kv_shape, self.dtype)
+        load_seconds = time.perf_counter() - started
+        self.requests: dict[str, RequestState] = {}
+        self._rng = torch.Generator().manual_seed(0)
+        warmup_started = time.perf_counter()
+        self._warm_up()
+        self.manifest = ModelManifest(
+            model_name=os.path.basename(self.model_path.rstrip("/")),
+            artifact_path=self.model_path,
+            artifact_sha256={f: sha256_file(f) for f in artifact_files(self.model_path)},
+            architecture=arch.name,
+            num_parameters=weights.num_parameters,
+            dtype=config.dtype,
+            quantization=artifact.quantization,
+            backend=self.backend,
+            max_model_len=self.max_model_len,
+            kv_bytes_per_token=arch.kv_bytes_per_token(self.kv_cache.pool.element_size()),
+            kv_block_size=kv_shape.block_size,
+            kv_blocks=kv_shape.num_blocks,
+            kv_cache_bytes=self.kv_cache.num_bytes,
+            load_seconds=round(load_seconds, 3),
+            warmup_seconds=round(time.perf_counter() - warmup_started, 3),
+        )
+
+    @staticmethod
+    def _max_model_len(config: EngineConfig, model_len: int) -> int:
+        if config.max_model_len is None:
+            return model_len
+        if config.max_model_len > model_len:
+            raise KvmeshError(Reason.INVALID_ARGUMENT,
+                              f"max_model_len {config.max_model_len} exceeds the model's context "
+                              f"length {model_len}")
+        return config.max_model_len
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache.shape.num_blocks
+
+    def _warm_up(self) -> None:
+        """One mixed prefill + decode step on scratch blocks, so the first request pays no
+        first-call costs. Nothing it writes is ever read: no block table points at it."""
+        block = self.kv_cache.shape.block_size
+        tokens = list(range(min(block + 1, self.architecture.vocab_size)))
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        prefill = RequestState("warmup-prefill", tokens, [0, 1], 0, params, len(tokens))
+        decode = RequestState("warmup-decode", tokens[:2], [0], 1, params, 1)
+        self._run([(decode, 1), (prefill, len(tokens))])
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for request_id in plan.finished_request_ids:
+            self.requests.pop(request_id, None)
+        scheduled: list[tuple[RequestState, int]] = []
+        for new in plan.new_requests:
+            state = RequestState(new.request_id, list(new.token_ids), list(new.block_ids),
+                                 new.num_computed_tokens, new.sampling, new.prompt_len)
+            self.requests[new.request_id] = state
+            scheduled.append((state, new.num_scheduled_tokens))
+        for running in plan.running_requests:
+            state = self.requests[running.request_id]
+            state.block_ids.extend(running.new_block_ids)
+            scheduled.append((state, running.num_scheduled_tokens))
+        if not scheduled:
+            return StepResult(plan.step_id, ())
+        return StepResult(plan.step_id, tuple(self._run(scheduled)))
+
+    def _run(self, scheduled: list[tuple[RequestState, int]]) -> list:
+        arch = self.architecture
+        batch = build_batch(scheduled, self.kv_cache.shape.block_size, arch.num_kv_heads, arch.num_heads)
+        logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
+                                    batch.sample_rows)
+        for state, num_new in scheduled:
+            state.num_computed_tokens += num_new
+        sampled = sample(logits, batch.sampling_states, self._rng)
+        for state, token in zip(batch.sampling_states, sampled):
+            state.token_ids.append(token.token_id)
+        return sampled

@@ -1,0 +1,1 @@
+"""Scheduler: queues, token-budget continuous batching, paged KV blocks. Pure Python, no tensors."""

@@ -1,0 +1,158 @@
+"""Paged KV block table: ref-counted blocks, chained-hash prefix cache, O(1) LRU free list.
+
+A block with ref_count 0 sits in the free list. If it holds a full, hashed block it stays
+findable by hash until it is handed out again (that is the eviction), so freed prefixes can be
+reused. Free blocks without content are kept at the front, so they are reused before any cached
+block is evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from services.scheduler.request import Request
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()  # content of a hashed block, re-checked on every hit
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Cached blocks that cover a prompt's leading tokens."""
+
+    block_ids: tuple[int, ...] = ()
+    block_size: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.block_ids) * self.block_size
+
+
+@dataclass
+class CacheStats:
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found
+    evictions: int = 0
+    collisions: int = 0  # hash hits whose tokens differed
+
+
+@dataclass
+class BlockManager:
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    def __post_init__(self) -> None:
+        self.blocks = [KVBlock(i) for i in range(self.num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))
+        self._by_hash: dict[int, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, request: Request) -> PrefixMatch:
+        """Longest run of cached full blocks; at least one prompt token is always left to compute
+        so the step that finishes the prompt produces logits."""
+        if not self.enable_prefix_caching:
+            return PrefixMatch(block_size=self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.full_block_hashes(self.block_size)[:max_blocks]
+        matched: list[int] = []
+        for index, block_hash in enumerate(hashes):
+            block_id = self._by_hash.get(block_hash)
+            if block_id is None:
+                break
+            start = index * self.block_size
+            if self.blocks[block_id].token_ids != tuple(request.token_ids[start : start + self.block_size]):
+                self.stats.collisions += 1
+                break
+            matched.append(block_id)
+        self.stats.queries += request.num_tokens
+        self.stats.hits += len(matched) * self.block_size
+        return PrefixMatch(tuple(matched), self.block_size)
+
+    def allocate(self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
+        """Give `request` blocks for its computed tokens plus `num_new_tokens`; all or nothing."""
+        prefix_ids = prefix.block_ids if prefix else ()
+        total = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
+        num_fresh = total - len(request.block_ids) - len(prefix_ids)
+        # Touching a cached block that is free takes it out of the free list too.
+        num_revived = sum(1 for b in prefix_ids if self.blocks[b].ref_count == 0)
+        if max(num_fresh, 0) + num_revived > len(self._free):
+            return False
+        for block_id in prefix_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+            request.block_ids.append(block_id)
+        for _ in range(num_fresh):
+            request.block_ids.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self._by_hash.get(block.block_hash) == block_id:
+                del self._by_hash[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+            self.stats.evictions += 1
+        block.ref_count = 1
+        return block_id
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Make every fully computed block of `request` findable by its chained hash."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        hashes = request.full_block_hashes(self.block_size)
+        for index in range(num_full):
+            block = self.blocks[request.block_ids[index]]
+            if block.block_hash is not None:
+                continue
+            start = index * self.block_size
+            block.block_hash = hashes[index]
+            block.token_ids = tuple(request.token_ids[start : start + self.block_size])
+            # A block with the same content may already be cached; the first one stays findable.
+            self._by_hash.setdefault(block.block_hash, block.block_id)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks. Tail blocks are freed first so they are evicted first."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
+        request.block_ids.clear()
+
+    def check_invariants(self, holders: list[Request]) -> None:
+        """Ref counts equal the number of holders; free list holds exactly the unreferenced."""
+        counts = [0] * self.num_blocks
+        for request in holders:
+            for block_id in request.block_ids:
+                counts[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == counts[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count}, holders {counts[block.block_id]}"
+            )
+            assert (block.ref_count == 0) == (block.block_id in self._free), (
+                f"block {block.block_id}: ref_count {block.ref_count}, in free list "
+                f"{block.block_id in self._free}"
+            )
+        for block_hash, block_id in self._by_hash.items():
+            assert self.blocks[block_id].block_hash == block_hash, f"stale hash entry {block_id}"

@@ -1,0 +1,71 @@
+"""Scheduler-side state of one request: progress counters, not phase flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from shared.block_hash import ROOT_HASH, hash_block
+from shared.outputs import FinishReason
+from shared.sampling import SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to be recomputed from scratch
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """`num_computed_tokens` catches up with `num_tokens`; prefill and decode are the same loop.
+
+    token_ids holds the prompt then every sampled token; the newest sampled token has no K/V yet,
+    so a running request always has exactly one token left to compute after a step.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    arrival_seq: int
+    priority: int = 0  # lower runs first, as in vLLM
+    cache_salt: bytes = b""
+    prompt_len: int = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    num_preemptions: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Queue order: priority first, then arrival (FCFS)."""
+        return (self.priority, self.arrival_seq)
+
+    def full_block_hashes(self, block_size: int) -> list[int]:
+        """Chained hashes of every full block of known tokens, extended incrementally."""
+        num_full = len(self.token_ids) // block_size
+        parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+        for index in range(len(self.block_hashes), num_full):
+            start = index * block_size
+            parent = hash_block(parent, self.token_ids[start : start + block_size], self.cache_salt)
+            self.block_hashes.append(parent)
+        return self.block_hashes

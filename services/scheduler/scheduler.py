@@ -1,0 +1,224 @@
+"""Continuous batching: `schedule()` spends a token budget into a StepPlan, `update()` closes it.
+
+Each step: running requests first (decodes and unfinished prefill chunks, in priority order),
+then waiting ones while budget, sequence slots and KV blocks last. When blocks run out the
+lowest-priority, newest running request is preempted: its blocks are freed and it is recomputed
+later (its cached full blocks usually make that cheap).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.scheduler.block_manager import BlockManager, PrefixMatch
+from services.scheduler.request import Request, RequestStatus
+from shared.config import CacheConfig, SchedulerConfig
+from shared.errors import KvmeshError, Reason
+from shared.outputs import FinishReason, RequestOutput
+from shared.sampling import SamplingParams
+from shared.step import NewRequestPlan, RunningRequestPlan, StepPlan, StepResult
+
+
+@dataclass(frozen=True)
+class SchedulerLoad:
+    """Counts a caller can check from outside: queues, blocks, lifetime totals."""
+
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_hit_tokens: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+        eos_token_id: int | None,
+    ) -> None:
+        self.config = config
+        self.block_size = cache.block_size
+        # A request can never outgrow the whole pool, so the pool caps the context length too.
+        self.max_model_len = min(max_model_len, num_blocks * cache.block_size)
+        self.eos_token_id = eos_token_id
+        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by sort_key
+        self.running: list[Request] = []  # sorted by sort_key
+        self._arrivals = itertools.count()
+        self._step_ids = itertools.count()
+        self._freed_since_last_plan: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        priority: int = 0,
+        cache_salt: bytes = b"",
+    ) -> Request:
+        if request_id in self.requests:
+            raise KvmeshError(Reason.INVALID_ARGUMENT, f"request id {request_id!r} is in use")
+        self._check_prompt_fits(len(prompt_token_ids))
+        request = Request(request_id, list(prompt_token_ids), sampling, next(self._arrivals),
+                          priority, cache_salt)
+        self.requests[request_id] = request
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+        return request
+
+    def _check_prompt_fits(self, prompt_len: int) -> None:
+        if prompt_len == 0:
+            raise KvmeshError(Reason.EMPTY_PROMPT, "the prompt has no tokens")
+        if prompt_len >= self.max_model_len:
+            raise KvmeshError(Reason.PROMPT_TOO_LONG,
+                              f"prompt of {prompt_len} tokens leaves no room to generate within "
+                              f"the context length {self.max_model_len}")
+        chunking = self.config.prefill_chunk_size is not None
+        if not chunking and prompt_len > self.config.max_num_batched_tokens:
+            raise KvmeshError(Reason.PROMPT_TOO_LONG,
+                              f"prompt of {prompt_len} tokens exceeds the step budget of "
+                              f"{self.config.max_num_batched_tokens} and chunked prefill is off")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request; its blocks are free before the next plan is built."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        return self._finish(request, FinishReason.ABORT, ())
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def load(self) -> SchedulerLoad:
+        return SchedulerLoad(len(self.waiting), len(self.running),
+                             self.block_manager.num_free_blocks, self.block_manager.num_blocks,
+                             self.num_preemptions, self.block_manager.stats.hits)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        new_plans: list[NewRequestPlan] = []
+        running_plans: list[RunningRequestPlan] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._tokens_to_schedule(request, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            num_blocks_before = len(request.block_ids)
+            while not self.block_manager.allocate(request, num_new):
+                preempted = True
+                victim = self.running[-1]  # lowest priority, newest; never one scheduled already
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            running_plans.append(RunningRequestPlan(
+                request.request_id, tuple(request.block_ids[num_blocks_before:]), num_new))
+            budget -= num_new
+            index += 1
+        # A step that had to preempt admits nothing new: the pool is already too tight.
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            prefix = self.block_manager.match_prefix(request)
+            request.num_computed_tokens = prefix.num_tokens
+            num_new = self._tokens_to_schedule(request, budget)
+            if num_new == 0 or not self.block_manager.allocate(request, num_new, prefix):
+                request.num_computed_tokens = 0
+                break
+            self._admit(request, prefix)
+            new_plans.append(NewRequestPlan(
+                request.request_id, tuple(request.token_ids), tuple(request.block_ids),
+                request.num_computed_tokens, num_new, request.sampling, request.prompt_len))
+            budget -= num_new
+        freed, self._freed_since_last_plan = tuple(self._freed_since_last_plan), []
+        return StepPlan(next(self._step_ids), tuple(new_plans), tuple(running_plans), freed)
+
+    def _tokens_to_schedule(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        chunk = self.config.prefill_chunk_size
+        if chunk is not None:
+            return min(remaining, budget, chunk) if remaining > 1 else min(remaining, budget)
+        return remaining if remaining <= budget else 0  # unchunked prefill goes whole or waits
+
+    def _admit(self, request: Request, prefix: PrefixMatch) -> None:
+        self.waiting.pop(0)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = prefix.num_tokens
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=lambda r: r.sort_key)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._freed_since_last_plan.append(request.request_id)
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Advance counters by what the plan computed, append sampled tokens, finish requests."""
+        sampled = {s.request_id: s for s in result.sampled}
+        scheduled = [(p.request_id, p.num_scheduled_tokens) for p in plan.new_requests]
+        scheduled += [(p.request_id, p.num_scheduled_tokens) for p in plan.running_requests]
+        outputs: list[RequestOutput] = []
+        for request_id, num_scheduled in scheduled:
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            request.num_computed_tokens += num_scheduled
+            self.block_manager.cache_full_blocks(request)
+            token = sampled.get(request_id)
+            if token is None:
+                continue
+            request.token_ids.append(token.token_id)
+            logprobs = (token.logprobs,) if token.logprobs is not None else ()
+            reason = self._stop_reason(request, token.token_id)
+            if reason is None:
+                outputs.append(RequestOutput(request_id, (token.token_id,), logprobs))
+            else:
+                self.running.remove(request)
+                outputs.append(self._finish(request, reason, (token.token_id,), logprobs))
+        return outputs
+
+    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        sampling = request.sampling
+        if token_id == self.eos_token_id and not sampling.ignore_eos:
+            return FinishReason.STOP
+        if token_id in sampling.stop_token_ids:
+            return FinishReason.STOP
+        if request.num_output_tokens >= sampling.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason, new_token_ids: tuple[int, ...],
+                logprobs: tuple = ()) -> RequestOutput:
+        self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+        self._freed_since_last_plan.append(request.request_id)
+        return RequestOutput(request.request_id, new_token_ids, logprobs, reason)

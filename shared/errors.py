@@ -1,0 +1,57 @@
+"""Stable error reasons. Every error a client can see carries one, plus a retryable flag."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Reason(str, Enum):
+    """Machine-readable reasons; names are part of the public contract and never change."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    INVALID_SAMPLING_PARAMS = "INVALID_SAMPLING_PARAMS"
+    PROMPT_TOO_LONG = "PROMPT_TOO_LONG"
+    EMPTY_PROMPT = "EMPTY_PROMPT"
+    TOKENIZER_UNAVAILABLE = "TOKENIZER_UNAVAILABLE"
+    INVALID_MODEL = "INVALID_MODEL"
+    MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
+    MODEL_NOT_READY = "MODEL_NOT_READY"
+    KV_CACHE_TOO_SMALL = "KV_CACHE_TOO_SMALL"
+    OVERLOADED = "OVERLOADED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    WORKER_LOST = "WORKER_LOST"
+
+
+class KvmeshError(Exception):
+    """An error with a stable reason; `retryable` says whether the same call may succeed later."""
+
+    def __init__(self, reason: Reason, message: str, *, retryable: bool = False) -> None:
+        super().__init__(f"{reason.value}: {message}")
+        self.reason = reason
+        self.message = message
+        self.retryable = retryable
+
+
+class ModelValidationError(KvmeshError):
+    """A model artifact that cannot be served; raised before any device memory is allocated."""
+
+    def __init__(
+        self,
+        path: str,
+        problem: str,
+        *,
+        tensor: str | None = None,
+        expected: object = None,
+        found: object = None,
+    ) -> None:
+        parts = [f"{path}: {problem}"]
+        if tensor is not None:
+            parts.append(f"tensor {tensor!r}")
+        if expected is not None or found is not None:
+            parts.append(f"expected {expected}, found {found}")
+        super().__init__(Reason.INVALID_MODEL, "; ".join(parts))
+        self.path = path
+        self.problem = problem
+        self.tensor = tensor
+        self.expected = expected
+        self.found = found

@@ -1,0 +1,68 @@
+"""Sampling parameters of one request, validated once at the edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.errors import KvmeshError, Reason
+
+
+def _invalid(message: str) -> KvmeshError:
+    return KvmeshError(Reason.INVALID_SAMPLING_PARAMS, message)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Defaults follow vLLM's.
+
+    temperature 0 means greedy; top_k None and top_p 1.0 and min_p 0.0 mean "off".
+    logprobs None returns none; N >= 0 returns the sampled token's logprob plus the top N.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise _invalid(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:
+            raise _invalid(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise _invalid(f"top_k must be >= 1 or unset, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _invalid(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise _invalid(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise _invalid(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise _invalid(f"{name} must be in [-2, 2], got {value}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise _invalid(f"logprobs must be in [0, 20] or unset, got {self.logprobs}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise _invalid("stop_token_ids must be non-negative")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )

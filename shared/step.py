@@ -1,0 +1,80 @@
+"""The step contract between scheduler and engine-worker: one plan in, one result out.
+
+New requests cross whole, once; running ones as diffs (new block ids, how many tokens to
+compute). The worker keeps each request's tokens and block table between steps, and appends the
+tokens it samples itself, so the plan never resends them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestPlan:
+    """A request the worker has not seen (or must rebuild after preemption)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # every known token: prompt, then output so far
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int  # tokens whose K/V already sit in the cache (prefix hits)
+    num_scheduled_tokens: int
+    sampling: SamplingParams
+    prompt_len: int  # penalties treat prompt and output tokens differently
+
+
+@dataclass(frozen=True)
+class RunningRequestPlan:
+    """A request the worker already holds; only what changed since the last step."""
+
+    request_id: str
+    new_block_ids: tuple[int, ...]
+    num_scheduled_tokens: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything one forward pass computes. Order is the batch order of the result."""
+
+    step_id: int
+    new_requests: tuple[NewRequestPlan, ...]
+    running_requests: tuple[RunningRequestPlan, ...]
+    finished_request_ids: tuple[str, ...]  # worker drops their state before this step runs
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(
+            r.num_scheduled_tokens for r in self.running_requests
+        )
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.new_requests and not self.running_requests
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprob of the sampled token and the top alternatives, from the raw model distribution."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """A request whose scheduled tokens reached its end this step, and the token sampled."""
+
+    request_id: str
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the worker returns for a plan; requests mid-prefill (chunked) sample nothing."""
+
+    step_id: int
+    sampled: tuple[SampledToken, ...]
