@@ -6,15 +6,23 @@ from dataclasses import dataclass, field
 
 from shared.errors import KvmeshError, Reason
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20,
-          "G": 1 << 30, "GIB": 1 << 30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GIB": 1 << 30,
+}
 
 
 def parse_bytes(text: str) -> int:
     """'512MiB', '2G', '1048576' -> bytes."""
     stripped = text.strip().upper()
     number = stripped.rstrip("KMGIB")
-    unit = stripped[len(number):]
+    unit = stripped[len(number) :]
     if unit not in _UNITS or not number:
         raise KvmeshError(Reason.INVALID_ARGUMENT, f"cannot parse a size from {text!r}")
     return int(float(number) * _UNITS[unit])
@@ -34,8 +42,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
-                 f"block_size must be a power of two, got {self.block_size}")
+        _require(
+            self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+            f"block_size must be a power of two, got {self.block_size}",
+        )
         _require(self.kv_memory_bytes > 0, "kv_memory_bytes must be positive")
 
 
@@ -50,8 +60,10 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
         _require(self.max_num_seqs > 0, "max_num_seqs must be positive")
-        _require(self.prefill_chunk_size is None or self.prefill_chunk_size > 0,
-                 "prefill_chunk_size must be positive or None")
+        _require(
+            self.prefill_chunk_size is None or self.prefill_chunk_size > 0,
+            "prefill_chunk_size must be positive or None",
+        )
 
 
 @dataclass(frozen=True)
@@ -67,7 +79,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        _require(self.dtype in ("float32", "float16", "bfloat16"),
-                 f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
-        _require(self.max_model_len is None or self.max_model_len > 1,
-                 "max_model_len must be > 1")
+        _require(
+            self.dtype in ("float32", "float16", "bfloat16"),
+            f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}",
+        )
+        _require(self.max_model_len is None or self.max_model_len > 1, "max_model_len must be > 1")

@@ -22,6 +22,7 @@ class RequestOutput:
     new_token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs, ...] = ()
     finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache; set when finished
 
     @property
     def finished(self) -> bool:

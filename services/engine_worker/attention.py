@@ -37,16 +37,26 @@ class AttentionMetadata:
     prefills: tuple[PrefillSegment, ...]
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             meta: AttentionMetadata) -> None:
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
     """k, v: (T, kv_heads, D) into their slots of the pool."""
     head_dim = k.shape[-1]
     k_cache.view(-1, head_dim).index_copy_(0, meta.write_index, k.reshape(-1, head_dim))
     v_cache.view(-1, head_dim).index_copy_(0, meta.write_index, v.reshape(-1, head_dim))
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """q: (T, H, D) -> (T, H * D)."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
@@ -58,8 +68,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out.view(num_tokens, num_heads * head_dim)
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = num_heads // kv_heads
@@ -79,13 +94,20 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return (numer / denom.unsqueeze(-1)).view(batch, num_heads, head_dim)
 
 
-def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             seg: PrefillSegment, scale: float) -> torch.Tensor:
-    kv_heads, block, head_dim = k_cache.shape[1:]
+def _prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment, scale: float
+) -> torch.Tensor:
+    kv_heads, _block, head_dim = k_cache.shape[1:]
     k = k_cache.index_select(0, seg.block_ids).transpose(0, 1).reshape(kv_heads, -1, head_dim)
     v = v_cache.index_select(0, seg.block_ids).transpose(0, 1).reshape(kv_heads, -1, head_dim)
     k, v = k[:, : seg.context_len], v[:, : seg.context_len]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-        attn_mask=seg.mask, is_causal=seg.mask is None, scale=scale, enable_gqa=True)
+        q.transpose(0, 1).unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        attn_mask=seg.mask,
+        is_causal=seg.mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
     return out.squeeze(0).transpose(0, 1)  # (n, H, D)

@@ -13,6 +13,8 @@ def resolve_backend(name: str) -> str:
     if name == "auto":
         return "torch"
     if name not in BACKENDS:
-        raise KvmeshError(Reason.INVALID_ARGUMENT,
-                          f"unknown backend {name!r}; available: {', '.join(sorted(BACKENDS))}")
+        raise KvmeshError(
+            Reason.INVALID_ARGUMENT,
+            f"unknown backend {name!r}; available: {', '.join(sorted(BACKENDS))}",
+        )
     return name

@@ -32,8 +32,9 @@ class StepBatch:
     sampling_states: tuple[RequestState, ...]  # (S,) in sample_rows order
 
 
-def build_batch(scheduled: list[tuple[RequestState, int]], block_size: int, kv_heads: int,
-                num_heads: int) -> StepBatch:
+def build_batch(
+    scheduled: list[tuple[RequestState, int]], block_size: int, kv_heads: int, num_heads: int
+) -> StepBatch:
     """Decodes (one new token) first, then prefill chunks, each request's tokens contiguous."""
     decodes = [(s, n) for s, n in scheduled if n == 1]
     prefills = [(s, n) for s, n in scheduled if n > 1]
@@ -54,7 +55,9 @@ def build_batch(scheduled: list[tuple[RequestState, int]], block_size: int, kv_h
         num_blocks = position // block_size + 1
         pair_block += state.block_ids[:num_blocks]
         pair_request += [row] * num_blocks
-        pair_limit += [block_size] * (num_blocks - 1) + [position - (num_blocks - 1) * block_size + 1]
+        pair_limit += [block_size] * (num_blocks - 1) + [
+            position - (num_blocks - 1) * block_size + 1
+        ]
         if position + 1 == len(state.token_ids):
             sample_rows.append(row)
             sampling_states.append(state)
@@ -69,8 +72,11 @@ def build_batch(scheduled: list[tuple[RequestState, int]], block_size: int, kv_h
         if start:  # a cached prefix: queries see all of it plus the causal part of the chunk
             mask = torch.arange(context)[None, :] <= torch.arange(start, context)[:, None]
         num_blocks = -(-context // block_size)
-        segments.append(PrefillSegment(token_start, num_new, context,
-                                       torch.tensor(state.block_ids[:num_blocks]), mask))
+        segments.append(
+            PrefillSegment(
+                token_start, num_new, context, torch.tensor(state.block_ids[:num_blocks]), mask
+            )
+        )
         if context == len(state.token_ids):
             sample_rows.append(len(input_ids) - 1)
             sampling_states.append(state)
@@ -78,8 +84,10 @@ def build_batch(scheduled: list[tuple[RequestState, int]], block_size: int, kv_h
     heads = torch.arange(kv_heads)
     slots = torch.tensor(slot_blocks, dtype=torch.long)
     # Flat index of (block, kv_head, offset) in a (blocks, kv_heads, block_size, D) pool.
-    write_index = ((slots[:, None] * kv_heads + heads[None, :]) * block_size
-                   + (positions_t % block_size)[:, None]).flatten()
+    write_index = (
+        (slots[:, None] * kv_heads + heads[None, :]) * block_size
+        + (positions_t % block_size)[:, None]
+    ).flatten()
     pair_request_t = torch.tensor(pair_request, dtype=torch.long)
     group = num_heads // kv_heads
     limit = torch.tensor(pair_limit, dtype=torch.long)
@@ -94,5 +102,10 @@ def build_batch(scheduled: list[tuple[RequestState, int]], block_size: int, kv_h
         pair_bias=pair_bias.view(-1, 1, 1, block_size),
         prefills=tuple(segments),
     )
-    return StepBatch(torch.tensor(input_ids, dtype=torch.long), positions_t, meta,
-                     torch.tensor(sample_rows, dtype=torch.long), tuple(sampling_states))
+    return StepBatch(
+        torch.tensor(input_ids, dtype=torch.long),
+        positions_t,
+        meta,
+        torch.tensor(sample_rows, dtype=torch.long),
+        tuple(sampling_states),
+    )

@@ -38,8 +38,12 @@ _GLOBAL_NAMES = {
 }
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
 # Big arrays are read by the tokenizer, not needed to describe the model.
-_SKIPPED_METADATA = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                     "tokenizer.ggml.scores")
+_SKIPPED_METADATA = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -62,7 +66,9 @@ class GGUFArtifact:
         try:
             self.reader = gguf.GGUFReader(path)
         except Exception as error:  # the reader raises bare ValueError/IndexError on bad bytes
-            raise ModelValidationError(path, f"not a readable GGUF file ({type(error).__name__}: {error})") from None
+            raise ModelValidationError(
+                path, f"not a readable GGUF file ({type(error).__name__}: {error})"
+            ) from None
         self.metadata = self._read_metadata()
         self.tensors = {}
         unknown = []
@@ -75,7 +81,8 @@ class GGUFArtifact:
         if unknown:
             raise ModelValidationError(path, "unexpected tensor", tensor=unknown[0])
         self.architecture = ModelArchitecture.from_gguf_metadata(
-            self.metadata, path, has_output_tensor="lm_head.weight" in self.tensors)
+            self.metadata, path, has_output_tensor="lm_head.weight" in self.tensors
+        )
 
     def _read_metadata(self) -> dict[str, Any]:
         meta: dict[str, Any] = {}
@@ -95,13 +102,25 @@ class GGUFArtifact:
         for name, tensor in self.tensors.items():
             kind = tensor.tensor_type.name
             if kind not in SUPPORTED_QUANT_TYPES:
-                raise ModelValidationError(self.path, "unsupported quantization type", tensor=name,
-                                           expected=list(SUPPORTED_QUANT_TYPES), found=kind)
+                raise ModelValidationError(
+                    self.path,
+                    "unsupported quantization type",
+                    tensor=name,
+                    expected=list(SUPPORTED_QUANT_TYPES),
+                    found=kind,
+                )
             end = int(tensor.data_offset) + int(tensor.n_bytes)
             if end > self.file_size:
-                raise ModelValidationError(self.path, "file is truncated", tensor=name,
-                                           expected=f">= {end} bytes", found=f"{self.file_size} bytes")
-        shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in self.tensors.items()}
+                raise ModelValidationError(
+                    self.path,
+                    "file is truncated",
+                    tensor=name,
+                    expected=f">= {end} bytes",
+                    found=f"{self.file_size} bytes",
+                )
+        shapes = {
+            name: tuple(int(d) for d in reversed(t.shape)) for name, t in self.tensors.items()
+        }
         validate_tensor_table(self.path, self.architecture, shapes)
 
     def load(self, name: str) -> torch.Tensor:
@@ -127,5 +146,9 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     rows = weight.shape[0]
     rest = weight.shape[1:]
     head_dim = rows // num_heads
-    return (weight.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2)
-            .reshape(rows, *rest).contiguous())
+    return (
+        weight.reshape(num_heads, head_dim // 2, 2, *rest)
+        .transpose(1, 2)
+        .reshape(rows, *rest)
+        .contiguous()
+    )

@@ -46,7 +46,9 @@ class HFArtifact:
     def __init__(self, directory: str) -> None:
         self.path = directory
         self.config: dict[str, Any] = _read_json(os.path.join(directory, "config.json"))
-        self.architecture = ModelArchitecture.from_hf_config(self.config, os.path.join(directory, "config.json"))
+        self.architecture = ModelArchitecture.from_hf_config(
+            self.config, os.path.join(directory, "config.json")
+        )
         self.files = self._weight_files()
         self.entries: dict[str, _TensorEntry] = {}
         for file in self.files:
@@ -67,7 +69,9 @@ class HFArtifact:
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ModelValidationError(index, "weight_map is missing or empty")
             return [os.path.join(self.path, f) for f in sorted(set(weight_map.values()))]
-        raise ModelValidationError(self.path, "no model.safetensors or model.safetensors.index.json")
+        raise ModelValidationError(
+            self.path, "no model.safetensors or model.safetensors.index.json"
+        )
 
     def _read_header(self, file: str) -> dict[str, _TensorEntry]:
         try:
@@ -75,11 +79,17 @@ class HFArtifact:
             with open(file, "rb") as handle:
                 prefix = handle.read(8)
                 if len(prefix) < 8:
-                    raise ModelValidationError(file, "file is truncated", expected=">= 8 bytes", found=f"{size} bytes")
+                    raise ModelValidationError(
+                        file, "file is truncated", expected=">= 8 bytes", found=f"{size} bytes"
+                    )
                 (header_len,) = struct.unpack("<Q", prefix)
                 if header_len > min(_MAX_HEADER_BYTES, size - 8):
-                    raise ModelValidationError(file, "corrupt safetensors header length",
-                                               expected=f"<= {size - 8}", found=header_len)
+                    raise ModelValidationError(
+                        file,
+                        "corrupt safetensors header length",
+                        expected=f"<= {size - 8}",
+                        found=header_len,
+                    )
                 header = json.loads(handle.read(header_len))
         except FileNotFoundError:
             raise ModelValidationError(file, "file is missing") from None
@@ -92,23 +102,36 @@ class HFArtifact:
                 continue
             dtype, shape = info.get("dtype"), tuple(info.get("shape", ()))
             if dtype not in _DTYPES:
-                raise ModelValidationError(file, "unsupported dtype", tensor=name,
-                                           expected=sorted(_DTYPES), found=dtype)
+                raise ModelValidationError(
+                    file, "unsupported dtype", tensor=name, expected=sorted(_DTYPES), found=dtype
+                )
             begin, end = (data_start + o for o in info["data_offsets"])
             numel = 1
             for dim in shape:
                 numel *= dim
             if end - begin != numel * _DTYPES[dtype].itemsize:
-                raise ModelValidationError(file, "tensor byte length does not match its shape", tensor=name,
-                                           expected=numel * _DTYPES[dtype].itemsize, found=end - begin)
+                raise ModelValidationError(
+                    file,
+                    "tensor byte length does not match its shape",
+                    tensor=name,
+                    expected=numel * _DTYPES[dtype].itemsize,
+                    found=end - begin,
+                )
             if end > size:
-                raise ModelValidationError(file, "file is truncated", tensor=name,
-                                           expected=f">= {end} bytes", found=f"{size} bytes")
+                raise ModelValidationError(
+                    file,
+                    "file is truncated",
+                    tensor=name,
+                    expected=f">= {end} bytes",
+                    found=f"{size} bytes",
+                )
             entries[name] = _TensorEntry(file, dtype, shape, begin, end)
         return entries
 
     def validate(self) -> None:
-        validate_tensor_table(self.path, self.architecture, {n: e.shape for n, e in self.entries.items()})
+        validate_tensor_table(
+            self.path, self.architecture, {n: e.shape for n, e in self.entries.items()}
+        )
 
     def load(self, name: str) -> torch.Tensor:
         """A view of the mapped file; converting or fusing it is the only copy."""
@@ -118,7 +141,10 @@ class HFArtifact:
                 self._maps[entry.file] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
         if entry.end == entry.begin:
             return torch.empty(entry.shape, dtype=_DTYPES[entry.dtype])
-        flat = torch.frombuffer(self._maps[entry.file], dtype=_DTYPES[entry.dtype],
-                                count=(entry.end - entry.begin) // _DTYPES[entry.dtype].itemsize,
-                                offset=entry.begin)
+        flat = torch.frombuffer(
+            self._maps[entry.file],
+            dtype=_DTYPES[entry.dtype],
+            count=(entry.end - entry.begin) // _DTYPES[entry.dtype].itemsize,
+            offset=entry.begin,
+        )
         return flat.view(entry.shape)

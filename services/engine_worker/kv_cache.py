@@ -19,16 +19,21 @@ class KVCacheShape:
     num_layers: int
 
     @staticmethod
-    def from_budget(arch: ModelArchitecture, block_size: int, budget_bytes: int,
-                    dtype: torch.dtype) -> KVCacheShape:
+    def from_budget(
+        arch: ModelArchitecture, block_size: int, budget_bytes: int, dtype: torch.dtype
+    ) -> KVCacheShape:
         element = torch.empty((), dtype=dtype).element_size()
         block_bytes = arch.kv_bytes_per_token(element) * block_size
         num_blocks = budget_bytes // block_bytes
         if num_blocks < 2:
-            raise KvmeshError(Reason.KV_CACHE_TOO_SMALL,
-                              f"a KV budget of {budget_bytes} bytes holds {num_blocks} blocks of "
-                              f"{block_bytes} bytes; at least 2 are needed")
-        return KVCacheShape(num_blocks, block_size, arch.num_kv_heads, arch.head_dim, arch.num_layers)
+            raise KvmeshError(
+                Reason.KV_CACHE_TOO_SMALL,
+                f"a KV budget of {budget_bytes} bytes holds {num_blocks} blocks of "
+                f"{block_bytes} bytes; at least 2 are needed",
+            )
+        return KVCacheShape(
+            num_blocks, block_size, arch.num_kv_heads, arch.head_dim, arch.num_layers
+        )
 
 
 class KVCache:
@@ -39,7 +44,14 @@ class KVCache:
 
     def __init__(self, shape: KVCacheShape, dtype: torch.dtype, device: str = "cpu") -> None:
         self.shape = shape
-        dims = (shape.num_layers, 2, shape.num_blocks, shape.num_kv_heads, shape.block_size, shape.head_dim)
+        dims = (
+            shape.num_layers,
+            2,
+            shape.num_blocks,
+            shape.num_kv_heads,
+            shape.block_size,
+            shape.head_dim,
+        )
         self.pool = torch.zeros(dims, dtype=dtype, device=device)
 
     @property

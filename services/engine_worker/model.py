@@ -23,17 +23,24 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class CausalLM:
-    def __init__(self, arch: ModelArchitecture, weights: ModelWeights, max_positions: int,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, arch: ModelArchitecture, weights: ModelWeights, max_positions: int, dtype: torch.dtype
+    ) -> None:
         self.arch = arch
         self.weights = weights
         self.cos, self.sin = arch.rope.cos_sin(arch.head_dim, max_positions, dtype)
-        self.scale = arch.head_dim ** -0.5
+        self.scale = arch.head_dim**-0.5
         self._split = [arch.q_size, arch.kv_size, arch.kv_size]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, sample_rows: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        sample_rows: torch.Tensor,
+    ) -> torch.Tensor:
         """input_ids, positions: (T,); sample_rows: (S,) -> logits (S, vocab)."""
         arch, w = self.arch, self.weights
         hidden_shape = (arch.hidden_size,)
@@ -47,12 +54,16 @@ class CausalLM:
             q = _rotate(q.view(num_tokens, arch.num_heads, arch.head_dim), cos, sin)
             k = _rotate(k.view(num_tokens, arch.num_kv_heads, arch.head_dim), cos, sin)
             k_cache, v_cache = kv_cache.layer(index)
-            write_kv(k_cache, v_cache, k, v.view(num_tokens, arch.num_kv_heads, arch.head_dim), meta)
+            write_kv(
+                k_cache, v_cache, k, v.view(num_tokens, arch.num_kv_heads, arch.head_dim), meta
+            )
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
             x = x + F.linear(attn, layer.o_proj, layer.o_bias)
             h = F.rms_norm(x, hidden_shape, layer.post_norm, arch.rms_norm_eps)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down)
         # Only rows that sample need the final norm and the (large) vocabulary projection.
-        x = F.rms_norm(x.index_select(0, sample_rows), hidden_shape, w.final_norm, arch.rms_norm_eps)
+        x = F.rms_norm(
+            x.index_select(0, sample_rows), hidden_shape, w.final_norm, arch.rms_norm_eps
+        )
         return F.linear(x, w.lm_head).float()

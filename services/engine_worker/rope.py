@@ -1,4 +1,4 @@
-"""Rotary embedding frequencies: default, linear and llama3 scaling, as transformers computes them."""
+"""Rotary embedding frequencies (default, linear, llama3 scaling) as transformers computes them."""
 
 from __future__ import annotations
 
@@ -22,20 +22,24 @@ class RopeSpec:
 
     @staticmethod
     def from_hf_config(config: dict[str, Any], path: str) -> RopeSpec:
-        # transformers 5.x writes `rope_parameters` (theta inside); 4.x `rope_theta` + `rope_scaling`.
+        # transformers 5.x writes `rope_parameters` (theta inside);
+        # 4.x writes `rope_theta` + `rope_scaling`.
         params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3"):
-            raise ModelValidationError(path, "unsupported rope_type",
-                                       expected="default, linear or llama3", found=rope_type)
+            raise ModelValidationError(
+                path, "unsupported rope_type", expected="default, linear or llama3", found=rope_type
+            )
         return RopeSpec(
             theta=float(theta),
             rope_type=rope_type,
             factor=float(params.get("factor", 1.0)),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", 8192)
+            ),
         )
 
     @staticmethod
@@ -50,7 +54,7 @@ class RopeSpec:
     def inv_freq(self, head_dim: int) -> torch.Tensor:
         """(head_dim / 2,) float32 inverse frequencies."""
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (self.theta ** exponents)
+        inv_freq = 1.0 / (self.theta**exponents)
         if self.rope_type == "linear":
             return inv_freq / self.factor
         if self.rope_type == "llama3":
@@ -64,12 +68,16 @@ class RopeSpec:
         high_freq_wavelen = old_len / self.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
-        smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        smooth = (old_len / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
         blended = (1 - smooth) * scaled / self.factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, blended, scaled)
 
-    def cos_sin(self, head_dim: int, max_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, head_dim: int, max_positions: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(max_positions, head_dim) cos and sin tables, halves duplicated as in rotate_half."""
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = positions[:, None] * self.inv_freq(head_dim)[None, :]

@@ -21,13 +21,17 @@ def token_generator(seed: int, output_index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * _SEED_MIX + output_index) % (1 << 63))
 
 
-def sample(logits: torch.Tensor, states: Sequence[RequestState], rng: torch.Generator) -> list[SampledToken]:
+def sample(
+    logits: torch.Tensor, states: Sequence[RequestState], rng: torch.Generator
+) -> list[SampledToken]:
     """logits: (S, vocab) float32, one row per state."""
-    plain_greedy = [i for i, s in enumerate(states) if s.sampling.greedy and not s.sampling.has_penalties]
+    plain_greedy = [
+        i for i, s in enumerate(states) if s.sampling.greedy and not s.sampling.has_penalties
+    ]
     chosen = [0] * len(states)
     if plain_greedy:
         argmax = logits[plain_greedy].argmax(dim=-1).tolist()
-        for row, token in zip(plain_greedy, argmax):
+        for row, token in zip(plain_greedy, argmax, strict=True):
             chosen[row] = token
     greedy_set = set(plain_greedy)
     for row, state in enumerate(states):
@@ -57,27 +61,33 @@ def _sample_row(logits: torch.Tensor, state: RequestState, rng: torch.Generator)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before > params.top_p * sorted_probs.sum(), 0.0)
+        sorted_probs = sorted_probs.masked_fill(
+            mass_before > params.top_p * sorted_probs.sum(), 0.0
+        )
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     output_index = len(state.token_ids) - state.prompt_len
     generator = token_generator(params.seed, output_index) if params.seed is not None else rng
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def _apply_penalties(logits: torch.Tensor, token_ids: list[int], prompt_len: int,
-                     params: SamplingParams) -> torch.Tensor:
+def _apply_penalties(
+    logits: torch.Tensor, token_ids: list[int], prompt_len: int, params: SamplingParams
+) -> torch.Tensor:
     """Repetition penalty over prompt and output (as transformers and vLLM); presence and
     frequency over output only (as OpenAI)."""
     if params.repetition_penalty != 1.0 and token_ids:
         seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
         values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                   values * params.repetition_penalty)
+        logits[seen] = torch.where(
+            values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+        )
     output = token_ids[prompt_len:]
     if output and (params.presence_penalty or params.frequency_penalty):
         counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=logits.shape[-1])
         counts = counts[: logits.shape[-1]].to(logits.dtype)
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(
+            logits.dtype
+        )
     return logits
 
 
@@ -86,5 +96,5 @@ def _logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
     if top_n:
         values, ids = torch.topk(log_probs, top_n)
-        top = tuple(zip(ids.tolist(), values.tolist()))
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
     return TokenLogprobs(token_id, float(log_probs[token_id]), top)

@@ -33,17 +33,19 @@ def expected_tensors(arch: ModelArchitecture) -> tuple[dict[str, tuple[int, ...]
         required[lm_head] = (arch.vocab_size, hidden)
     for i in range(arch.num_layers):
         p = f"model.layers.{i}"
-        required.update({
-            f"{p}.input_layernorm.weight": (hidden,),
-            f"{p}.post_attention_layernorm.weight": (hidden,),
-            f"{p}.self_attn.q_proj.weight": (arch.q_size, hidden),
-            f"{p}.self_attn.k_proj.weight": (arch.kv_size, hidden),
-            f"{p}.self_attn.v_proj.weight": (arch.kv_size, hidden),
-            f"{p}.self_attn.o_proj.weight": (hidden, arch.q_size),
-            f"{p}.mlp.gate_proj.weight": (inter, hidden),
-            f"{p}.mlp.up_proj.weight": (inter, hidden),
-            f"{p}.mlp.down_proj.weight": (hidden, inter),
-        })
+        required.update(
+            {
+                f"{p}.input_layernorm.weight": (hidden,),
+                f"{p}.post_attention_layernorm.weight": (hidden,),
+                f"{p}.self_attn.q_proj.weight": (arch.q_size, hidden),
+                f"{p}.self_attn.k_proj.weight": (arch.kv_size, hidden),
+                f"{p}.self_attn.v_proj.weight": (arch.kv_size, hidden),
+                f"{p}.self_attn.o_proj.weight": (hidden, arch.q_size),
+                f"{p}.mlp.gate_proj.weight": (inter, hidden),
+                f"{p}.mlp.up_proj.weight": (inter, hidden),
+                f"{p}.mlp.down_proj.weight": (hidden, inter),
+            }
+        )
         if arch.qkv_bias:
             required[f"{p}.self_attn.q_proj.bias"] = (arch.q_size,)
             required[f"{p}.self_attn.k_proj.bias"] = (arch.kv_size,)
@@ -53,23 +55,33 @@ def expected_tensors(arch: ModelArchitecture) -> tuple[dict[str, tuple[int, ...]
     return required, optional
 
 
-def validate_tensor_table(path: str, arch: ModelArchitecture, found: Mapping[str, tuple[int, ...]]) -> None:
+def validate_tensor_table(
+    path: str, arch: ModelArchitecture, found: Mapping[str, tuple[int, ...]]
+) -> None:
     """One clear error for the first missing, unexpected or mis-shaped tensor."""
     required, optional = expected_tensors(arch)
     for name, shape in required.items():
         if name not in found:
-            raise ModelValidationError(path, "missing tensor", tensor=name, expected=shape, found=None)
+            raise ModelValidationError(
+                path, "missing tensor", tensor=name, expected=shape, found=None
+            )
         if tuple(found[name]) != shape:
-            raise ModelValidationError(path, "tensor shape mismatch", tensor=name,
-                                       expected=shape, found=tuple(found[name]))
+            raise ModelValidationError(
+                path, "tensor shape mismatch", tensor=name, expected=shape, found=tuple(found[name])
+            )
     for name, shape in found.items():
         if name in required or name.endswith(IGNORED_SUFFIXES):
             continue
         if name not in optional:
             raise ModelValidationError(path, "unexpected tensor", tensor=name, found=tuple(shape))
         if name == "lm_head.weight" and tuple(shape) != (arch.vocab_size, arch.hidden_size):
-            raise ModelValidationError(path, "tensor shape mismatch", tensor=name,
-                                       expected=(arch.vocab_size, arch.hidden_size), found=tuple(shape))
+            raise ModelValidationError(
+                path,
+                "tensor shape mismatch",
+                tensor=name,
+                expected=(arch.vocab_size, arch.hidden_size),
+                found=tuple(shape),
+            )
 
 
 @dataclass(frozen=True)
@@ -101,7 +113,9 @@ class ModelWeights:
         return sum(t.numel() for t in tensors)
 
     @staticmethod
-    def build(arch: ModelArchitecture, load: Callable[[str], torch.Tensor], dtype: torch.dtype) -> ModelWeights:
+    def build(
+        arch: ModelArchitecture, load: Callable[[str], torch.Tensor], dtype: torch.dtype
+    ) -> ModelWeights:
         """`load(name)` returns one HF-layout tensor; each is converted to `dtype` once."""
 
         def get(name: str) -> torch.Tensor:
@@ -114,17 +128,24 @@ class ModelWeights:
         for i in range(arch.num_layers):
             p = f"model.layers.{i}"
             attn = f"{p}.self_attn"
-            layers.append(LayerWeights(
-                input_norm=get(f"{p}.input_layernorm.weight"),
-                qkv=cat(f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"),
-                qkv_bias=cat(f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias")
-                if arch.qkv_bias else None,
-                o_proj=get(f"{attn}.o_proj.weight"),
-                o_bias=get(f"{attn}.o_proj.bias") if arch.o_bias else None,
-                post_norm=get(f"{p}.post_attention_layernorm.weight"),
-                gate_up=cat(f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"),
-                down=get(f"{p}.mlp.down_proj.weight"),
-            ))
+            layers.append(
+                LayerWeights(
+                    input_norm=get(f"{p}.input_layernorm.weight"),
+                    qkv=cat(
+                        f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"
+                    ),
+                    qkv_bias=cat(
+                        f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"
+                    )
+                    if arch.qkv_bias
+                    else None,
+                    o_proj=get(f"{attn}.o_proj.weight"),
+                    o_bias=get(f"{attn}.o_proj.bias") if arch.o_bias else None,
+                    post_norm=get(f"{p}.post_attention_layernorm.weight"),
+                    gate_up=cat(f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"),
+                    down=get(f"{p}.mlp.down_proj.weight"),
+                )
+            )
         embed = get("model.embed_tokens.weight")
         lm_head = embed if arch.tie_word_embeddings else get("lm_head.weight")
         return ModelWeights(embed, tuple(layers), get("model.norm.weight"), lm_head)

@@ -39,8 +39,9 @@ class Worker:
         self.max_model_len = self._max_model_len(config, arch.max_position_embeddings)
         self.dtype = _DTYPES[config.dtype]
         self.backend = resolve_backend(config.backend)
-        kv_shape = KVCacheShape.from_budget(arch, config.cache.block_size,
-                                            config.cache.kv_memory_bytes, self.dtype)
+        kv_shape = KVCacheShape.from_budget(
+            arch, config.cache.block_size, config.cache.kv_memory_bytes, self.dtype
+        )
         weights = ModelWeights.build(arch, artifact.load, self.dtype)
         model_module = importlib.import_module(BACKENDS[self.backend])
         self.model = model_module.CausalLM(arch, weights, self.max_model_len, self.dtype)
@@ -73,9 +74,11 @@ class Worker:
         if config.max_model_len is None:
             return model_len
         if config.max_model_len > model_len:
-            raise KvmeshError(Reason.INVALID_ARGUMENT,
-                              f"max_model_len {config.max_model_len} exceeds the model's context "
-                              f"length {model_len}")
+            raise KvmeshError(
+                Reason.INVALID_ARGUMENT,
+                f"max_model_len {config.max_model_len} exceeds the model's context "
+                f"length {model_len}",
+            )
         return config.max_model_len
 
     @property
@@ -97,8 +100,14 @@ class Worker:
             self.requests.pop(request_id, None)
         scheduled: list[tuple[RequestState, int]] = []
         for new in plan.new_requests:
-            state = RequestState(new.request_id, list(new.token_ids), list(new.block_ids),
-                                 new.num_computed_tokens, new.sampling, new.prompt_len)
+            state = RequestState(
+                new.request_id,
+                list(new.token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+                new.sampling,
+                new.prompt_len,
+            )
             self.requests[new.request_id] = state
             scheduled.append((state, new.num_scheduled_tokens))
         for running in plan.running_requests:
@@ -111,12 +120,15 @@ class Worker:
 
     def _run(self, scheduled: list[tuple[RequestState, int]]) -> list:
         arch = self.architecture
-        batch = build_batch(scheduled, self.kv_cache.shape.block_size, arch.num_kv_heads, arch.num_heads)
-        logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
-                                    batch.sample_rows)
+        batch = build_batch(
+            scheduled, self.kv_cache.shape.block_size, arch.num_kv_heads, arch.num_heads
+        )
+        logits = self.model.forward(
+            batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.sample_rows
+        )
         for state, num_new in scheduled:
             state.num_computed_tokens += num_new
         sampled = sample(logits, batch.sampling_states, self._rng)
-        for state, token in zip(batch.sampling_states, sampled):
+        for state, token in zip(batch.sampling_states, sampled, strict=True):
             state.token_ids.append(token.token_id)
         return sampled

@@ -74,7 +74,9 @@ class BlockManager:
             if block_id is None:
                 break
             start = index * self.block_size
-            if self.blocks[block_id].token_ids != tuple(request.token_ids[start : start + self.block_size]):
+            if self.blocks[block_id].token_ids != tuple(
+                request.token_ids[start : start + self.block_size]
+            ):
                 self.stats.collisions += 1
                 break
             matched.append(block_id)
@@ -82,7 +84,9 @@ class BlockManager:
         self.stats.hits += len(matched) * self.block_size
         return PrefixMatch(tuple(matched), self.block_size)
 
-    def allocate(self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
+    def allocate(
+        self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None
+    ) -> bool:
         """Give `request` blocks for its computed tokens plus `num_new_tokens`; all or nothing."""
         prefix_ids = prefix.block_ids if prefix else ()
         total = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
@@ -148,7 +152,8 @@ class BlockManager:
                 counts[block_id] += 1
         for block in self.blocks:
             assert block.ref_count == counts[block.block_id], (
-                f"block {block.block_id}: ref_count {block.ref_count}, holders {counts[block.block_id]}"
+                f"block {block.block_id}: ref_count {block.ref_count}, "
+                f"holders {counts[block.block_id]}"
             )
             assert (block.ref_count == 0) == (block.block_id in self._free), (
                 f"block {block.block_id}: ref_count {block.ref_count}, in free list "

@@ -70,8 +70,9 @@ class Scheduler:
         if request_id in self.requests:
             raise KvmeshError(Reason.INVALID_ARGUMENT, f"request id {request_id!r} is in use")
         self._check_prompt_fits(len(prompt_token_ids))
-        request = Request(request_id, list(prompt_token_ids), sampling, next(self._arrivals),
-                          priority, cache_salt)
+        request = Request(
+            request_id, list(prompt_token_ids), sampling, next(self._arrivals), priority, cache_salt
+        )
         self.requests[request_id] = request
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
         return request
@@ -80,14 +81,18 @@ class Scheduler:
         if prompt_len == 0:
             raise KvmeshError(Reason.EMPTY_PROMPT, "the prompt has no tokens")
         if prompt_len >= self.max_model_len:
-            raise KvmeshError(Reason.PROMPT_TOO_LONG,
-                              f"prompt of {prompt_len} tokens leaves no room to generate within "
-                              f"the context length {self.max_model_len}")
+            raise KvmeshError(
+                Reason.PROMPT_TOO_LONG,
+                f"prompt of {prompt_len} tokens leaves no room to generate within "
+                f"the context length {self.max_model_len}",
+            )
         chunking = self.config.prefill_chunk_size is not None
         if not chunking and prompt_len > self.config.max_num_batched_tokens:
-            raise KvmeshError(Reason.PROMPT_TOO_LONG,
-                              f"prompt of {prompt_len} tokens exceeds the step budget of "
-                              f"{self.config.max_num_batched_tokens} and chunked prefill is off")
+            raise KvmeshError(
+                Reason.PROMPT_TOO_LONG,
+                f"prompt of {prompt_len} tokens exceeds the step budget of "
+                f"{self.config.max_num_batched_tokens} and chunked prefill is off",
+            )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; its blocks are free before the next plan is built."""
@@ -104,9 +109,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def load(self) -> SchedulerLoad:
-        return SchedulerLoad(len(self.waiting), len(self.running),
-                             self.block_manager.num_free_blocks, self.block_manager.num_blocks,
-                             self.num_preemptions, self.block_manager.stats.hits)
+        return SchedulerLoad(
+            len(self.waiting),
+            len(self.running),
+            self.block_manager.num_free_blocks,
+            self.block_manager.num_blocks,
+            self.num_preemptions,
+            self.block_manager.stats.hits,
+        )
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -131,13 +141,20 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            running_plans.append(RunningRequestPlan(
-                request.request_id, tuple(request.block_ids[num_blocks_before:]), num_new))
+            running_plans.append(
+                RunningRequestPlan(
+                    request.request_id, tuple(request.block_ids[num_blocks_before:]), num_new
+                )
+            )
             budget -= num_new
             index += 1
         # A step that had to preempt admits nothing new: the pool is already too tight.
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
             request = self.waiting[0]
             prefix = self.block_manager.match_prefix(request)
             request.num_computed_tokens = prefix.num_tokens
@@ -146,9 +163,17 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             self._admit(request, prefix)
-            new_plans.append(NewRequestPlan(
-                request.request_id, tuple(request.token_ids), tuple(request.block_ids),
-                request.num_computed_tokens, num_new, request.sampling, request.prompt_len))
+            new_plans.append(
+                NewRequestPlan(
+                    request.request_id,
+                    tuple(request.token_ids),
+                    tuple(request.block_ids),
+                    request.num_computed_tokens,
+                    num_new,
+                    request.sampling,
+                    request.prompt_len,
+                )
+            )
             budget -= num_new
         freed, self._freed_since_last_plan = tuple(self._freed_since_last_plan), []
         return StepPlan(next(self._step_ids), tuple(new_plans), tuple(running_plans), freed)
@@ -214,11 +239,18 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _finish(self, request: Request, reason: FinishReason, new_token_ids: tuple[int, ...],
-                logprobs: tuple = ()) -> RequestOutput:
+    def _finish(
+        self,
+        request: Request,
+        reason: FinishReason,
+        new_token_ids: tuple[int, ...],
+        logprobs: tuple = (),
+    ) -> RequestOutput:
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
         self._freed_since_last_plan.append(request.request_id)
-        return RequestOutput(request.request_id, new_token_ids, logprobs, reason)
+        return RequestOutput(
+            request.request_id, new_token_ids, logprobs, reason, request.num_cached_tokens
+        )

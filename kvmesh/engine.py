@@ -1,0 +1,133 @@
+"""The in-process Engine: tokenizer, scheduler and worker in one loop, no network.
+
+`generate()` runs a list of prompts to completion with continuous batching; `stream()` yields
+one answer's text as it is produced. `add_request`/`step`/`abort` drive it by hand.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.prompts import PromptInput, to_token_ids
+from services.engine_worker.worker import Worker
+from services.scheduler.scheduler import Scheduler
+from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.loader import TextTokenizer, load_tokenizer
+from shared.config import EngineConfig
+from shared.outputs import RequestOutput
+from shared.sampling import SamplingParams
+from shared.step import TokenLogprobs
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": len(self.prompt_token_ids),
+            "completion_tokens": len(self.token_ids),
+            "cached_tokens": self.cached_tokens,
+        }
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.worker = Worker(self.config)
+        self.tokenizer: TextTokenizer | None = load_tokenizer(self.worker.model_path)
+        arch = self.worker.architecture
+        self.scheduler = Scheduler(
+            self.config.scheduler,
+            self.config.cache,
+            self.worker.num_kv_blocks,
+            self.worker.max_model_len,
+            arch.eos_token_id,
+        )
+        self._ids = itertools.count()
+
+    @property
+    def manifest(self) -> dict:
+        return self.worker.manifest.to_dict()
+
+    def add_request(
+        self,
+        prompt: PromptInput,
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        token_ids = to_token_ids(prompt, self.tokenizer, self.worker.architecture.vocab_size)
+        request_id = request_id or f"req-{next(self._ids)}"
+        self.scheduler.add_request(request_id, token_ids, sampling, priority)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        return self.scheduler.abort(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        result = self.worker.execute(plan)
+        return self.scheduler.update(plan, result)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def generate(
+        self, prompts: Sequence[PromptInput], sampling: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Completion]:
+        """All prompts submitted at once; results in input order."""
+        params = (
+            [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        )
+        completions: dict[str, Completion] = {}
+        order = []
+        for prompt, sampling_params in zip(prompts, params, strict=True):
+            request_id = self.add_request(prompt, sampling_params)
+            request = self.scheduler.requests[request_id]
+            completions[request_id] = Completion(request_id, list(request.token_ids))
+            order.append(request_id)
+        while self.has_unfinished():
+            for output in self.step():
+                completion = completions[output.request_id]
+                completion.token_ids += output.new_token_ids
+                completion.logprobs += output.logprobs
+                if output.finish_reason is not None:
+                    completion.finish_reason = output.finish_reason.value
+                    completion.cached_tokens = output.num_cached_tokens
+        for request_id in order:
+            completion = completions[request_id]
+            if self.tokenizer is not None:
+                completion.text = self.tokenizer.decode(completion.token_ids)
+        return [completions[r] for r in order]
+
+    def stream(self, prompt: PromptInput, sampling: SamplingParams) -> Iterator[str]:
+        """Text deltas of one answer as tokens arrive; aborts the request if the caller stops."""
+        if self.tokenizer is None:
+            raise ValueError("stream() needs a tokenizer; this model ships none")
+        request_id = self.add_request(prompt, sampling)
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        finished = False
+        try:
+            while not finished:
+                for output in self.step():
+                    if output.request_id != request_id:
+                        continue
+                    if text := detokenizer.push(output.new_token_ids):
+                        yield text
+                    finished = output.finished
+            if tail := detokenizer.flush():
+                yield tail
+        finally:
+            if not finished:
+                self.abort(request_id)

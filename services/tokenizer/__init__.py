@@ -1,0 +1,1 @@
+"""Tokenizer: tokenize, chat templates, incremental detokenization."""

@@ -1,0 +1,130 @@
+"""Text tokenizers as HF `tokenizers` objects, from tokenizer.json or from GGUF metadata."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from services.tokenizer.chat_template import render_chat_template
+from shared.errors import KvmeshError, Reason
+
+_GGUF_CONTROL_TOKEN = 3  # llama.cpp token type: special tokens matched whole in text
+
+
+class TextTokenizer:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token: str | None,
+        add_bos: bool,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.add_bos = add_bos
+        self._bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self._bos_id is not None:
+            ids = [self._bos_id, *ids]
+        return ids
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
+        if not self.chat_template:
+            raise KvmeshError(
+                Reason.INVALID_ARGUMENT, "this model has no chat template; send a prompt"
+            )
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+def load_tokenizer(path: str) -> TextTokenizer | None:
+    """The artifact's tokenizer, or None when it ships none (token-id input still works)."""
+    if os.path.isdir(path):
+        return _from_hf_directory(path)
+    return _from_gguf(path)
+
+
+def _from_hf_directory(directory: str) -> TextTokenizer | None:
+    tokenizer_file = os.path.join(directory, "tokenizer.json")
+    if not os.path.exists(tokenizer_file):
+        return None
+    config: dict[str, Any] = {}
+    config_file = os.path.join(directory, "tokenizer_config.json")
+    if os.path.exists(config_file):
+        with open(config_file, encoding="utf-8") as handle:
+            config = json.load(handle)
+
+    def token_text(value: Any) -> str | None:
+        return value.get("content") if isinstance(value, dict) else value
+
+    return TextTokenizer(
+        Tokenizer.from_file(tokenizer_file),
+        chat_template=config.get("chat_template"),
+        bos_token=token_text(config.get("bos_token")),
+        eos_token=token_text(config.get("eos_token")),
+        add_bos=bool(config.get("add_bos_token", False)),
+    )
+
+
+def _from_gguf(path: str) -> TextTokenizer | None:
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+
+    def value(key: str, default: Any = None) -> Any:
+        return fields[key].contents() if key in fields else default
+
+    if value("tokenizer.ggml.model") != "gpt2":
+        return None  # SentencePiece-style GGUF vocabularies are not supported yet
+    tokens: list[str] = value("tokenizer.ggml.tokens")
+    token_types: list[int] = value("tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in value("tokenizer.ggml.merges", [])]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if value("tokenizer.ggml.pre") == "smollm":
+        # SmolLM's tokenizer splits digits one by one before the byte-level regex.
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        tokenizer.pre_tokenizer = byte_level
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, kind in enumerate(token_types)
+            if kind == _GGUF_CONTROL_TOKEN
+        ]
+    )
+    bos_id, eos_id = value("tokenizer.ggml.bos_token_id"), value("tokenizer.ggml.eos_token_id")
+    return TextTokenizer(
+        tokenizer,
+        chat_template=value("tokenizer.chat_template"),
+        bos_token=tokens[bos_id] if bos_id is not None else None,
+        eos_token=tokens[eos_id] if eos_id is not None else None,
+        add_bos=bool(value("tokenizer.ggml.add_bos_token", False)),
+    )
