@@ -30,7 +30,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 bench-engine: $(STAMP)
-	$(BIN)/python -m bench.engine_throughput
+	$(BIN)/python -m loadtest.engine_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

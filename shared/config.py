@@ -23,9 +23,10 @@ def parse_bytes(text: str) -> int:
     stripped = text.strip().upper()
     number = stripped.rstrip("KMGIB")
     unit = stripped[len(number) :]
-    if unit not in _UNITS or not number:
-        raise KvmeshError(Reason.INVALID_ARGUMENT, f"cannot parse a size from {text!r}")
-    return int(float(number) * _UNITS[unit])
+    try:
+        return int(float(number) * _UNITS[unit])
+    except (KeyError, ValueError):
+        raise KvmeshError(Reason.INVALID_ARGUMENT, f"cannot parse a size from {text!r}") from None
 
 
 def _require(condition: bool, message: str) -> None:

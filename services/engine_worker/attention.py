@@ -1,10 +1,13 @@
 """Paged attention in torch over a ragged batch, reading K/V through block tables.
 
-Decodes (one query each) are computed together, flash-decoding style: every (request, block)
-pair is one unit, scored with a batched matmul, and the per-block partial softmaxes are merged
-per request with segment reductions. The number of torch calls per layer is fixed whatever the
-batch, and no request is padded to the longest one. Prefill chunks (many queries each, few per
-step) run one SDPA call per request over their gathered blocks.
+Decodes (one query each) run together, flash-decoding style, with no gathered copy of the cache:
+both products are `embedding_bag` weighted sums straight out of the pool. For Q·K, K is stored
+transposed per block, (blocks, kv_heads, D, block), so each "row" is one dimension across a
+block's positions and a block's scores are the q-weighted sum of its D rows. For P·V, each
+request's output is the p-weighted sum of its V rows. Partial softmaxes per (request, block) are
+merged per request with segment reductions. The torch call count per layer is fixed whatever
+the batch, and no request is padded. Prefill chunks (many queries each, few per step) run one
+SDPA call per request over their gathered blocks.
 """
 
 from __future__ import annotations
@@ -25,15 +28,69 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True)
+class DecodeIndex:
+    """Row indices into the pool for the decode rows, built once per step for every layer.
+
+    Pairs are (decode request, one of its blocks), ordered by request.
+    """
+
+    num_requests: int
+    pair_request: torch.Tensor  # (P,)
+    pair_request_heads: torch.Tensor  # (P, kv_heads, G), for scatter_reduce
+    pair_bias: torch.Tensor  # (P, 1, 1, block) 0, or -inf past the context end
+    key_rows: torch.Tensor  # (P * kv_heads * G * D,) one bag of D rows per (pair, head, group)
+    key_offsets: torch.Tensor  # (P * kv_heads * G,)
+    value_rows: torch.Tensor  # (kv_heads * G * P * block,) one bag per (head, group, request)
+    value_offsets: torch.Tensor  # (kv_heads * G * num_requests,)
+
+    @staticmethod
+    def build(
+        pair_block: list[int],
+        pair_request: list[int],
+        pair_limit: list[int],
+        num_requests: int,
+        kv_heads: int,
+        group: int,
+        head_dim: int,
+        block_size: int,
+    ) -> DecodeIndex:
+        blocks = torch.tensor(pair_block, dtype=torch.long)
+        requests = torch.tensor(pair_request, dtype=torch.long)
+        pairs = blocks.shape[0]
+        heads = torch.arange(kv_heads)
+        valid = torch.arange(block_size)[None, :] < torch.tensor(pair_limit)[:, None]
+        bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+        # K table rows are (block, head, dim); V table rows are (block, head, position).
+        key_rows = (
+            blocks.view(-1, 1, 1, 1) * kv_heads + heads.view(1, -1, 1, 1)
+        ) * head_dim + torch.arange(head_dim).view(1, 1, 1, -1)
+        value_rows = (
+            blocks.view(1, 1, -1, 1) * kv_heads + heads.view(-1, 1, 1, 1)
+        ) * block_size + torch.arange(block_size).view(1, 1, 1, -1)
+        pairs_before = torch.cumsum(torch.bincount(requests, minlength=num_requests), 0)
+        request_start = (
+            torch.cat([torch.zeros(1, dtype=torch.long), pairs_before[:-1]]) * block_size
+        )
+        head_group_start = torch.arange(kv_heads * group) * pairs * block_size
+        return DecodeIndex(
+            num_requests=num_requests,
+            pair_request=requests,
+            pair_request_heads=requests.view(-1, 1, 1).expand(-1, kv_heads, group),
+            pair_bias=bias.view(-1, 1, 1, block_size),
+            key_rows=key_rows.expand(-1, -1, group, -1).flatten(),
+            key_offsets=torch.arange(0, pairs * kv_heads * group * head_dim, head_dim),
+            value_rows=value_rows.expand(-1, group, -1, -1).flatten(),
+            value_offsets=(head_group_start[:, None] + request_start[None, :]).flatten(),
+        )
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Built once per step, shared by every layer. Decode rows come first in the batch."""
 
-    num_decodes: int
-    write_index: torch.Tensor  # (T * kv_heads,) flat slot of each new K/V row
-    pair_block: torch.Tensor  # (P,) block id of each decode (request, block) pair
-    pair_request: torch.Tensor  # (P,) decode row it belongs to
-    pair_request_heads: torch.Tensor  # (P, kv_heads, G) the same, expanded for scatter_reduce
-    pair_bias: torch.Tensor  # (P, 1, 1, block_size) 0, or -inf past the context end
+    key_write: torch.Tensor  # (T * kv_heads * D,) element of the K pool for each new value
+    value_write: torch.Tensor  # (T * kv_heads,) row of the V pool for each new (token, head)
+    decode: DecodeIndex | None
     prefills: tuple[PrefillSegment, ...]
 
 
@@ -45,9 +102,8 @@ def write_kv(
     meta: AttentionMetadata,
 ) -> None:
     """k, v: (T, kv_heads, D) into their slots of the pool."""
-    head_dim = k.shape[-1]
-    k_cache.view(-1, head_dim).index_copy_(0, meta.write_index, k.reshape(-1, head_dim))
-    v_cache.view(-1, head_dim).index_copy_(0, meta.write_index, v.reshape(-1, head_dim))
+    k_cache.view(-1).index_copy_(0, meta.key_write, k.reshape(-1))
+    v_cache.view(-1, v.shape[-1]).index_copy_(0, meta.value_write, v.reshape(-1, v.shape[-1]))
 
 
 def paged_attention(
@@ -57,48 +113,56 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: (T, H, D) -> (T, H * D)."""
+    """q: (T, H, D); k_cache: (blocks, kv_heads, D, block); v_cache: (blocks, kv_heads, block, D).
+    Returns (T, H * D)."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
-    if meta.num_decodes:
-        out[: meta.num_decodes] = _decode(q[: meta.num_decodes], k_cache, v_cache, meta, scale)
+    if meta.decode is not None:
+        rows = meta.decode.num_requests
+        out[:rows] = _decode(q[:rows], k_cache, v_cache, meta.decode, scale)
     for seg in meta.prefills:
-        rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
-        out[rows] = _prefill(q[rows], k_cache, v_cache, seg, scale)
+        rows_of_seg = slice(seg.token_start, seg.token_start + seg.num_tokens)
+        out[rows_of_seg] = _prefill(q[rows_of_seg], k_cache, v_cache, seg, scale)
     return out.view(num_tokens, num_heads * head_dim)
 
 
 def _decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: DecodeIndex, scale: float
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
+    kv_heads, block = k_cache.shape[1], k_cache.shape[3]
     group = num_heads // kv_heads
-    q_pairs = q.view(batch, kv_heads, group, head_dim).index_select(0, meta.pair_request)
-    k_pairs = k_cache.index_select(0, meta.pair_block)  # (P, kv_heads, block, D)
-    scores = torch.matmul(q_pairs, k_pairs.transpose(-1, -2))  # (P, kv_heads, G, block)
-    scores = scores.mul_(scale).add_(meta.pair_bias)
-    pair_max = scores.amax(dim=-1)  # (P, kv_heads, G)
+    pairs = index.pair_request.shape[0]
+    weights = (q * scale).view(batch, kv_heads, group, head_dim).index_select(0, index.pair_request)
+    scores = F.embedding_bag(
+        index.key_rows,
+        k_cache.view(-1, block),
+        index.key_offsets,
+        mode="sum",
+        per_sample_weights=weights.reshape(-1),
+    )
+    scores = scores.view(pairs, kv_heads, group, block).add_(index.pair_bias)
     row_max = torch.full((batch, kv_heads, group), float("-inf"), dtype=q.dtype)
-    row_max.scatter_reduce_(0, meta.pair_request_heads, pair_max, reduce="amax")
-    probs = torch.exp_(scores.sub_(row_max.index_select(0, meta.pair_request).unsqueeze(-1)))
+    row_max.scatter_reduce_(0, index.pair_request_heads, scores.amax(dim=-1), reduce="amax")
+    probs = torch.exp_(scores.sub_(row_max.index_select(0, index.pair_request).unsqueeze(-1)))
     denom = torch.zeros((batch, kv_heads, group), dtype=q.dtype)
-    denom.index_add_(0, meta.pair_request, probs.sum(dim=-1))
-    v_pairs = v_cache.index_select(0, meta.pair_block)
-    numer = torch.zeros((batch, kv_heads, group, head_dim), dtype=q.dtype)
-    numer.index_add_(0, meta.pair_request, torch.matmul(probs, v_pairs))
-    return (numer / denom.unsqueeze(-1)).view(batch, num_heads, head_dim)
+    denom.index_add_(0, index.pair_request, probs.sum(dim=-1))
+    weighted = F.embedding_bag(
+        index.value_rows,
+        v_cache.view(-1, head_dim),
+        index.value_offsets,
+        mode="sum",
+        per_sample_weights=probs.permute(1, 2, 0, 3).reshape(-1),
+    )
+    out = weighted.view(kv_heads, group, batch, head_dim).permute(2, 0, 1, 3) / denom.unsqueeze(-1)
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def _prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment, scale: float
 ) -> torch.Tensor:
-    kv_heads, _block, head_dim = k_cache.shape[1:]
-    k = k_cache.index_select(0, seg.block_ids).transpose(0, 1).reshape(kv_heads, -1, head_dim)
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    k = k_cache.index_select(0, seg.block_ids).permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
     v = v_cache.index_select(0, seg.block_ids).transpose(0, 1).reshape(kv_heads, -1, head_dim)
     k, v = k[:, : seg.context_len], v[:, : seg.context_len]
     out = F.scaled_dot_product_attention(

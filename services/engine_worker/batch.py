@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine_worker.attention import AttentionMetadata, PrefillSegment
+from services.engine_worker.attention import AttentionMetadata, DecodeIndex, PrefillSegment
 from shared.sampling import SamplingParams
 
 
@@ -33,7 +33,11 @@ class StepBatch:
 
 
 def build_batch(
-    scheduled: list[tuple[RequestState, int]], block_size: int, kv_heads: int, num_heads: int
+    scheduled: list[tuple[RequestState, int]],
+    block_size: int,
+    kv_heads: int,
+    num_heads: int,
+    head_dim: int,
 ) -> StepBatch:
     """Decodes (one new token) first, then prefill chunks, each request's tokens contiguous."""
     decodes = [(s, n) for s, n in scheduled if n == 1]
@@ -81,25 +85,30 @@ def build_batch(
             sample_rows.append(len(input_ids) - 1)
             sampling_states.append(state)
     positions_t = torch.tensor(positions, dtype=torch.long)
-    heads = torch.arange(kv_heads)
-    slots = torch.tensor(slot_blocks, dtype=torch.long)
-    # Flat index of (block, kv_head, offset) in a (blocks, kv_heads, block_size, D) pool.
-    write_index = (
-        (slots[:, None] * kv_heads + heads[None, :]) * block_size
-        + (positions_t % block_size)[:, None]
-    ).flatten()
-    pair_request_t = torch.tensor(pair_request, dtype=torch.long)
-    group = num_heads // kv_heads
-    limit = torch.tensor(pair_limit, dtype=torch.long)
-    valid = torch.arange(block_size)[None, :] < limit[:, None]
-    pair_bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+    slots = torch.tensor(slot_blocks, dtype=torch.long).view(-1, 1) * kv_heads + torch.arange(
+        kv_heads
+    )
+    offsets = (positions_t % block_size).view(-1, 1)
+    head_dim_range = torch.arange(head_dim).view(1, 1, -1)
+    decode = None
+    if decodes:
+        decode = DecodeIndex.build(
+            pair_block,
+            pair_request,
+            pair_limit,
+            len(decodes),
+            kv_heads,
+            num_heads // kv_heads,
+            head_dim,
+            block_size,
+        )
     meta = AttentionMetadata(
-        num_decodes=len(decodes),
-        write_index=write_index,
-        pair_block=torch.tensor(pair_block, dtype=torch.long),
-        pair_request=pair_request_t,
-        pair_request_heads=pair_request_t.view(-1, 1, 1).expand(-1, kv_heads, group),
-        pair_bias=pair_bias.view(-1, 1, 1, block_size),
+        # K pool element (block, head, dim, position); V pool row (block, head, position).
+        key_write=(
+            (slots.unsqueeze(-1) * head_dim + head_dim_range) * block_size + offsets.unsqueeze(-1)
+        ).flatten(),
+        value_write=(slots * block_size + offsets).flatten(),
+        decode=decode,
         prefills=tuple(segments),
     )
     return StepBatch(

@@ -37,9 +37,9 @@ class KVCacheShape:
 
 
 class KVCache:
-    """Per layer, K and V as (num_blocks, num_kv_heads, block_size, head_dim).
-
-    Heads before positions so a gathered block is ready for a (G, D) @ (D, block) matmul.
+    """Per layer, K as (num_blocks, num_kv_heads, head_dim, block_size) and V as
+    (num_blocks, num_kv_heads, block_size, head_dim): the layouts decode attention reads rows of
+    (see attention.py). Both are views of one pool allocated once.
     """
 
     def __init__(self, shape: KVCacheShape, dtype: torch.dtype, device: str = "cpu") -> None:
@@ -59,4 +59,8 @@ class KVCache:
         return self.pool.numel() * self.pool.element_size()
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pool[index, 0], self.pool[index, 1]
+        shape = self.shape
+        keys = self.pool[index, 0].view(
+            shape.num_blocks, shape.num_kv_heads, shape.head_dim, shape.block_size
+        )
+        return keys, self.pool[index, 1]

@@ -15,6 +15,11 @@ from services.engine_worker.kv_cache import KVCache
 from services.engine_worker.weights import ModelWeights
 
 
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x: (T, in) @ weight: (in, out) [+ bias]."""
+    return torch.matmul(x, weight) if bias is None else torch.addmm(bias, x, weight)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (T, heads, D); cos/sin: (T, 1, D). transformers' rotate_half convention."""
     half = x.shape[-1] // 2
@@ -50,7 +55,7 @@ class CausalLM:
         x = F.embedding(input_ids, w.embed)  # (T, hidden)
         for index, layer in enumerate(w.layers):
             h = F.rms_norm(x, hidden_shape, layer.input_norm, arch.rms_norm_eps)
-            q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split(self._split, dim=-1)
+            q, k, v = _project(h, layer.qkv, layer.qkv_bias).split(self._split, dim=-1)
             q = _rotate(q.view(num_tokens, arch.num_heads, arch.head_dim), cos, sin)
             k = _rotate(k.view(num_tokens, arch.num_kv_heads, arch.head_dim), cos, sin)
             k_cache, v_cache = kv_cache.layer(index)
@@ -58,12 +63,12 @@ class CausalLM:
                 k_cache, v_cache, k, v.view(num_tokens, arch.num_kv_heads, arch.head_dim), meta
             )
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
-            x = x + F.linear(attn, layer.o_proj, layer.o_bias)
+            x = x + _project(attn, layer.o_proj, layer.o_bias)
             h = F.rms_norm(x, hidden_shape, layer.post_norm, arch.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = torch.matmul(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + torch.matmul(F.silu(gate) * up, layer.down)
         # Only rows that sample need the final norm and the (large) vocabulary projection.
         x = F.rms_norm(
             x.index_select(0, sample_rows), hidden_shape, w.final_norm, arch.rms_norm_eps
         )
-        return F.linear(x, w.lm_head).float()
+        return torch.matmul(x, w.lm_head).float()

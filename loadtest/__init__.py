@@ -1,0 +1,1 @@
+"""Benchmarks and load generators; none of this runs in the default test suite."""

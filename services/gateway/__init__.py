@@ -1,0 +1,1 @@
+"""gateway: arrives with the mesh (issue 3+)."""

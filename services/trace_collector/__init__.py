@@ -1,0 +1,1 @@
+"""trace-collector: arrives with the mesh (issue 3+)."""

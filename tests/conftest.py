@@ -1,0 +1,35 @@
+"""Test-wide settings and the model fixtures: the default GGUF and random HF checkpoints."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may reach a hub
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import pytest
+import torch
+
+# Explicit thread counts: two OpenMP pools fighting over two cores can be 100x slower.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+from tests.model_fixtures import save_random_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from services.engine_worker.artifacts import default_model_path as find
+
+    return find()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Random Llama with GQA, llama3 rope scaling and untied embeddings."""
+    return save_random_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Random Qwen2 with q/k/v biases and tied embeddings."""
+    return save_random_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2")

@@ -1,0 +1,76 @@
+"""Bad input to the in-process Engine: clear, stable reasons, and nothing left behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.engine import Engine
+from shared.config import CacheConfig, EngineConfig, parse_bytes
+from shared.errors import KvmeshError, Reason
+from shared.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir: str) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=tiny_llama_dir, max_model_len=128, cache=CacheConfig(kv_memory_bytes=4 << 20)
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "prompt, reason",
+    [
+        ([], Reason.EMPTY_PROMPT),
+        ([1] * 128, Reason.PROMPT_TOO_LONG),
+        ([1, 512], Reason.INVALID_ARGUMENT),  # outside the vocabulary
+        ([1, -3], Reason.INVALID_ARGUMENT),
+        ({"prompt": "x", "token_ids": [1]}, Reason.INVALID_ARGUMENT),
+        ({"messages": []}, Reason.INVALID_ARGUMENT),
+        (3.5, Reason.INVALID_ARGUMENT),
+        ("text needs a tokenizer", Reason.TOKENIZER_UNAVAILABLE),
+    ],
+)
+def test_bad_prompts_are_refused_with_a_reason(
+    engine: Engine, prompt: object, reason: Reason
+) -> None:
+    with pytest.raises(KvmeshError) as caught:
+        engine.add_request(prompt, GREEDY)  # type: ignore[arg-type]
+    assert caught.value.reason is reason
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0),
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_k", 0),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 3.0),
+        ("logprobs", 21),
+    ],
+)
+def test_bad_sampling_params_are_refused(field: str, value: float) -> None:
+    with pytest.raises(KvmeshError) as caught:
+        SamplingParams(**{field: value})
+    assert caught.value.reason is Reason.INVALID_SAMPLING_PARAMS and field in caught.value.message
+
+
+def test_generation_stops_at_the_context_length(engine: Engine) -> None:
+    [completion] = engine.generate(
+        [[3] * 120], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    )
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 8
+
+
+def test_sizes_parse_with_units() -> None:
+    assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("512M") == 512 << 20
+    assert parse_bytes("1048576") == 1 << 20
+    with pytest.raises(KvmeshError):
+        parse_bytes("lots")

@@ -1,0 +1,54 @@
+"""Small random-weight checkpoints written by transformers itself, in its own format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+
+
+def save_random_checkpoint(directory: Path, kind: str, seed: int = 0) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if kind == "llama":
+        config = LlamaConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=10000.0,
+        )
+        model_class = LlamaForCausalLM
+    else:
+        config = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000.0)
+        model_class = Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    model = model_class(config)
+    with torch.no_grad():
+        # Wider weights than the default init give peaked next-token distributions, so greedy
+        # choices are decided by the model rather than by float rounding.
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(directory, safe_serialization=True)
+    return str(directory)

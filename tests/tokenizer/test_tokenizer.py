@@ -1,0 +1,61 @@
+"""The GGUF tokenizer, chat template and incremental detokenizer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.loader import TextTokenizer, load_tokenizer
+
+TEXTS = [
+    "Hello world, 12345 and 3.14159!",
+    "  leading spaces and\ttabs\nnew lines",
+    "<|im_start|>user\nhi<|im_end|>",
+    "naïve café — “quotes” and emoji 🚀🌊",
+    "日本語のテキストと中文",
+    "def f(x):\n    return x ** 2  # square",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path: str) -> TextTokenizer:
+    loaded = load_tokenizer(default_model_path)
+    assert loaded is not None
+    return loaded
+
+
+def test_gguf_tokenizer_matches_transformers(
+    tokenizer: TextTokenizer, default_model_path: str
+) -> None:
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(
+        os.path.dirname(default_model_path), gguf_file=os.path.basename(default_model_path)
+    )
+    for text in TEXTS:
+        assert tokenizer.encode(text) == reference(text).input_ids, text
+        assert tokenizer.decode(tokenizer.encode(text), skip_special_tokens=False) == text
+
+
+def test_special_tokens_are_single_ids(tokenizer: TextTokenizer) -> None:
+    assert tokenizer.encode("<|im_start|><|im_end|>") == [1, 2]
+    assert tokenizer.decode([1, 2]) == ""  # skipped by default
+
+
+def test_chat_template_renders_the_model_format(tokenizer: TextTokenizer) -> None:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_incremental_detokenizer_never_emits_half_a_character(tokenizer: TextTokenizer) -> None:
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+        pieces = [detokenizer.push([token]) for token in ids] + [detokenizer.flush()]
+        assert "".join(pieces) == text
+        assert not any("\ufffd" in piece for piece in pieces)
