@@ -112,7 +112,10 @@ class Engine:
         return [completions[r] for r in order]
 
     def stream(self, prompt: PromptInput, sampling: SamplingParams) -> Iterator[str]:
-        """Text deltas of one answer as tokens arrive; aborts the request if the caller stops."""
+        """Text deltas of one answer as tokens arrive; aborts the request if the caller stops.
+
+        It drives the engine itself: use it alone, not beside `generate` or a hand-run `step`
+        loop, whose outputs it would consume."""
         if self.tokenizer is None:
             raise ValueError("stream() needs a tokenizer; this model ships none")
         request_id = self.add_request(prompt, sampling)

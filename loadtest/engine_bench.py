@@ -17,7 +17,7 @@ import time
 import torch
 
 from kvmesh.engine import Engine
-from shared.config import CacheConfig, EngineConfig, SchedulerConfig
+from shared.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
 from shared.sampling import SamplingParams
 
 
@@ -114,12 +114,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-memory", default="3GiB", help="room for every prompt at once")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kv_budget = (
-        2 * args.num_prompts * (args.max_len + args.output_len) * 46080 // 1
-    )  # ample for all
+    kv_budget = parse_bytes(args.kv_memory)
     engine = Engine(
         EngineConfig(
             dtype=args.dtype,

@@ -33,3 +33,11 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Random Qwen2 with q/k/v biases and tied embeddings."""
     return save_random_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Random Mistral, saved as several safetensors shards with an index."""
+    return save_random_checkpoint(
+        tmp_path_factory.mktemp("mistral"), "mistral", max_shard_size="300KB"
+    )

@@ -9,8 +9,17 @@ import torch
 VOCAB = 512
 
 
-def save_random_checkpoint(directory: Path, kind: str, seed: int = 0) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+def save_random_checkpoint(
+    directory: Path, kind: str, seed: int = 0, max_shard_size: str = "1GB"
+) -> str:
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     common = dict(
         vocab_size=VOCAB,
@@ -39,6 +48,14 @@ def save_random_checkpoint(directory: Path, kind: str, seed: int = 0) -> str:
             rope_theta=10000.0,
         )
         model_class = LlamaForCausalLM
+    elif kind == "llama-plain":  # default RoPE: what a GGUF file can describe
+        config = LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
+        model_class = LlamaForCausalLM
+    elif kind == "mistral":
+        config = MistralConfig(
+            **common, tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None
+        )
+        model_class = MistralForCausalLM
     else:
         config = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000.0)
         model_class = Qwen2ForCausalLM
@@ -50,5 +67,5 @@ def save_random_checkpoint(directory: Path, kind: str, seed: int = 0) -> str:
         for name, param in model.named_parameters():
             if "norm" not in name:
                 param.normal_(0.0, 0.15)
-    model.save_pretrained(directory, safe_serialization=True)
+    model.save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)
     return str(directory)

@@ -94,6 +94,24 @@ class AttentionMetadata:
     prefills: tuple[PrefillSegment, ...]
 
 
+def kv_write_indices(
+    token_blocks: torch.Tensor,
+    positions: torch.Tensor,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each new token's K and V go: token_blocks and positions are (T,).
+
+    Returns K pool elements (T * kv_heads * D,), (block, head, dim, position), and V pool rows
+    (T * kv_heads,), (block, head, position)."""
+    block_heads = token_blocks.view(-1, 1) * kv_heads + torch.arange(kv_heads)  # (T, kv_heads)
+    offsets = (positions % block_size).view(-1, 1)
+    dims = torch.arange(head_dim).view(1, 1, -1)
+    key_write = (block_heads.unsqueeze(-1) * head_dim + dims) * block_size + offsets.unsqueeze(-1)
+    return key_write.flatten(), (block_heads * block_size + offsets).flatten()
+
+
 def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

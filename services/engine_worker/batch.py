@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from services.engine_worker.attention import AttentionMetadata, DecodeIndex, PrefillSegment
+from services.engine_worker.attention import (
+    AttentionMetadata,
+    DecodeIndex,
+    PrefillSegment,
+    kv_write_indices,
+)
 from shared.sampling import SamplingParams
 
 
@@ -20,7 +25,6 @@ class RequestState:
     num_computed_tokens: int
     sampling: SamplingParams
     prompt_len: int
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ def build_batch(
     prefills = [(s, n) for s, n in scheduled if n > 1]
     input_ids: list[int] = []
     positions: list[int] = []
-    slot_blocks: list[int] = []
+    token_blocks: list[int] = []
     pair_block: list[int] = []
     pair_request: list[int] = []
     pair_limit: list[int] = []
@@ -55,7 +59,7 @@ def build_batch(
         position = state.num_computed_tokens
         input_ids.append(state.token_ids[position])
         positions.append(position)
-        slot_blocks.append(state.block_ids[position // block_size])
+        token_blocks.append(state.block_ids[position // block_size])
         num_blocks = position // block_size + 1
         pair_block += state.block_ids[:num_blocks]
         pair_request += [row] * num_blocks
@@ -71,7 +75,7 @@ def build_batch(
         token_start = len(input_ids)
         input_ids += state.token_ids[start:context]
         positions += range(start, context)
-        slot_blocks += [state.block_ids[p // block_size] for p in range(start, context)]
+        token_blocks += [state.block_ids[p // block_size] for p in range(start, context)]
         mask = None
         if start:  # a cached prefix: queries see all of it plus the causal part of the chunk
             mask = torch.arange(context)[None, :] <= torch.arange(start, context)[:, None]
@@ -85,11 +89,9 @@ def build_batch(
             sample_rows.append(len(input_ids) - 1)
             sampling_states.append(state)
     positions_t = torch.tensor(positions, dtype=torch.long)
-    slots = torch.tensor(slot_blocks, dtype=torch.long).view(-1, 1) * kv_heads + torch.arange(
-        kv_heads
+    key_write, value_write = kv_write_indices(
+        torch.tensor(token_blocks, dtype=torch.long), positions_t, kv_heads, head_dim, block_size
     )
-    offsets = (positions_t % block_size).view(-1, 1)
-    head_dim_range = torch.arange(head_dim).view(1, 1, -1)
     decode = None
     if decodes:
         decode = DecodeIndex.build(
@@ -102,15 +104,7 @@ def build_batch(
             head_dim,
             block_size,
         )
-    meta = AttentionMetadata(
-        # K pool element (block, head, dim, position); V pool row (block, head, position).
-        key_write=(
-            (slots.unsqueeze(-1) * head_dim + head_dim_range) * block_size + offsets.unsqueeze(-1)
-        ).flatten(),
-        value_write=(slots * block_size + offsets).flatten(),
-        decode=decode,
-        prefills=tuple(segments),
-    )
+    meta = AttentionMetadata(key_write, value_write, decode, tuple(segments))
     return StepBatch(
         torch.tensor(input_ids, dtype=torch.long),
         positions_t,

@@ -21,7 +21,7 @@ from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, Reason
 from shared.sampling import SamplingParams
-from shared.step import StepPlan, StepResult
+from shared.step import SampledToken, StepPlan, StepResult
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -118,7 +118,7 @@ class Worker:
             return StepResult(plan.step_id, ())
         return StepResult(plan.step_id, tuple(self._run(scheduled)))
 
-    def _run(self, scheduled: list[tuple[RequestState, int]]) -> list:
+    def _run(self, scheduled: list[tuple[RequestState, int]]) -> list[SampledToken]:
         arch = self.architecture
         batch = build_batch(
             scheduled,

@@ -36,8 +36,8 @@ class PrefixMatch:
 
 @dataclass
 class CacheStats:
-    queries: int = 0  # tokens looked up
-    hits: int = 0  # tokens found
+    queries: int = 0  # prompt tokens of admitted requests
+    hits: int = 0  # of those, tokens served from the cache
     evictions: int = 0
     collisions: int = 0  # hash hits whose tokens differed
 
@@ -80,8 +80,6 @@ class BlockManager:
                 self.stats.collisions += 1
                 break
             matched.append(block_id)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(matched) * self.block_size
         return PrefixMatch(tuple(matched), self.block_size)
 
     def allocate(
@@ -95,6 +93,9 @@ class BlockManager:
         num_revived = sum(1 for b in prefix_ids if self.blocks[b].ref_count == 0)
         if max(num_fresh, 0) + num_revived > len(self._free):
             return False
+        if prefix is not None:  # counted once, when the request is actually admitted
+            self.stats.queries += request.num_tokens
+            self.stats.hits += prefix.num_tokens
         for block_id in prefix_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:

@@ -183,3 +183,19 @@ def test_a_request_that_outgrows_the_pool_ends_with_length() -> None:
     outputs = run_to_completion(scheduler, FakeWorker(4))
     assert len(outputs["a"]) == 16 - 10
     assert scheduler.block_manager.num_free_blocks == 4
+
+
+def test_hit_statistics_count_each_admission_once() -> None:
+    scheduler = make_scheduler(num_blocks=16, block_size=4)
+    worker = FakeWorker(4)
+    shared = list(range(1, 13))
+    scheduler.add_request("a", [*shared, 50], SamplingParams(max_tokens=1))
+    run_to_completion(scheduler, worker)
+    request = scheduler.add_request("b", [*shared, 51, 52], SamplingParams(max_tokens=1))
+    manager = scheduler.block_manager
+    before = manager.stats.hits
+    for _ in range(3):  # looking, as the scheduler does each step a request waits, is free
+        assert manager.match_prefix(request).num_tokens == 12
+    assert manager.stats.hits == before
+    run_to_completion(scheduler, worker)
+    assert manager.stats.hits == before + 12
