@@ -72,15 +72,21 @@ class DecodeIndex:
             torch.cat([torch.zeros(1, dtype=torch.long), pairs_before[:-1]]) * block_size
         )
         head_group_start = torch.arange(kv_heads * group) * pairs * block_size
+        # int32 row ids: the K bags read more index bytes than K itself, so halving them counts.
+        # (Rows number blocks x kv_heads x max(D, block): far below 2**31 for any CPU pool.)
         return DecodeIndex(
             num_requests=num_requests,
             pair_request=requests,
             pair_request_heads=requests.view(-1, 1, 1).expand(-1, kv_heads, group),
             pair_bias=bias.view(-1, 1, 1, block_size),
-            key_rows=key_rows.expand(-1, -1, group, -1).flatten(),
-            key_offsets=torch.arange(0, pairs * kv_heads * group * head_dim, head_dim),
-            value_rows=value_rows.expand(-1, group, -1, -1).flatten(),
-            value_offsets=(head_group_start[:, None] + request_start[None, :]).flatten(),
+            key_rows=key_rows.expand(-1, -1, group, -1).flatten().to(torch.int32),
+            key_offsets=torch.arange(
+                0, pairs * kv_heads * group * head_dim, head_dim, dtype=torch.int32
+            ),
+            value_rows=value_rows.expand(-1, group, -1, -1).flatten().to(torch.int32),
+            value_offsets=(head_group_start[:, None] + request_start[None, :])
+            .flatten()
+            .to(torch.int32),
         )
 
 

@@ -35,7 +35,7 @@ class CausalLM:
         self.weights = weights
         self.cos, self.sin = arch.rope.cos_sin(arch.head_dim, max_positions, dtype)
         self.scale = arch.head_dim**-0.5
-        self._split = [arch.q_size, arch.kv_size, arch.kv_size]
+        self._qk_size = arch.q_size + arch.kv_size
 
     @torch.inference_mode()
     def forward(
@@ -55,9 +55,11 @@ class CausalLM:
         x = F.embedding(input_ids, w.embed)  # (T, hidden)
         for index, layer in enumerate(w.layers):
             h = F.rms_norm(x, hidden_shape, layer.input_norm, arch.rms_norm_eps)
-            q, k, v = _project(h, layer.qkv, layer.qkv_bias).split(self._split, dim=-1)
-            q = _rotate(q.view(num_tokens, arch.num_heads, arch.head_dim), cos, sin)
-            k = _rotate(k.view(num_tokens, arch.num_kv_heads, arch.head_dim), cos, sin)
+            qkv = _project(h, layer.qkv, layer.qkv_bias)
+            # Q and K heads sit side by side in the fused output: rotate them in one pass.
+            qk = _rotate(qkv[:, : self._qk_size].view(num_tokens, -1, arch.head_dim), cos, sin)
+            q, k = qk[:, : arch.num_heads], qk[:, arch.num_heads :]
+            v = qkv[:, self._qk_size :]
             k_cache, v_cache = kv_cache.layer(index)
             write_kv(
                 k_cache, v_cache, k, v.view(num_tokens, arch.num_kv_heads, arch.head_dim), meta
