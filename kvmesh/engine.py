@@ -91,12 +91,17 @@ class Engine:
             [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         )
         completions: dict[str, Completion] = {}
-        order = []
-        for prompt, sampling_params in zip(prompts, params, strict=True):
-            request_id = self.add_request(prompt, sampling_params)
-            request = self.scheduler.requests[request_id]
-            completions[request_id] = Completion(request_id, list(request.token_ids))
-            order.append(request_id)
+        order: list[str] = []
+        try:
+            for prompt, sampling_params in zip(prompts, params, strict=True):
+                request_id = self.add_request(prompt, sampling_params)
+                request = self.scheduler.requests[request_id]
+                completions[request_id] = Completion(request_id, list(request.token_ids))
+                order.append(request_id)
+        except Exception:
+            for request_id in order:  # all or nothing: no request is left queued unowned
+                self.abort(request_id)
+            raise
         while self.has_unfinished():
             for output in self.step():
                 completion = completions[output.request_id]

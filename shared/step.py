@@ -49,10 +49,6 @@ class StepPlan:
             r.num_scheduled_tokens for r in self.running_requests
         )
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.new_requests and not self.running_requests
-
 
 @dataclass(frozen=True)
 class TokenLogprobs:

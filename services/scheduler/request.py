@@ -52,10 +52,6 @@ class Request:
         return len(self.token_ids) - self.prompt_len
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
-
-    @property
     def sort_key(self) -> tuple[int, int]:
         """Queue order: priority first, then arrival (FCFS)."""
         return (self.priority, self.arrival_seq)

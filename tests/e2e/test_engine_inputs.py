@@ -74,3 +74,12 @@ def test_sizes_parse_with_units() -> None:
     assert parse_bytes("1048576") == 1 << 20
     with pytest.raises(KvmeshError):
         parse_bytes("lots")
+
+
+def test_one_bad_prompt_in_a_batch_submits_none(engine: Engine) -> None:
+    with pytest.raises(KvmeshError) as caught:
+        engine.generate([[5, 6, 7], [8, 9], [1, 9999]], GREEDY)
+    assert caught.value.reason is Reason.INVALID_ARGUMENT
+    assert not engine.has_unfinished()
+    load = engine.scheduler.load()
+    assert load.num_free_blocks == load.num_blocks
