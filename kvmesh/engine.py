@@ -51,7 +51,7 @@ class Engine:
             self.config.cache,
             self.worker.num_kv_blocks,
             self.worker.max_model_len,
-            arch.eos_token_id,
+            arch.eos_token_ids,
         )
         self._ids = itertools.count()
 

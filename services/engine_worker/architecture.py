@@ -17,6 +17,13 @@ SUPPORTED_HF_ARCHITECTURES = {
 SUPPORTED_GGUF_ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": True}
 
 
+def token_ids_of(value: Any) -> tuple[int, ...]:
+    """An id, a list of ids, or nothing, as configs spell end-of-sequence tokens."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
 @dataclass(frozen=True)
 class ModelArchitecture:
     name: str  # HF spelling, e.g. LlamaForCausalLM
@@ -34,7 +41,7 @@ class ModelArchitecture:
     qkv_bias: bool
     o_bias: bool = False
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # any of them ends generation (unless ignore_eos)
 
     @property
     def q_size(self) -> int:
@@ -84,7 +91,6 @@ class ModelArchitecture:
         try:
             hidden = int(config["hidden_size"])
             heads = int(config["num_attention_heads"])
-            eos = config.get("eos_token_id")
             architecture = ModelArchitecture(
                 name=name,
                 vocab_size=int(config["vocab_size"]),
@@ -101,7 +107,7 @@ class ModelArchitecture:
                 qkv_bias=SUPPORTED_HF_ARCHITECTURES[name] or bool(config.get("attention_bias")),
                 o_bias=bool(config.get("attention_bias")),
                 bos_token_id=config.get("bos_token_id"),
-                eos_token_id=eos[0] if isinstance(eos, list) else eos,
+                eos_token_ids=token_ids_of(config.get("eos_token_id")),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ModelValidationError(
@@ -156,7 +162,7 @@ class ModelArchitecture:
             tie_word_embeddings=not has_output_tensor,
             qkv_bias=SUPPORTED_GGUF_ARCHITECTURES[arch],
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            eos_token_ids=token_ids_of(meta.get("tokenizer.ggml.eos_token_id")),
         )
         architecture.check(path)
         return architecture

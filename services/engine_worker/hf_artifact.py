@@ -10,12 +10,12 @@ import json
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from services.engine_worker.architecture import ModelArchitecture
+from services.engine_worker.architecture import ModelArchitecture, token_ids_of
 from services.engine_worker.weights import validate_tensor_table
 from shared.errors import ModelValidationError
 
@@ -46,9 +46,17 @@ class HFArtifact:
     def __init__(self, directory: str) -> None:
         self.path = directory
         self.config: dict[str, Any] = _read_json(os.path.join(directory, "config.json"))
-        self.architecture = ModelArchitecture.from_hf_config(
+        architecture = ModelArchitecture.from_hf_config(
             self.config, os.path.join(directory, "config.json")
         )
+        # generation_config.json may name more end tokens (a chat model's end-of-turn, say).
+        generation_file = os.path.join(directory, "generation_config.json")
+        if os.path.exists(generation_file):
+            generation = _read_json(generation_file)
+            extra = generation.get("eos_token_id") if isinstance(generation, dict) else None
+            eos = architecture.eos_token_ids + token_ids_of(extra)
+            architecture = replace(architecture, eos_token_ids=tuple(dict.fromkeys(eos)))
+        self.architecture = architecture
         self.files = self._weight_files()
         self.entries: dict[str, _TensorEntry] = {}
         for file in self.files:

@@ -41,13 +41,13 @@ class Scheduler:
         cache: CacheConfig,
         num_blocks: int,
         max_model_len: int,
-        eos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
     ) -> None:
         self.config = config
         self.block_size = cache.block_size
         # A request can never outgrow the whole pool, so the pool caps the context length too.
         self.max_model_len = min(max_model_len, num_blocks * cache.block_size)
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by sort_key
@@ -229,7 +229,7 @@ class Scheduler:
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         sampling = request.sampling
-        if token_id == self.eos_token_id and not sampling.ignore_eos:
+        if token_id in self.eos_token_ids and not sampling.ignore_eos:
             return FinishReason.STOP
         if token_id in sampling.stop_token_ids:
             return FinishReason.STOP

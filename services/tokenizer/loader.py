@@ -82,11 +82,26 @@ def _from_hf_directory(directory: str) -> TextTokenizer | None:
 
     return TextTokenizer(
         Tokenizer.from_file(tokenizer_file),
-        chat_template=config.get("chat_template"),
+        chat_template=_chat_template(directory, config.get("chat_template")),
         bos_token=token_text(config.get("bos_token")),
         eos_token=token_text(config.get("eos_token")),
         add_bos=bool(config.get("add_bos_token", False)),
     )
+
+
+def _chat_template(directory: str, configured: Any) -> str | None:
+    """transformers keeps the template in tokenizer_config.json (a string, or a list of named
+    templates) or, since 4.43, in chat_template.jinja beside it."""
+    if isinstance(configured, list):
+        named = {t.get("name"): t.get("template") for t in configured if isinstance(t, dict)}
+        configured = named.get("default")
+    if isinstance(configured, str):
+        return configured
+    template_file = os.path.join(directory, "chat_template.jinja")
+    if os.path.exists(template_file):
+        with open(template_file, encoding="utf-8") as handle:
+            return handle.read()
+    return None
 
 
 def _from_gguf(path: str) -> TextTokenizer | None:

@@ -83,3 +83,19 @@ def test_one_bad_prompt_in_a_batch_submits_none(engine: Engine) -> None:
     assert not engine.has_unfinished()
     load = engine.scheduler.load()
     assert load.num_free_blocks == load.num_blocks
+
+
+def test_generation_config_end_tokens_stop_generation(tiny_llama_dir: str, tmp_path) -> None:
+    import json
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    free = Engine(EngineConfig(model=str(model_dir))).generate([[5, 6, 7, 8]], params)[0]
+    assert free.finish_reason == "length"
+    end_token = free.token_ids[5]
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, end_token]}))
+    ended = Engine(EngineConfig(model=str(model_dir))).generate([[5, 6, 7, 8]], params)[0]
+    assert ended.finish_reason == "stop"
+    assert ended.token_ids == free.token_ids[: free.token_ids.index(end_token) + 1]

@@ -22,7 +22,7 @@ def make_scheduler(
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         num_blocks=num_blocks,
         max_model_len=max_model_len,
-        eos_token_id=None,
+        eos_token_ids=(),
     )
 
 

@@ -59,3 +59,18 @@ def test_incremental_detokenizer_never_emits_half_a_character(tokenizer: TextTok
         pieces = [detokenizer.push([token]) for token in ids] + [detokenizer.flush()]
         assert "".join(pieces) == text
         assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_hf_directory_tokenizer_and_jinja_chat_template(tokenizer: TextTokenizer, tmp_path) -> None:
+    tokenizer.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"eos_token": "<|im_end|>", "add_bos_token": false}'
+    )
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+    )
+    loaded = load_tokenizer(str(tmp_path))
+    assert loaded is not None
+    assert loaded.encode(TEXTS[0]) == tokenizer.encode(TEXTS[0])
+    rendered = loaded.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert rendered == "[user] Hi<|im_end|>"
