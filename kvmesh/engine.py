@@ -16,6 +16,7 @@ from services.scheduler.scheduler import Scheduler
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.loader import TextTokenizer, load_tokenizer
 from shared.config import EngineConfig
+from shared.errors import KvmeshError, Reason
 from shared.outputs import RequestOutput
 from shared.sampling import SamplingParams
 from shared.step import TokenLogprobs
@@ -67,10 +68,15 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> str:
+        return self._submit(prompt, sampling, request_id, priority)[0]
+
+    def _submit(
+        self, prompt: PromptInput, sampling: SamplingParams, request_id: str | None, priority: int
+    ) -> tuple[str, list[int]]:
         token_ids = to_token_ids(prompt, self.tokenizer, self.worker.architecture.vocab_size)
         request_id = request_id or f"req-{next(self._ids)}"
         self.scheduler.add_request(request_id, token_ids, sampling, priority)
-        return request_id
+        return request_id, token_ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
         return self.scheduler.abort(request_id)
@@ -94,9 +100,8 @@ class Engine:
         order: list[str] = []
         try:
             for prompt, sampling_params in zip(prompts, params, strict=True):
-                request_id = self.add_request(prompt, sampling_params)
-                request = self.scheduler.requests[request_id]
-                completions[request_id] = Completion(request_id, list(request.token_ids))
+                request_id, token_ids = self._submit(prompt, sampling_params, None, 0)
+                completions[request_id] = Completion(request_id, token_ids)
                 order.append(request_id)
         except Exception:
             for request_id in order:  # all or nothing: no request is left queued unowned
@@ -122,7 +127,10 @@ class Engine:
         It drives the engine itself: use it alone, not beside `generate` or a hand-run `step`
         loop, whose outputs it would consume."""
         if self.tokenizer is None:
-            raise ValueError("stream() needs a tokenizer; this model ships none")
+            raise KvmeshError(
+                Reason.TOKENIZER_UNAVAILABLE,
+                "streaming text needs a tokenizer; this model ships none",
+            )
         request_id = self.add_request(prompt, sampling)
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         finished = False

@@ -99,3 +99,10 @@ def test_generation_config_end_tokens_stop_generation(tiny_llama_dir: str, tmp_p
     ended = Engine(EngineConfig(model=str(model_dir))).generate([[5, 6, 7, 8]], params)[0]
     assert ended.finish_reason == "stop"
     assert ended.token_ids == free.token_ids[: free.token_ids.index(end_token) + 1]
+
+
+def test_streaming_text_without_a_tokenizer_gives_a_reason(engine: Engine) -> None:
+    with pytest.raises(KvmeshError) as caught:
+        next(engine.stream([5, 6, 7], GREEDY))
+    assert caught.value.reason is Reason.TOKENIZER_UNAVAILABLE
+    assert not engine.has_unfinished()
