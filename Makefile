@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: setup demo test lint bench-engine clean
+.PHONY: setup demo up test lint protos bench-engine bench-mesh clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,13 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The whole mesh (redis, trace-collector, tokenizer, engine-worker, scheduler, gateway) on
+# loopback, one answer streamed through the public gRPC API, then every process stopped.
 demo: $(STAMP)
-	$(BIN)/kvmesh generate "Explain in two sentences why the sky is blue." --max-tokens 96
+	$(BIN)/kvmesh up --port 0 --prompt "Explain in two sentences why the sky is blue."
+
+up: $(STAMP)
+	$(BIN)/kvmesh up
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
@@ -28,9 +33,17 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
+
+# Regenerate shared/pb from protos/kvmesh/v1 (tests/test_protos.py fails when it is stale).
+protos: $(STAMP)
+	$(BIN)/python protos/generate.py
 
 bench-engine: $(STAMP)
 	$(BIN)/python -m loadtest.engine_bench
+
+bench-mesh: $(STAMP)
+	$(BIN)/python -m loadtest.mesh_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

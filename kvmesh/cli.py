@@ -1,4 +1,4 @@
-"""`kvmesh` command line: generate text from a model in one process."""
+"""`kvmesh` command line: generate in one process, or start and talk to the mesh."""
 
 from __future__ import annotations
 
@@ -8,57 +8,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-from shared.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+from kvmesh.mesh_cli import add_remote_flags, add_up_parser, run_chat, run_remote_generate, run_up
 from shared.errors import KvmeshError
+from shared.flags import add_engine_flags, engine_config
 from shared.sampling import SamplingParams
-
-
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--model", help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)"
-    )
-    group.add_argument("--backend", default="auto", help="compute backend: auto or torch")
-    group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    group.add_argument("--kv-memory", default="1GiB", help="KV cache budget, e.g. 512MiB or 2GiB")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    group.add_argument(
-        "--max-model-len", type=int, help="context length cap (default: the model's)"
-    )
-    group.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step")
-    group.add_argument(
-        "--max-num-seqs", type=int, default=128, help="most requests running at once"
-    )
-    group.add_argument(
-        "--chunk-size",
-        type=int,
-        default=512,
-        help="prefill chunk size; 0 turns chunked prefill off",
-    )
-    group.add_argument(
-        "--no-prefix-caching", action="store_true", help="turn automatic prefix caching off"
-    )
-    group.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        backend=args.backend,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        num_threads=args.threads,
-        cache=CacheConfig(
-            block_size=args.block_size,
-            kv_memory_bytes=parse_bytes(args.kv_memory),
-            enable_prefix_caching=not args.no_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            prefill_chunk_size=args.chunk_size or None,
-        ),
-    )
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -98,10 +51,36 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int)
     generate.add_argument("--logprobs", type=int, help="return the top N logprobs per token")
     generate.add_argument("--ignore-eos", action="store_true")
-    _add_engine_flags(generate)
+    add_engine_flags(generate)
+    add_remote_flags(generate)
+    chat = commands.add_parser("chat", help="a conversation with a running mesh (--addr)")
+    chat.add_argument("--addr", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--stop", action="append", default=[])
+    chat.add_argument("--timeout", type=float)
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--top-p", type=float, default=0.95)
+    chat.add_argument("--seed", type=int)
+    add_up_parser(commands)
     manifest = commands.add_parser("manifest", help="load a model and print its manifest as JSON")
-    _add_engine_flags(manifest)
+    add_engine_flags(manifest)
     return parser
+
+
+def _remote_sampling(args: argparse.Namespace) -> dict:
+    """Flags as proto field values; None leaves the server default."""
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": getattr(args, "top_k", None),
+        "min_p": getattr(args, "min_p", None),
+        "repetition_penalty": getattr(args, "repetition_penalty", None),
+        "seed": args.seed,
+        "ignore_eos": getattr(args, "ignore_eos", None),
+        "logprobs": getattr(args, "logprobs", None),
+    }
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -109,6 +88,10 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     if bool(args.prompt) == bool(args.prompts_file):
         raise SystemExit("kvmesh generate: give either a PROMPT or --prompts-file")
+    if args.addr:
+        if args.prompts_file:
+            raise SystemExit("kvmesh generate --addr: give a PROMPT (--prompts-file is local)")
+        return run_remote_generate(args, _remote_sampling(args))
     sampling = _sampling(args)
     engine = Engine(engine_config(args))
     if args.prompt:
@@ -157,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _run_generate(args)
+        if args.command == "chat":
+            return run_chat(args, _remote_sampling(args))
+        if args.command == "up":
+            return run_up(args)
         from kvmesh.engine import Engine
 
         print(json.dumps(Engine(engine_config(args)).manifest, indent=2))

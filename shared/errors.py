@@ -20,16 +20,25 @@ class Reason(str, Enum):
     OVERLOADED = "OVERLOADED"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     WORKER_LOST = "WORKER_LOST"
+    INTERNAL = "INTERNAL"  # a bug: never expected, always logged with a traceback
 
 
 class KvmeshError(Exception):
     """An error with a stable reason; `retryable` says whether the same call may succeed later."""
 
-    def __init__(self, reason: Reason, message: str, *, retryable: bool = False) -> None:
+    def __init__(
+        self,
+        reason: Reason,
+        message: str,
+        *,
+        retryable: bool = False,
+        retry_after_ms: int = 0,
+    ) -> None:
         super().__init__(f"{reason.value}: {message}")
         self.reason = reason
         self.message = message
         self.retryable = retryable
+        self.retry_after_ms = retry_after_ms  # advice for a retry; 0 = none
 
 
 class ModelValidationError(KvmeshError):

@@ -18,7 +18,7 @@ from tests.model_fixtures import save_random_checkpoint  # noqa: E402
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    from services.engine_worker.artifacts import default_model_path as find
+    from shared.model_paths import default_model_path as find
 
     return find()
 

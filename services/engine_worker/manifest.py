@@ -33,5 +33,17 @@ class ModelManifest:
     load_seconds: float
     warmup_seconds: float
 
+    @property
+    def artifact_digest(self) -> str:
+        """One digest for the whole artifact: sha256 over each file's digest, in path order."""
+        combined = hashlib.sha256()
+        for path in sorted(self.artifact_sha256):
+            combined.update(bytes.fromhex(self.artifact_sha256[path]))
+        return combined.hexdigest()
+
+    @property
+    def version(self) -> str:
+        return self.artifact_digest[:12]
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "artifact_digest": self.artifact_digest, "version": self.version}

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from services.engine_worker.artifacts import artifact_files, open_artifact, resolve_model_path
+from services.engine_worker.artifacts import artifact_files, open_artifact
 from services.engine_worker.backends import BACKENDS, resolve_backend
 from services.engine_worker.batch import RequestState, build_batch
 from services.engine_worker.kv_cache import KVCache, KVCacheShape
@@ -20,6 +20,7 @@ from services.engine_worker.sampler import sample
 from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, Reason
+from shared.model_paths import resolve_model_path
 from shared.sampling import SamplingParams
 from shared.step import SampledToken, StepPlan, StepResult
 
@@ -50,7 +51,7 @@ class Worker:
         self.requests: dict[str, RequestState] = {}
         self._rng = torch.Generator().manual_seed(0)
         warmup_started = time.perf_counter()
-        self._warm_up()
+        self.warm_up()
         self.manifest = ModelManifest(
             model_name=os.path.basename(self.model_path.rstrip("/")),
             artifact_path=self.model_path,
@@ -85,7 +86,7 @@ class Worker:
     def num_kv_blocks(self) -> int:
         return self.kv_cache.shape.num_blocks
 
-    def _warm_up(self) -> None:
+    def warm_up(self) -> None:
         """One mixed prefill + decode step on scratch blocks, so the first request pays no
         first-call costs. Nothing it writes is ever read: no block table points at it."""
         block = self.kv_cache.shape.block_size

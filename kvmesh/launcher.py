@@ -1,0 +1,234 @@
+"""Start the whole mesh as local processes on loopback, and stop every one of them.
+
+Order: redis-server (unless a URL is given), trace-collector, tokenizer, engine-worker(s),
+scheduler(s), gateway; each must report SERVING on grpc.health.v1 before the mesh counts as
+up. Stopping goes the other way: the gateway drains first so no new work reaches the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.errors import KvmeshError, Reason
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class MeshConfig:
+    model: str | None = None
+    workers: int = 1
+    redis_url: str | None = None  # None: start our own redis-server
+    host: str = "127.0.0.1"
+    gateway_port: int = 0  # 0: any free port
+    worker_threads: int | None = None  # torch threads per engine-worker; None: cores / workers
+    worker_args: list[str] = field(default_factory=list)  # e.g. ["--kv-memory", "256MiB"]
+    scheduler_args: list[str] = field(default_factory=list)  # e.g. ["--max-num-seqs", "8"]
+    gateway_args: list[str] = field(default_factory=list)
+    log_dir: str | None = None  # None: a temporary directory
+    ready_timeout_s: float = 300.0
+    drain_seconds: float = 10.0
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    address: str | None  # gRPC address; None for redis
+    process: subprocess.Popen[bytes]
+    log_path: str
+
+    def log_tail(self, lines: int = 20) -> str:
+        with open(self.log_path, errors="replace") as handle:
+            return "".join(handle.readlines()[-lines:])
+
+
+class Mesh:
+    def __init__(self, config: MeshConfig) -> None:
+        self.config = config
+        self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="kvmesh-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.services: list[ServiceProcess] = []
+        self.redis_url = config.redis_url
+        self.gateway_address = ""
+        self.scheduler_addresses: list[str] = []
+        self.worker_addresses: list[str] = []
+        self.tokenizer_address = ""
+
+    def __enter__(self) -> Mesh:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        try:
+            self._start_all()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_all(self) -> None:
+        config = self.config
+        if self.redis_url is None:
+            self.redis_url = self._start_redis()
+        self._spawn("trace-collector", "services.trace_collector", [])
+        model = ["--model", config.model] if config.model else []
+        self.tokenizer_address = self._spawn("tokenizer", "services.tokenizer", model)
+        threads = config.worker_threads or max(1, (os.cpu_count() or 1) // config.workers)
+        for index in range(config.workers):
+            worker = self._spawn(
+                f"engine-worker-{index}",
+                "services.engine_worker",
+                [*model, "--threads", str(threads), *config.worker_args],
+                threads=threads,
+            )
+            self.worker_addresses.append(worker)
+            self.scheduler_addresses.append(
+                self._spawn(
+                    f"scheduler-{index}",
+                    "services.scheduler",
+                    ["--worker", worker, "--redis", self.redis_url, *config.scheduler_args],
+                )
+            )
+        self.gateway_address = self._spawn(
+            "gateway",
+            "services.gateway",
+            [
+                "--tokenizer",
+                self.tokenizer_address,
+                "--scheduler",
+                ",".join(self.scheduler_addresses),
+                *config.gateway_args,
+            ],
+            port=config.gateway_port or None,
+        )
+        deadline = time.monotonic() + config.ready_timeout_s
+        for service in self.services:
+            if service.address is not None:
+                self._wait_ready(service, deadline)
+
+    def _start_redis(self) -> str:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise KvmeshError(
+                Reason.INVALID_ARGUMENT,
+                "redis-server is not on PATH: install it (apt-get install redis-server) "
+                "or point at a running one with --redis redis://HOST:PORT",
+            )
+        port = free_port(self.config.host)
+        args = [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            self.config.host,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        self._launch("redis", None, args, {})
+        url = f"redis://{self.config.host}:{port}/0"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection((self.config.host, port), timeout=0.2) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return url
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise KvmeshError(Reason.INTERNAL, "redis-server did not start")
+            time.sleep(0.05)
+
+    def _spawn(
+        self, name: str, module: str, args: list[str], *, threads: int = 1, port: int | None = None
+    ) -> str:
+        address = f"{self.config.host}:{port or free_port(self.config.host)}"
+        host, port_text = address.rsplit(":", 1)
+        command = [
+            sys.executable,
+            "-m",
+            module,
+            "--host",
+            host,
+            "--port",
+            port_text,
+            "--drain-seconds",
+            str(self.config.drain_seconds),
+            *args,
+        ]
+        # One torch/OpenMP pool per core budget: only engine-workers get more than one thread.
+        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        self._launch(name, address, command, env)
+        return address
+
+    def _launch(self, name: str, address: str | None, command: list[str], env: dict) -> None:
+        log_path = os.path.join(self.log_dir, f"{name}.log")
+        with open(log_path, "ab") as log_file:
+            process = subprocess.Popen(
+                command,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+                start_new_session=True,  # Ctrl-C reaches us only; we stop them in order
+            )
+        self.services.append(ServiceProcess(name, address, process, log_path))
+
+    def _wait_ready(self, service: ServiceProcess, deadline: float) -> None:
+        assert service.address is not None
+        with grpc.insecure_channel(service.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if service.process.poll() is not None:
+                    raise KvmeshError(
+                        Reason.INTERNAL,
+                        f"{service.name} exited with {service.process.returncode}; "
+                        f"its log ({service.log_path}) ends:\n{service.log_tail()}",
+                    )
+                try:
+                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise KvmeshError(
+                        Reason.MODEL_NOT_READY,
+                        f"{service.name} not ready in time; log: {service.log_path}",
+                    )
+                time.sleep(0.1)
+
+    def service(self, name: str) -> ServiceProcess:
+        return next(s for s in self.services if s.name == name)
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM in reverse start order (gateway first), each given time to drain; SIGKILL
+        whatever is still there after that."""
+        timeout = self.config.drain_seconds + 5 if timeout_s is None else timeout_s
+        for service in reversed(self.services):
+            if service.process.poll() is None:
+                service.process.send_signal(signal.SIGTERM)
+                try:
+                    service.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    service.process.kill()
+                    service.process.wait()
+        self.services.clear()

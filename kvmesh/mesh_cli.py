@@ -1,0 +1,184 @@
+"""`kvmesh up`, and `generate`/`chat` against a running mesh (`--addr`)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+
+from kvmesh.client import MeshClient, generate_request
+from kvmesh.launcher import Mesh, MeshConfig
+from shared.errors import KvmeshError
+from shared.pb.kvmesh.v1 import inference_pb2
+
+
+def add_up_parser(commands: argparse._SubParsersAction) -> None:
+    up = commands.add_parser("up", help="start the whole mesh on this machine (Ctrl-C stops it)")
+    up.add_argument("--model", help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    up.add_argument("--workers", type=int, default=1, help="engine-worker + scheduler pairs")
+    up.add_argument("--redis", help="use this Redis (redis://HOST:PORT) instead of starting one")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=50051, help="gateway port")
+    up.add_argument("--log-dir", help="service logs (JSON lines); default: a temporary directory")
+    up.add_argument("--threads", type=int, help="torch threads per engine-worker")
+    up.add_argument("--kv-memory", default="1GiB", help="KV cache budget per engine-worker")
+    up.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    up.add_argument("--max-model-len", type=int)
+    up.add_argument("--max-num-seqs", type=int, default=128)
+    up.add_argument("--max-batched-tokens", type=int, default=2048)
+    up.add_argument("--chunk-size", type=int, default=512, help="0 turns chunked prefill off")
+    up.add_argument("--no-prefix-caching", action="store_true")
+    up.add_argument(
+        "--prompt",
+        help="once ready, stream one answer to this prompt through the gateway, then stop",
+    )
+
+
+def add_remote_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--addr", help="gateway HOST:PORT of a running mesh (see `kvmesh up`)")
+    parser.add_argument(
+        "--stop", action="append", default=[], help="stop string (repeatable; mesh only)"
+    )
+    parser.add_argument("--timeout", type=float, help="deadline in seconds (mesh only)")
+
+
+def mesh_config(args: argparse.Namespace) -> MeshConfig:
+    worker_args = ["--kv-memory", args.kv_memory, "--dtype", args.dtype]
+    if args.max_model_len:
+        worker_args += ["--max-model-len", str(args.max_model_len)]
+    scheduler_args = [
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-batched-tokens",
+        str(args.max_batched_tokens),
+        "--chunk-size",
+        str(args.chunk_size),
+    ]
+    if args.no_prefix_caching:
+        scheduler_args.append("--no-prefix-caching")
+    return MeshConfig(
+        model=args.model,
+        workers=args.workers,
+        redis_url=args.redis,
+        host=args.host,
+        gateway_port=args.port,
+        worker_threads=args.threads,
+        worker_args=worker_args,
+        scheduler_args=scheduler_args,
+        log_dir=args.log_dir,
+    )
+
+
+def run_up(args: argparse.Namespace) -> int:
+    mesh = Mesh(mesh_config(args))
+    print(f"kvmesh: starting the mesh (logs in {mesh.log_dir})", file=sys.stderr)
+    started = time.perf_counter()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        mesh.start()
+        print(
+            f"kvmesh: ready in {time.perf_counter() - started:.1f}s; "
+            f"gateway at {mesh.gateway_address}",
+            file=sys.stderr,
+        )
+        print(mesh.gateway_address, flush=True)
+        if args.prompt:
+            messages = [{"role": "user", "content": args.prompt}]
+            request = generate_request(messages=messages, max_tokens=128, temperature=0.0)
+            return stream_to_terminal(mesh.gateway_address, request, None)
+        print("kvmesh: Ctrl-C drains and stops every service", file=sys.stderr)
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("kvmesh: draining and stopping", file=sys.stderr)
+        mesh.stop()
+    return 0
+
+
+def stream_to_terminal(
+    address: str, request: inference_pb2.GenerateRequest, timeout: float | None
+) -> int:
+    """Streams one answer to stdout; a summary line to stderr. Exit 2 on any failure."""
+    with MeshClient(address) as client:
+        for event in client.stream(request, timeout=timeout):
+            kind = event.WhichOneof("event")
+            if kind == "delta":
+                sys.stdout.write(event.delta.text)
+                sys.stdout.flush()
+            elif kind == "completed":
+                done = event.completed
+                reason = inference_pb2.FinishReason.Name(done.finish_reason)
+                sys.stdout.write("\n")
+                print(
+                    f"[{reason.removeprefix('FINISH_REASON_').lower()}; "
+                    f"{done.usage.prompt_tokens} prompt + {done.usage.completion_tokens} "
+                    f"tokens; ttft {done.timings.ttft_ms:.0f} ms, "
+                    f"total {done.timings.total_ms:.0f} ms]",
+                    file=sys.stderr,
+                )
+            elif kind == "cancelled":
+                print("\n[cancelled]", file=sys.stderr)
+                return 2
+            elif kind == "failed":
+                error = event.failed.error
+                print(f"\nkvmesh: error: {error.reason}: {error.message}", file=sys.stderr)
+                return 2
+    return 0
+
+
+def run_remote_generate(args: argparse.Namespace, sampling: dict) -> int:
+    if args.raw:
+        request = generate_request(args.prompt, stop=args.stop, **sampling)
+    else:
+        messages = [{"role": "user", "content": args.prompt}]
+        request = generate_request(messages=messages, stop=args.stop, **sampling)
+    return stream_to_terminal(args.addr, request, args.timeout)
+
+
+def run_chat(args: argparse.Namespace, sampling: dict) -> int:
+    """A conversation: each line you type is a user turn; the history goes with every call."""
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    with MeshClient(args.addr) as client:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                return 0
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            request = generate_request(messages=messages, stop=args.stop, **sampling)
+            answer = _stream_answer(client, request, args.timeout)
+            if answer is None:
+                messages.pop()  # a failed turn is not part of the conversation
+                continue
+            messages.append({"role": "assistant", "content": answer})
+
+
+def _stream_answer(
+    client: MeshClient, request: inference_pb2.GenerateRequest, timeout: float | None
+) -> str | None:
+    answer: list[str] = []
+    try:
+        for event in client.stream(request, timeout=timeout):
+            kind = event.WhichOneof("event")
+            if kind == "delta":
+                answer.append(event.delta.text)
+                sys.stdout.write(event.delta.text)
+                sys.stdout.flush()
+            elif kind == "failed":
+                error = event.failed.error
+                print(f"\nkvmesh: error: {error.reason}: {error.message}", file=sys.stderr)
+                return None
+    except KvmeshError as error:
+        print(f"kvmesh: error: {error}", file=sys.stderr)
+        return None
+    sys.stdout.write("\n")
+    return "".join(answer)

@@ -1,0 +1,207 @@
+"""The full mesh against the in-process engine: same workload, same model, same run.
+
+N concurrent requests (random-token prompts, fixed output length, ignore_eos) are submitted at
+once through the gateway of a mesh started by `kvmesh up`'s launcher, and through an in-process
+Engine. Both sides are timed from submission: throughput = output tokens / time until the last
+request finished; TTFT = time until a request's first token reached the client (the engine's
+caller for in-process). Under that load TTFT is mostly queueing behind 64 prefills, so the
+mesh's own cost is measured apart too: "added TTFT" is the idle TTFT difference, one request at
+a time (`--idle-requests`), p50 over them. Each side runs `--rounds` times, alternating; the
+best round counts. Run: make bench-mesh
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import statistics
+import time
+
+import grpc
+
+from kvmesh.engine import Engine
+from kvmesh.launcher import Mesh, MeshConfig
+from loadtest.engine_bench import make_prompts
+from shared.config import CacheConfig, EngineConfig
+from shared.pb.kvmesh.v1 import (
+    common_pb2,
+    inference_pb2,
+    inference_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+from shared.sampling import SamplingParams
+
+
+def summarize(ttfts: list[float], tokens: int, elapsed: float) -> dict:
+    ttfts = sorted(ttfts)
+    return {
+        "seconds": elapsed,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / elapsed,
+        "ttft_p50_ms": statistics.median(ttfts) * 1e3,
+        "ttft_p99_ms": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))] * 1e3,
+    }
+
+
+def run_in_process(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    first: dict[str, float] = {}
+    tokens = 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens += len(output.new_token_ids)
+            first.setdefault(output.request_id, time.perf_counter() - started)
+    return summarize([first[i] for i in ids], tokens, time.perf_counter() - started)
+
+
+def idle_ttfts_in_process(engine: Engine, prompts: list[list[int]]) -> list[float]:
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ttfts = []
+    for prompt in prompts:
+        started = time.perf_counter()
+        engine.add_request(prompt, params)
+        while not engine.step():
+            pass
+        ttfts.append(time.perf_counter() - started)
+    return ttfts
+
+
+async def idle_ttfts_mesh(address: str, prompts: list[list[int]]) -> list[float]:
+    sampling = common_pb2.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ttfts = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        for prompt in prompts:
+            request = inference_pb2.GenerateRequest(
+                token_ids=common_pb2.TokenIds(ids=prompt), sampling=sampling
+            )
+            started = time.perf_counter()
+            async for event in stub.Generate(request):
+                if event.WhichOneof("event") == "delta":
+                    ttfts.append(time.perf_counter() - started)
+                    break
+    return ttfts
+
+
+def worker_compute_ms(mesh: Mesh) -> float:
+    with grpc.insecure_channel(mesh.scheduler_addresses[0]) as channel:
+        load = scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(scheduler_pb2.LoadRequest())
+    return load.worker_compute_ms
+
+
+async def run_mesh(address: str, prompts: list[list[int]], output_len: int) -> dict:
+    sampling = common_pb2.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        started = time.perf_counter()
+
+        async def one(prompt: list[int]) -> tuple[float, int]:
+            request = inference_pb2.GenerateRequest(
+                token_ids=common_pb2.TokenIds(ids=prompt), sampling=sampling
+            )
+            ttft, tokens = 0.0, 0
+            async for event in stub.Generate(request):
+                if event.WhichOneof("event") == "delta":
+                    tokens += len(event.delta.token_ids)
+                    if event.delta.first_token:
+                        ttft = time.perf_counter() - started
+                elif event.WhichOneof("event") == "failed":
+                    raise RuntimeError(event.failed.error.message)
+            return ttft, tokens
+
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        elapsed = time.perf_counter() - started
+    return summarize([t for t, _ in results], sum(n for _, n in results), elapsed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--min-prompt", type=int, default=32)
+    parser.add_argument("--max-prompt", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--idle-requests", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides")
+    parser.add_argument("--kv-memory", default="1GiB")
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    vocab = 49152
+    prompts = make_prompts(args.requests, args.min_prompt, args.max_prompt, vocab, seed=0)
+    warmup = make_prompts(4, 16, 32, vocab, seed=1)
+    mesh_rounds, engine_rounds = [], []
+    mesh_idle: list[float] = []
+    hop_ms: list[float] = []
+    engine_idle: list[float] = []
+    config = MeshConfig(worker_threads=args.threads, worker_args=["--kv-memory", args.kv_memory])
+    for round_index in range(args.rounds):
+        # One side at a time: two torch pools on the same cores would slow both.
+        with Mesh(config) as mesh:
+            asyncio.run(run_mesh(mesh.gateway_address, warmup, 4))
+            idle = make_prompts(args.idle_requests, 64, 64, vocab, seed=100 + round_index)
+            compute_before = worker_compute_ms(mesh)
+            ttfts = asyncio.run(idle_ttfts_mesh(mesh.gateway_address, idle))
+            # One step per idle request: what is not the worker's compute is the mesh's cost.
+            hop_ms.append(
+                (sum(ttfts) * 1e3 - worker_compute_ms(mesh) + compute_before) / len(ttfts)
+            )
+            mesh_idle += ttfts
+            mesh_rounds.append(
+                asyncio.run(run_mesh(mesh.gateway_address, prompts, args.output_len))
+            )
+        engine = Engine(EngineConfig(cache=CacheConfig(kv_memory_bytes=1 << 30)))
+        run_in_process(engine, warmup, 4)
+        idle = make_prompts(args.idle_requests, 64, 64, vocab, seed=200 + round_index)
+        engine_idle += idle_ttfts_in_process(engine, idle)
+        engine_rounds.append(run_in_process(engine, prompts, args.output_len))
+        del engine
+        gc.collect()
+        print(
+            f"round {round_index}: mesh {mesh_rounds[-1]['output_tok_s']:.1f} tok/s, "
+            f"in-process {engine_rounds[-1]['output_tok_s']:.1f} tok/s",
+            flush=True,
+        )
+    mesh_best = max(mesh_rounds, key=lambda r: r["output_tok_s"])
+    engine_best = max(engine_rounds, key=lambda r: r["output_tok_s"])
+    print(
+        f"\n{args.requests} concurrent requests, prompts {args.min_prompt}-{args.max_prompt} "
+        f"tokens, {args.output_len} output tokens each, {args.threads} torch threads"
+    )
+    print(f"{'':12}{'out tok/s':>11}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}")
+    for name, result in (("mesh", mesh_best), ("in-process", engine_best)):
+        print(
+            f"{name:12}{result['output_tok_s']:>11.1f}"
+            f"{result['ttft_p50_ms']:>13.1f}{result['ttft_p99_ms']:>13.1f}"
+        )
+    ratio = mesh_best["output_tok_s"] / engine_best["output_tok_s"]
+    mesh_idle_ms = statistics.median(mesh_idle) * 1e3
+    engine_idle_ms = statistics.median(engine_idle) * 1e3
+    print(f"mesh / in-process throughput: {ratio:.3f}x (goal >= 0.9)")
+    print(
+        f"idle TTFT p50 ({len(mesh_idle)} single 64-token prompts): mesh {mesh_idle_ms:.1f} ms, "
+        f"in-process {engine_idle_ms:.1f} ms, added {mesh_idle_ms - engine_idle_ms:+.1f} ms "
+        "(goal < 5)"
+    )
+    print(
+        f"mesh overhead per idle request (client TTFT minus the worker's step compute): "
+        f"{statistics.mean(hop_ms):.2f} ms"
+    )
+    if args.json:
+        with open(args.json, "w") as handle:
+            figures = {"mesh": mesh_rounds, "in_process": engine_rounds}
+            figures |= {"mesh_idle_ttft_s": mesh_idle, "in_process_idle_ttft_s": engine_idle}
+            figures |= {"mesh_overhead_ms": hop_ms}
+            json.dump(figures, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""`python -m services.engine_worker`: load, validate and warm the model, then serve steps."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from services.engine_worker.server import EngineWorkerService
+from shared.flags import add_worker_flags, engine_config
+from shared.logs import configure_logging
+from shared.pb.kvmesh.v1 import engine_worker_pb2_grpc
+from shared.service import ServiceRuntime, add_common_flags
+
+SERVICE_NAME = "kvmesh.v1.EngineWorker"
+
+
+async def serve(args: argparse.Namespace) -> None:
+    runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port)
+    service = EngineWorkerService(runtime, engine_config(args))
+    runtime.add_servicer(engine_worker_pb2_grpc.add_EngineWorkerServicer_to_server, service)
+    await runtime.start()
+    loading = asyncio.create_task(service.load())
+
+    def stop_if_refused(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            runtime.stop()  # a model that cannot load: exit rather than stay unready forever
+
+    loading.add_done_callback(stop_if_refused)
+    await runtime.serve_until_signalled(args.drain_seconds)
+    if loading.done() and not loading.cancelled() and loading.exception() is not None:
+        raise SystemExit(2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="services.engine_worker", description=__doc__)
+    add_common_flags(parser, default_port=50061)
+    add_worker_flags(parser)
+    args = parser.parse_args()
+    configure_logging("engine-worker", args.log_level)
+    logging.getLogger("kvmesh").info("starting", extra={"model": args.model})
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

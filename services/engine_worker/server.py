@@ -1,0 +1,141 @@
+"""The engine-worker's gRPC face: one step stream from one scheduler, info, warm-up.
+
+The model loads in a thread after the server starts, so liveness answers at once and
+readiness turns SERVING only once the model is validated, loaded and warmed. Steps run in a
+thread too: health checks stay answered while a long prefill computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+import grpc
+
+from services.engine_worker.worker import Worker
+from shared import grpc_errors
+from shared.codec import plan_from_pb, result_to_pb
+from shared.config import EngineConfig
+from shared.errors import KvmeshError, Reason
+from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
+from shared.service import ServiceRuntime
+
+log = logging.getLogger("kvmesh.engine_worker")
+T = TypeVar("T")
+
+
+def model_info(worker: Worker) -> common_pb2.ModelInfo:
+    manifest = worker.manifest
+    return common_pb2.ModelInfo(
+        name=manifest.model_name,
+        version=manifest.version,
+        artifact_digest=manifest.artifact_digest,
+        artifact_sha256=manifest.artifact_sha256,
+        artifact_path=manifest.artifact_path,
+        architecture=manifest.architecture,
+        num_parameters=manifest.num_parameters,
+        dtype=manifest.dtype,
+        quantization=manifest.quantization,
+        backend=manifest.backend,
+        max_model_len=manifest.max_model_len,
+        kv_block_size=manifest.kv_block_size,
+        kv_blocks=manifest.kv_blocks,
+        kv_cache_bytes=manifest.kv_cache_bytes,
+        kv_bytes_per_token=manifest.kv_bytes_per_token,
+        load_seconds=manifest.load_seconds,
+        warmup_seconds=manifest.warmup_seconds,
+        vocab_size=worker.architecture.vocab_size,
+        eos_token_ids=worker.architecture.eos_token_ids,
+    )
+
+
+class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
+    def __init__(self, runtime: ServiceRuntime, config: EngineConfig) -> None:
+        self.runtime = runtime
+        self.config = config
+        self.worker: Worker | None = None
+        self._driven = False  # one scheduler at a time owns the KV pool
+        # Every torch call from one OS thread: OpenMP keeps a thread team per calling thread, and
+        # a pool of several callers would leave teams spinning against each other on few cores.
+        self._torch_thread = concurrent.futures.ThreadPoolExecutor(1, "torch")
+
+    async def _in_torch_thread(self, function: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._torch_thread, function, *args)
+
+    async def load(self) -> None:
+        try:
+            self.worker = await self._in_torch_thread(Worker, self.config)
+        except KvmeshError as error:
+            log.error("model refused", extra={"reason": error.reason.value, "error": error.message})
+            raise
+        log.info("ready", extra={"manifest": self.worker.manifest.to_dict()})
+        await self.runtime.set_ready(True)
+
+    def _ready_worker(self) -> Worker:
+        if self.worker is None:
+            raise KvmeshError(
+                Reason.MODEL_NOT_READY,
+                "the model is still loading",
+                retryable=True,
+                retry_after_ms=1000,
+            )
+        return self.worker
+
+    async def Step(
+        self,
+        request_iterator: AsyncIterator[engine_worker_pb2.StepPlan],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[engine_worker_pb2.StepResult]:
+        try:
+            worker = self._ready_worker()
+            if self._driven:
+                raise KvmeshError(
+                    Reason.INVALID_ARGUMENT, "another scheduler already drives this worker"
+                )
+        except KvmeshError as error:
+            await grpc_errors.abort(context, error)
+            return
+        self._driven = True
+        log.info("scheduler attached", extra={"peer": context.peer()})
+        try:
+            async for message in request_iterator:
+                plan = plan_from_pb(message)
+                started = time.perf_counter()
+                result = await self._in_torch_thread(worker.execute, plan)
+                yield result_to_pb(result, (time.perf_counter() - started) * 1e3)
+        finally:
+            # Queued behind a step still running in the torch thread, never beside it.
+            self._torch_thread.submit(worker.requests.clear)  # the next scheduler starts empty
+            self._driven = False
+            log.info("scheduler detached")
+
+    async def GetInfo(
+        self, request: engine_worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> engine_worker_pb2.WorkerInfo:
+        try:
+            return engine_worker_pb2.WorkerInfo(model=model_info(self._ready_worker()))
+        except KvmeshError as error:
+            await grpc_errors.abort(context, error)
+            raise
+
+    async def Warmup(
+        self, request: engine_worker_pb2.WarmupRequest, context: grpc.aio.ServicerContext
+    ) -> engine_worker_pb2.WarmupResponse:
+        try:
+            worker = self._ready_worker()
+        except KvmeshError as error:
+            await grpc_errors.abort(context, error)
+            raise
+        if self._driven:
+            # Warm-up writes scratch blocks; while a scheduler runs steps they may hold its KV.
+            await grpc_errors.abort(
+                context,
+                KvmeshError(Reason.INVALID_ARGUMENT, "warm-up needs an idle worker (no scheduler)"),
+            )
+        started = time.perf_counter()
+        await self._in_torch_thread(worker.warm_up)
+        return engine_worker_pb2.WarmupResponse(seconds=time.perf_counter() - started)

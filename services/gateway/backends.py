@@ -1,0 +1,113 @@
+"""The gateway's view of the mesh: the tokenizer and the schedulers, and which are ready.
+
+Each scheduler's health is watched over a stream (no polling); the gateway is ready while at
+least one scheduler is. Routing is local for now: the ready scheduler with the fewest requests
+in flight from this gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.errors import KvmeshError, Reason
+from shared.pb.kvmesh.v1 import (
+    common_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    tokenizer_pb2_grpc,
+)
+from shared.service import CHANNEL_OPTIONS
+
+log = logging.getLogger("kvmesh.gateway.backends")
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+class SchedulerBackend:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.model: common_pb2.ModelInfo | None = None  # set while ready
+        self.in_flight = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.model is not None
+
+    async def watch(self, on_change: Callable[[], Awaitable[None]]) -> None:
+        health = health_pb2_grpc.HealthStub(self.channel)
+        request = health_pb2.HealthCheckRequest(service="")
+        while True:
+            try:
+                async for reply in health.Watch(request, wait_for_ready=True):
+                    if reply.status == _SERVING:
+                        self.model = await self.stub.GetModel(
+                            scheduler_pb2.SchedulerModelRequest(), timeout=5
+                        )
+                    else:
+                        self.model = None
+                    await on_change()
+            except grpc.RpcError as error:
+                log.info(
+                    "scheduler unreachable",
+                    extra={"scheduler": self.address, "error": str(error.code())},
+                )
+            if self.model is not None:
+                self.model = None
+                await on_change()
+            await asyncio.sleep(0.2)
+
+
+class Backends:
+    def __init__(self, tokenizer_address: str, scheduler_addresses: list[str]) -> None:
+        self.tokenizer_channel = grpc.aio.insecure_channel(
+            tokenizer_address, options=CHANNEL_OPTIONS
+        )
+        self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.tokenizer_channel)
+        self.schedulers = [SchedulerBackend(a) for a in scheduler_addresses]
+        self._watchers: list[asyncio.Task[None]] = []
+
+    def start(self, on_change: Callable[[bool], Awaitable[None]]) -> None:
+        async def changed() -> None:
+            await on_change(any(s.ready for s in self.schedulers))
+
+        self._watchers = [asyncio.create_task(s.watch(changed)) for s in self.schedulers]
+
+    def pick(self, model_name: str) -> SchedulerBackend:
+        ready = [s for s in self.schedulers if s.ready]
+        if not ready:
+            raise KvmeshError(
+                Reason.MODEL_NOT_READY,
+                "no scheduler with a loaded model is reachable yet",
+                retryable=True,
+                retry_after_ms=1000,
+            )
+        serving = [s for s in ready if not model_name or (s.model and s.model.name == model_name)]
+        if not serving:
+            raise KvmeshError(
+                Reason.MODEL_NOT_FOUND,
+                f"no model named {model_name!r}; ListModels shows what is served",
+            )
+        return min(serving, key=lambda s: s.in_flight)
+
+    def models(self) -> list[common_pb2.ModelInfo]:
+        seen: dict[str, common_pb2.ModelInfo] = {}
+        for scheduler in self.schedulers:
+            if scheduler.model is not None:
+                seen.setdefault(scheduler.model.name, scheduler.model)
+        return list(seen.values())
+
+    async def close(self) -> None:
+        for watcher in self._watchers:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        for scheduler in self.schedulers:
+            await scheduler.channel.close()
+        await self.tokenizer_channel.close()

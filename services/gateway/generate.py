@@ -1,0 +1,331 @@
+"""One Generate stream: admit, submit to a scheduler, relay its tokens as text deltas.
+
+Exactly one terminal event ends every accepted stream. The scheduler's per-step token events
+go through one Detokenize stream per request (never half a UTF-8 character), then through the
+stop-string matcher, which may end the request early: cancelling the Submit call aborts it
+upstream and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from services.gateway.admission import (
+    check_stop_strings,
+    prompt_token_ids,
+    resolve_sampling,
+    time_remaining,
+)
+from services.gateway.backends import Backends, SchedulerBackend
+from services.gateway.stop_strings import StopStringMatcher
+from shared import grpc_errors
+from shared.errors import KvmeshError, Reason
+from shared.logs import bind_request
+from shared.pb.kvmesh.v1 import (
+    common_pb2,
+    inference_pb2,
+    scheduler_pb2,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
+from shared.service import ServiceRuntime
+
+log = logging.getLogger("kvmesh.gateway")
+Event = inference_pb2.GenerateEvent
+_FINISH_REASONS = {
+    scheduler_pb2.SCHEDULER_FINISH_REASON_STOP: inference_pb2.FINISH_REASON_STOP,
+    scheduler_pb2.SCHEDULER_FINISH_REASON_LENGTH: inference_pb2.FINISH_REASON_LENGTH,
+}
+
+
+class TextStream:
+    """Incremental detokenization through the tokenizer service; no text for a model that
+    ships no tokenizer (token-id clients still get their tokens)."""
+
+    def __init__(self, tokenizer: tokenizer_pb2_grpc.TokenizerStub) -> None:
+        self._call: grpc.aio.StreamStreamCall | None = tokenizer.Detokenize()
+
+    async def push(self, token_ids: list[int], *, finish: bool = False) -> str:
+        if self._call is None:
+            return ""
+        try:
+            await self._call.write(
+                tokenizer_pb2.DetokenizeRequest(token_ids=token_ids, finish=finish)
+            )
+            reply = await self._call.read()
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            # A write after the server ended the call raises InvalidStateError: read its status.
+            call = self._call
+            failure = grpc_errors.from_rpc_error(
+                grpc.aio.AioRpcError(
+                    await call.code(),
+                    await call.initial_metadata(),
+                    await call.trailing_metadata(),
+                    await call.details(),
+                )
+            )
+            if failure.reason is Reason.TOKENIZER_UNAVAILABLE:
+                self._call = None
+                return ""
+            raise failure from None
+        return "" if reply is grpc.aio.EOF else reply.text
+
+    def cancel(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+
+
+@dataclass
+class Progress:
+    prompt_tokens: int
+    received: float
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    first_token_at: float | None = None
+
+    def usage(self) -> inference_pb2.Usage:
+        return inference_pb2.Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+        )
+
+
+class GenerateHandler:
+    def __init__(self, runtime: ServiceRuntime, backends: Backends) -> None:
+        self.runtime = runtime
+        self.backends = backends
+        self.active: dict[str, SchedulerBackend] = {}
+
+    async def __call__(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Event]:
+        received = time.monotonic()
+        request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        bind_request(request_id)
+        try:
+            backend, sampling, token_ids, submit, accepted = await self._admit(
+                request, request_id, context, received
+            )
+        except KvmeshError as error:
+            log.info("refused", extra={"reason": error.reason.value, "error": error.message})
+            await grpc_errors.abort(context, error)
+            return
+        self.active[request_id] = backend
+        backend.in_flight += 1
+        log.info(
+            "accepted",
+            extra={"prompt_tokens": len(token_ids), "queue_position": accepted.queue_position},
+        )
+        progress = Progress(len(token_ids), received)
+        text = TextStream(self.backends.tokenizer)
+        with self.runtime.in_flight():
+            try:
+                assert backend.model is not None
+                yield Event(
+                    accepted=inference_pb2.Accepted(
+                        request_id=request_id,
+                        queue_position=accepted.queue_position,
+                        prompt_tokens=len(token_ids),
+                        model=backend.model.name,
+                    )
+                )
+                async for event in self._relay(request, submit, text, progress, backend, sampling):
+                    kind = event.WhichOneof("event")
+                    if kind in ("completed", "cancelled", "failed"):
+                        log.info(
+                            kind,
+                            extra={
+                                "completion_tokens": progress.completion_tokens,
+                                "ttft_ms": round(
+                                    ((progress.first_token_at or received) - received) * 1e3, 2
+                                ),
+                            },
+                        )
+                    yield event
+            finally:
+                submit.cancel()  # a no-op when it ended; else the scheduler aborts the request
+                text.cancel()
+                self.active.pop(request_id, None)
+                backend.in_flight -= 1
+
+    async def _admit(
+        self,
+        request: inference_pb2.GenerateRequest,
+        request_id: str,
+        context: grpc.aio.ServicerContext,
+        received: float,
+    ) -> tuple[
+        SchedulerBackend,
+        common_pb2.SamplingParams,
+        list[int],
+        grpc.aio.UnaryStreamCall,
+        scheduler_pb2.SubmitAccepted,
+    ]:
+        self.runtime.refuse_if_draining()
+        if request_id in self.active:
+            raise KvmeshError(Reason.INVALID_ARGUMENT, f"request id {request_id!r} is in use")
+        backend = self.backends.pick(request.model)
+        assert backend.model is not None
+        check_stop_strings(list(request.stop))
+        sampling = resolve_sampling(request.sampling)
+        remaining = time_remaining(context, request.timeout_ms)
+        token_ids = await prompt_token_ids(
+            request, self.backends.tokenizer, backend.model, remaining
+        )
+        if remaining is not None:
+            remaining -= time.monotonic() - received
+        submit = backend.stub.Submit(
+            scheduler_pb2.SubmitRequest(
+                request_id=request_id,
+                token_ids=token_ids,
+                sampling=sampling,
+                priority=request.priority,
+            ),
+            timeout=remaining,
+        )
+        try:
+            first = await submit.read()
+        except grpc.RpcError as error:
+            raise grpc_errors.from_rpc_error(error) from None
+        except asyncio.CancelledError:
+            submit.cancel()  # the client left before acceptance: do not leave it queued
+            raise
+        if first is grpc.aio.EOF or first.WhichOneof("event") != "accepted":
+            raise KvmeshError(Reason.INTERNAL, "the scheduler did not accept the request")
+        return backend, sampling, token_ids, submit, first.accepted
+
+    async def _relay(
+        self,
+        request: inference_pb2.GenerateRequest,
+        submit: grpc.aio.UnaryStreamCall,
+        text: TextStream,
+        progress: Progress,
+        backend: SchedulerBackend,
+        sampling: common_pb2.SamplingParams,
+    ) -> AsyncIterator[Event]:
+        stops = StopStringMatcher(list(request.stop))
+        try:
+            while True:
+                event = await submit.read()
+                kind = "eof" if event is grpc.aio.EOF else event.WhichOneof("event")
+                if kind == "tokens":
+                    ids = list(event.tokens.token_ids)
+                    progress.completion_tokens += len(ids)
+                    released = stops.push(await text.push(ids))
+                    first = progress.first_token_at is None
+                    progress.first_token_at = progress.first_token_at or time.monotonic()
+                    yield Event(
+                        delta=inference_pb2.Delta(
+                            text=released,
+                            token_ids=ids,
+                            logprobs=event.tokens.logprobs,
+                            first_token=first,
+                        )
+                    )
+                    if stops.matched is not None:
+                        submit.cancel()  # aborts upstream: blocks free within a step
+                        yield Event(usage=progress.usage())
+                        yield self._completed(
+                            inference_pb2.FINISH_REASON_STOP_STRING,
+                            stops.matched,
+                            None,
+                            progress,
+                            backend,
+                            sampling,
+                        )
+                        return
+                elif kind == "finished":
+                    finished = event.finished
+                    progress.cached_tokens = finished.cached_tokens
+                    released = stops.push(await text.push([], finish=True))
+                    if stops.matched is None:
+                        released += stops.flush()
+                    if released:
+                        yield Event(delta=inference_pb2.Delta(text=released))
+                    yield Event(usage=progress.usage())
+                    if finished.finish_reason == scheduler_pb2.SCHEDULER_FINISH_REASON_ABORT:
+                        yield Event(
+                            cancelled=inference_pb2.Cancelled(
+                                reason="abort", usage=progress.usage()
+                            )
+                        )
+                    else:
+                        reason = (
+                            _FINISH_REASONS[finished.finish_reason]
+                            if stops.matched is None
+                            else inference_pb2.FINISH_REASON_STOP_STRING
+                        )
+                        yield self._completed(
+                            reason, stops.matched or "", finished, progress, backend, sampling
+                        )
+                    return
+                elif kind == "failed":
+                    yield Event(usage=progress.usage())
+                    yield Event(failed=inference_pb2.Failed(error=event.failed))
+                    return
+                else:
+                    raise KvmeshError(Reason.WORKER_LOST, "the scheduler ended the stream early")
+        except (grpc.RpcError, KvmeshError) as error:
+            failure = error if isinstance(error, KvmeshError) else _upstream_failure(error)
+            log.warning("failed", extra={"reason": failure.reason.value, "error": failure.message})
+            yield Event(usage=progress.usage())
+            yield Event(failed=inference_pb2.Failed(error=grpc_errors.to_pb(failure)))
+
+    def _completed(
+        self,
+        reason: int,
+        stop_string: str,
+        finished: scheduler_pb2.SubmitFinished | None,
+        progress: Progress,
+        backend: SchedulerBackend,
+        sampling: common_pb2.SamplingParams,
+    ) -> Event:
+        now = time.monotonic()
+        model = backend.model or common_pb2.ModelInfo()
+        timings = inference_pb2.Timings(
+            total_ms=(now - progress.received) * 1e3,
+            ttft_ms=((progress.first_token_at or now) - progress.received) * 1e3,
+        )
+        if finished is not None:
+            timings.queue_ms = finished.queue_ms
+            timings.prefill_ms = finished.prefill_ms
+            timings.decode_ms = finished.decode_ms
+        return Event(
+            completed=inference_pb2.Completed(
+                finish_reason=reason,  # type: ignore[arg-type]
+                stop_string=stop_string,
+                usage=progress.usage(),
+                timings=timings,
+                execution=inference_pb2.ExecutionRecord(
+                    model_name=model.name,
+                    model_version=model.version,
+                    artifact_digest=model.artifact_digest,
+                    backend=model.backend,
+                    dtype=model.dtype,
+                    sampling=sampling,
+                    seed=sampling.seed,
+                    scheduler=backend.address,
+                ),
+            )
+        )
+
+
+def _upstream_failure(error: grpc.RpcError) -> KvmeshError:
+    """A stream that broke after acceptance: a peer died, unless it said otherwise."""
+    failure = grpc_errors.from_rpc_error(error)
+    if failure.reason in (Reason.MODEL_NOT_READY, Reason.INTERNAL):
+        return KvmeshError(
+            Reason.WORKER_LOST,
+            f"a service on the request's path stopped responding: {failure.message}",
+            retryable=True,
+            retry_after_ms=1000,
+        )
+    return failure

@@ -1,0 +1,93 @@
+"""The public kvmesh.v1.Inference service: thin handlers over the admission and relay code."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.gateway.admission import prompt_token_ids
+from services.gateway.backends import Backends
+from services.gateway.generate import GenerateHandler
+from shared import grpc_errors
+from shared.errors import KvmeshError
+from shared.pb.kvmesh.v1 import (
+    common_pb2,
+    inference_pb2,
+    inference_pb2_grpc,
+    scheduler_pb2,
+)
+from shared.service import ServiceRuntime
+
+
+class InferenceService(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, runtime: ServiceRuntime, backends: Backends) -> None:
+        self.backends = backends
+        self.generate = GenerateHandler(runtime, backends)
+
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateEvent]:
+        async for event in self.generate(request, context):
+            yield event
+
+    async def Abort(
+        self, request: inference_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.AbortResponse:
+        backend = self.generate.active.get(request.request_id)
+        if backend is None:
+            return inference_pb2.AbortResponse(found=False)
+        try:
+            reply = await backend.stub.Abort(
+                scheduler_pb2.SchedulerAbortRequest(request_id=request.request_id), timeout=5
+            )
+        except grpc.RpcError as error:
+            await grpc_errors.abort(context, grpc_errors.from_rpc_error(error))
+            raise
+        return inference_pb2.AbortResponse(found=reply.found)
+
+    async def ListModels(
+        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ListModelsResponse:
+        return inference_pb2.ListModelsResponse(models=self.backends.models())
+
+    async def GetModel(
+        self, request: inference_pb2.GetModelRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ModelInfo:
+        try:
+            model = self.backends.pick(request.name).model
+        except KvmeshError as error:
+            await grpc_errors.abort(context, error)
+            raise
+        assert model is not None
+        return model
+
+    async def _token_ids(
+        self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[list[int], common_pb2.ModelInfo]:
+        try:
+            model = self.backends.pick(request.model).model
+            assert model is not None
+            ids = await prompt_token_ids(
+                request, self.backends.tokenizer, model, context.time_remaining()
+            )
+        except KvmeshError as error:
+            await grpc_errors.abort(context, error)
+            raise
+        return ids, model
+
+    async def Tokenize(
+        self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.TokenizeResponse:
+        ids, _ = await self._token_ids(request, context)
+        return inference_pb2.TokenizeResponse(token_ids=ids)
+
+    async def CountTokens(
+        self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.CountTokensResponse:
+        ids, model = await self._token_ids(request, context)
+        return inference_pb2.CountTokensResponse(
+            count=len(ids),
+            max_model_len=model.max_model_len,
+            max_output_tokens=max(0, model.max_model_len - len(ids)),
+        )

@@ -1,0 +1,67 @@
+"""`python -m services.scheduler`: queue and batch requests for one engine-worker."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+
+from services.scheduler.load_publisher import publish_load
+from services.scheduler.server import SchedulerService
+from shared.flags import add_scheduler_flags, env_default, env_int, scheduler_config
+from shared.logs import configure_logging
+from shared.pb.kvmesh.v1 import scheduler_pb2_grpc
+from shared.service import ServiceRuntime, add_common_flags
+
+SERVICE_NAME = "kvmesh.v1.Scheduler"
+
+
+async def serve(args: argparse.Namespace) -> None:
+    runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port)
+    service = SchedulerService(
+        runtime,
+        scheduler_config(args),
+        enable_prefix_caching=not args.no_prefix_caching,
+        worker_address=args.worker,
+        max_waiting=args.max_waiting,
+    )
+    runtime.add_servicer(scheduler_pb2_grpc.add_SchedulerServicer_to_server, service)
+    await runtime.start()
+    tasks = [asyncio.create_task(service.run())]
+    if args.redis:
+        publisher = publish_load(args.redis, runtime.address, service.load_report)
+        tasks.append(asyncio.create_task(publisher))
+    await runtime.serve_until_signalled(args.drain_seconds)
+    for task in tasks:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="services.scheduler", description=__doc__)
+    add_common_flags(parser, default_port=50071)
+    parser.add_argument(
+        "--worker",
+        default=env_default("worker", "127.0.0.1:50061"),
+        help="engine-worker address",
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=env_int("max-waiting", 1024),
+        help="queued requests beyond this are refused with OVERLOADED",
+    )
+    parser.add_argument(
+        "--redis",
+        default=env_default("redis", None),
+        help="publish load here, e.g. redis://host:6379/0",
+    )
+    add_scheduler_flags(parser)
+    args = parser.parse_args()
+    configure_logging("scheduler", args.log_level)
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

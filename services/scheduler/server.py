@@ -1,0 +1,332 @@
+"""The scheduler service: Submit streams in, one step loop driving the engine-worker.
+
+Each step: `Scheduler.schedule()` -> one StepPlan message to the worker -> its StepResult ->
+`Scheduler.update()` -> one SubmitEvent per request that gained tokens. Aborts (Abort calls,
+cancelled Submit streams) and deadline expiries free KV blocks at once, between steps; the
+worker forgets those requests with the next plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.worker_link import WorkerLink, WorkerLost, worker_lost_error
+from shared import grpc_errors
+from shared.codec import logprobs_to_pb, plan_to_pb, result_from_pb, sampling_from_pb
+from shared.config import CacheConfig, SchedulerConfig
+from shared.errors import KvmeshError, Reason
+from shared.logs import bind_request
+from shared.outputs import FinishReason, RequestOutput
+from shared.pb.kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from shared.service import ServiceRuntime
+
+log = logging.getLogger("kvmesh.scheduler")
+# A request expires this long before its gRPC deadline, so its `failed` event still reaches the
+# client (two more hops) before the client's own deadline fires.
+DEADLINE_MARGIN_S = 0.025
+RECENT_FREES = 1024
+_FINISH_REASONS = {
+    FinishReason.STOP: scheduler_pb2.SCHEDULER_FINISH_REASON_STOP,
+    FinishReason.LENGTH: scheduler_pb2.SCHEDULER_FINISH_REASON_LENGTH,
+    FinishReason.ABORT: scheduler_pb2.SCHEDULER_FINISH_REASON_ABORT,
+}
+
+
+@dataclass
+class Tracked:
+    """A request with an open Submit stream."""
+
+    request_id: str
+    arrival: float
+    events: asyncio.Queue[scheduler_pb2.SubmitEvent] = field(default_factory=asyncio.Queue)
+    first_step: float | None = None
+    first_token: float | None = None
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass
+class Counters:
+    steps: int = 0
+    worker_compute_ms: float = 0.0
+    aborted: int = 0
+    expired_waiting: int = 0
+    expired_running: int = 0
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(
+        self,
+        runtime: ServiceRuntime,
+        config: SchedulerConfig,
+        enable_prefix_caching: bool,
+        worker_address: str,
+        max_waiting: int,
+    ) -> None:
+        self.runtime = runtime
+        self.config = config
+        self.enable_prefix_caching = enable_prefix_caching
+        self.max_waiting = max_waiting
+        self.link = WorkerLink(worker_address, self._wake_loop)
+        self.scheduler: Scheduler | None = None
+        self.model: common_pb2.ModelInfo | None = None
+        self.tracked: dict[str, Tracked] = {}
+        self.counters = Counters()
+        self.recent_frees: collections.deque[tuple[str, int]] = collections.deque(
+            maxlen=RECENT_FREES
+        )
+        self._wake = asyncio.Event()
+
+    # ---- the step loop ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Attach to the worker, run steps until it is lost, fail what was in flight, repeat."""
+        while True:
+            self.model = await self.link.connect()
+            block_size = self.model.kv_block_size
+            self.scheduler = Scheduler(
+                self.config,
+                CacheConfig(
+                    block_size=block_size, enable_prefix_caching=self.enable_prefix_caching
+                ),
+                self.model.kv_blocks,
+                self.model.max_model_len,
+                tuple(self.model.eos_token_ids),
+            )
+            await self.runtime.set_ready(True)
+            try:
+                await self._step_until_lost(self.scheduler)
+            except WorkerLost as lost:
+                await self.runtime.set_ready(False)
+                self._fail_all(worker_lost_error(str(lost)))
+                self.scheduler = None
+                await self.link.close()
+
+    async def _step_until_lost(self, scheduler: Scheduler) -> None:
+        while True:
+            if self.link.lost:
+                raise WorkerLost(self.link.address)
+            self._wake.clear()  # before schedule(): a submission from here on wakes us again
+            plan = scheduler.schedule()
+            if plan.num_scheduled_tokens == 0:
+                if plan.finished_request_ids:  # let the worker forget them now
+                    await self.link.step(plan_to_pb(plan))
+                if not scheduler.has_unfinished():
+                    await self._wake.wait()
+                else:  # nothing fits now; an abort or expiry will free room
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), 0.05)
+                continue
+            now = time.monotonic()
+            for new in plan.new_requests:
+                tracked = self.tracked.get(new.request_id)
+                if tracked is not None and tracked.first_step is None:
+                    tracked.first_step = now
+            result_pb = await self.link.step(plan_to_pb(plan))
+            self.counters.steps += 1
+            self.counters.worker_compute_ms += result_pb.compute_ms
+            result = result_from_pb(result_pb)
+            self._dispatch(scheduler.update(plan, result))
+
+    def _wake_loop(self) -> None:
+        self._wake.set()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for output in outputs:
+            tracked = self.tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            if output.new_token_ids:
+                tracked.first_token = tracked.first_token or now
+                tokens = scheduler_pb2.SubmitTokens(
+                    token_ids=output.new_token_ids,
+                    logprobs=[logprobs_to_pb(lp) for lp in output.logprobs],
+                )
+                tracked.events.put_nowait(scheduler_pb2.SubmitEvent(tokens=tokens))
+            if output.finish_reason is not None:
+                self._finish(tracked, output.finish_reason, output.num_cached_tokens, now)
+
+    def _finish(
+        self, tracked: Tracked, reason: FinishReason, cached_tokens: int, now: float
+    ) -> None:
+        first_step = tracked.first_step or now
+        first_token = tracked.first_token or now
+        finished = scheduler_pb2.SubmitFinished(
+            finish_reason=_FINISH_REASONS[reason],
+            cached_tokens=cached_tokens,
+            queue_ms=(first_step - tracked.arrival) * 1e3,
+            prefill_ms=(first_token - first_step) * 1e3,
+            decode_ms=(now - first_token) * 1e3,
+        )
+        self._close(tracked, scheduler_pb2.SubmitEvent(finished=finished))
+
+    def _close(self, tracked: Tracked, terminal: scheduler_pb2.SubmitEvent) -> None:
+        if tracked.timer is not None:
+            tracked.timer.cancel()
+        self.tracked.pop(tracked.request_id, None)
+        tracked.events.put_nowait(terminal)
+
+    def _fail_all(self, error: KvmeshError) -> None:
+        failed = scheduler_pb2.SubmitEvent(failed=grpc_errors.to_pb(error))
+        for tracked in list(self.tracked.values()):
+            self._close(tracked, failed)
+
+    # ---- aborts and deadlines --------------------------------------------------------------
+
+    def _abort(self, request_id: str) -> bool:
+        """Frees the request's blocks now; False when it already finished."""
+        if self.scheduler is None or self.scheduler.abort(request_id) is None:
+            return False
+        self.recent_frees.append((request_id, time.time_ns()))
+        self._wake.set()  # the next plan tells the worker to forget it
+        return True
+
+    def _expire(self, request_id: str) -> None:
+        tracked = self.tracked.get(request_id)
+        if tracked is None or self.scheduler is None:
+            return
+        started = tracked.first_step is not None
+        if not self._abort(request_id):
+            return
+        if started:
+            self.counters.expired_running += 1
+            error = KvmeshError(Reason.DEADLINE_EXCEEDED, "the deadline passed while generating")
+        else:
+            self.counters.expired_waiting += 1
+            error = KvmeshError(
+                Reason.DEADLINE_EXCEEDED,
+                "the deadline passed before the request could start; nothing was computed",
+                retryable=True,
+            )
+        log.info("deadline exceeded", extra={"request_id": request_id, "started": started})
+        self._close(tracked, scheduler_pb2.SubmitEvent(failed=grpc_errors.to_pb(error)))
+
+    # ---- RPCs ------------------------------------------------------------------------------
+
+    def _admit(self, request: scheduler_pb2.SubmitRequest, remaining: float | None) -> Tracked:
+        self.runtime.refuse_if_draining()
+        if self.scheduler is None or self.link.lost:
+            raise KvmeshError(
+                Reason.MODEL_NOT_READY,
+                "no engine-worker attached yet",
+                retryable=True,
+                retry_after_ms=1000,
+            )
+        if remaining is not None and remaining <= DEADLINE_MARGIN_S:
+            raise KvmeshError(
+                Reason.DEADLINE_EXCEEDED, "the deadline leaves no time to start", retryable=True
+            )
+        if len(self.scheduler.waiting) >= self.max_waiting:
+            raise KvmeshError(
+                Reason.OVERLOADED,
+                f"{len(self.scheduler.waiting)} requests are already queued",
+                retryable=True,
+                retry_after_ms=1000,
+            )
+        if request.request_id in self.tracked:
+            raise KvmeshError(Reason.INVALID_ARGUMENT, f"{request.request_id!r} is in use")
+        sampling = sampling_from_pb(request.sampling)
+        self.scheduler.add_request(
+            request.request_id, list(request.token_ids), sampling, request.priority
+        )
+        tracked = Tracked(request.request_id, time.monotonic())
+        if remaining is not None:
+            loop = asyncio.get_running_loop()
+            tracked.timer = loop.call_later(
+                remaining - DEADLINE_MARGIN_S, self._expire, request.request_id
+            )
+        self.tracked[request.request_id] = tracked
+        return tracked
+
+    async def Submit(
+        self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.SubmitEvent]:
+        bind_request(request.request_id)
+        try:
+            tracked = self._admit(request, context.time_remaining())
+        except KvmeshError as error:
+            log.info("refused", extra={"reason": error.reason.value, "error": error.message})
+            await grpc_errors.abort(context, error)
+            return
+        assert self.scheduler is not None
+        queued = self.scheduler.requests[request.request_id]
+        position = self.scheduler.waiting.index(queued)
+        self._wake.set()
+        with self.runtime.in_flight():
+            try:
+                yield scheduler_pb2.SubmitEvent(
+                    accepted=scheduler_pb2.SubmitAccepted(queue_position=position)
+                )
+                while True:
+                    event = await tracked.events.get()
+                    yield event
+                    if event.WhichOneof("event") in ("finished", "failed"):
+                        return
+            finally:
+                if request.request_id in self.tracked:  # the caller went away first
+                    self.tracked.pop(request.request_id)
+                    if tracked.timer is not None:
+                        tracked.timer.cancel()
+                    if self._abort(request.request_id):
+                        self.counters.aborted += 1
+                        log.info("cancelled by caller")
+
+    async def Abort(
+        self, request: scheduler_pb2.SchedulerAbortRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SchedulerAbortResponse:
+        tracked = self.tracked.get(request.request_id)
+        found = self._abort(request.request_id)
+        if found:
+            self.counters.aborted += 1
+            if tracked is not None:
+                self._finish(tracked, FinishReason.ABORT, 0, time.monotonic())
+        return scheduler_pb2.SchedulerAbortResponse(found=found)
+
+    async def GetLoad(
+        self, request: scheduler_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.LoadReport:
+        return self.load_report(request.include_recent_frees)
+
+    def load_report(self, include_recent_frees: bool = False) -> scheduler_pb2.LoadReport:
+        report = scheduler_pb2.LoadReport(
+            num_steps=self.counters.steps,
+            worker_compute_ms=self.counters.worker_compute_ms,
+            num_aborted=self.counters.aborted,
+            num_expired_waiting=self.counters.expired_waiting,
+            num_expired_running=self.counters.expired_running,
+            worker_ready=self.scheduler is not None and not self.link.lost,
+        )
+        if self.scheduler is not None:
+            load = self.scheduler.load()
+            report.num_waiting = load.num_waiting
+            report.num_running = load.num_running
+            report.num_free_blocks = load.num_free_blocks
+            report.num_blocks = load.num_blocks
+            report.num_preemptions = load.num_preemptions
+            report.prefix_hit_tokens = load.prefix_hit_tokens
+        if include_recent_frees:
+            report.recent_frees.extend(
+                scheduler_pb2.FreedRequest(request_id=r, freed_unix_ns=t)
+                for r, t in self.recent_frees
+            )
+        return report
+
+    async def GetModel(
+        self, request: scheduler_pb2.SchedulerModelRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ModelInfo:
+        if self.model is None:
+            error = KvmeshError(
+                Reason.MODEL_NOT_READY, "no engine-worker attached yet", retryable=True
+            )
+            await grpc_errors.abort(context, error)
+        assert self.model is not None
+        return self.model

@@ -1,0 +1,115 @@
+"""The scheduler's side of the step stream to its engine-worker.
+
+`connect()` waits until the worker is ready and opens the long-lived Step stream; `step()` is
+one message out and one back. A watcher on the worker's health notices a lost worker even while
+no step is in flight, so readiness drops at once and a pending step fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.errors import KvmeshError, Reason
+from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
+from shared.service import CHANNEL_OPTIONS
+
+log = logging.getLogger("kvmesh.scheduler.worker_link")
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+class WorkerLost(Exception):
+    pass
+
+
+class WorkerLink:
+    def __init__(self, address: str, on_lost: Callable[[], None]) -> None:
+        self.address = address
+        self._on_lost = on_lost  # wakes the step loop so it notices while idle
+        self._channel: grpc.aio.Channel | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self.lost = False
+
+    async def connect(self) -> common_pb2.ModelInfo:
+        """Blocks until the worker serves; retries forever (a worker may take minutes to load)."""
+        while True:
+            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            stub = engine_worker_pb2_grpc.EngineWorkerStub(self._channel)
+            try:
+                await self._wait_serving()
+                info = await stub.GetInfo(engine_worker_pb2.WorkerInfoRequest(), timeout=10)
+                self._call = stub.Step()
+                self.lost = False
+                self._watcher = asyncio.create_task(self._watch())
+                log.info("worker attached", extra={"worker": self.address})
+                return info.model
+            except grpc.RpcError as error:
+                log.info("worker not ready", extra={"worker": self.address, "error": str(error)})
+                await self.close()
+                await asyncio.sleep(0.5)
+
+    async def _wait_serving(self) -> None:
+        assert self._channel is not None
+        health = health_pb2_grpc.HealthStub(self._channel)
+        request = health_pb2.HealthCheckRequest(service="")
+        async for reply in health.Watch(request, wait_for_ready=True):
+            if reply.status == _SERVING:
+                return
+
+    async def _watch(self) -> None:
+        assert self._channel is not None
+        health = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            async for reply in health.Watch(health_pb2.HealthCheckRequest(service="")):
+                if reply.status != _SERVING:
+                    break
+        except grpc.RpcError:
+            pass
+        except asyncio.CancelledError:
+            return
+        log.warning("worker lost", extra={"worker": self.address})
+        self.lost = True
+        if self._call is not None:
+            self._call.cancel()
+        self._on_lost()
+
+    async def step(self, plan: engine_worker_pb2.StepPlan) -> engine_worker_pb2.StepResult:
+        if self._call is None or self.lost:
+            raise WorkerLost(self.address)
+        try:
+            await self._call.write(plan)
+            result = await self._call.read()
+        except (grpc.RpcError, asyncio.InvalidStateError) as error:
+            raise WorkerLost(f"{self.address}: {error}") from error
+        except asyncio.CancelledError:
+            if self.lost:  # the watcher cancelled the call, not someone cancelling us
+                raise WorkerLost(f"{self.address}: health watch ended") from None
+            raise
+        if result is grpc.aio.EOF:
+            raise WorkerLost(f"{self.address}: step stream closed")
+        return result
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+
+def worker_lost_error(detail: str) -> KvmeshError:
+    return KvmeshError(
+        Reason.WORKER_LOST,
+        f"the engine-worker stopped responding ({detail})",
+        retryable=True,
+        retry_after_ms=1000,
+    )

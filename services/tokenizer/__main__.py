@@ -1,0 +1,50 @@
+"""`python -m services.tokenizer`: the model's tokenizer and chat template over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from services.tokenizer.loader import load_tokenizer
+from services.tokenizer.server import TokenizerService
+from shared.flags import env_default
+from shared.logs import configure_logging
+from shared.model_paths import resolve_model_path
+from shared.pb.kvmesh.v1 import tokenizer_pb2_grpc
+from shared.service import ServiceRuntime, add_common_flags
+
+SERVICE_NAME = "kvmesh.v1.Tokenizer"
+
+
+async def serve(args: argparse.Namespace) -> None:
+    runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port)
+    path = resolve_model_path(args.model)
+    tokenizer = load_tokenizer(path)
+    logging.getLogger("kvmesh.tokenizer").info(
+        "loaded", extra={"model": path, "has_tokenizer": tokenizer is not None}
+    )
+    runtime.add_servicer(
+        tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
+        TokenizerService(runtime, tokenizer, path),
+    )
+    await runtime.start()
+    await runtime.set_ready(True)
+    await runtime.serve_until_signalled(args.drain_seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="services.tokenizer", description=__doc__)
+    add_common_flags(parser, default_port=50081)
+    parser.add_argument(
+        "--model",
+        default=env_default("model", None),
+        help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)",
+    )
+    args = parser.parse_args()
+    configure_logging("tokenizer", args.log_level)
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Dataclass <-> protobuf conversions, in one place for every boundary.
+
+Sampling parameters cross gateway -> scheduler -> worker; step plans and results cross
+scheduler <-> worker. The wire messages mirror the frozen dataclasses field for field.
+"""
+
+from __future__ import annotations
+
+from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2
+from shared.sampling import SamplingParams
+from shared.step import (
+    NewRequestPlan,
+    RunningRequestPlan,
+    SampledToken,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
+
+
+def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take the dataclass defaults; raises KvmeshError when invalid."""
+    defaults = SamplingParams()
+    has = message.HasField
+    return SamplingParams(
+        max_tokens=message.max_tokens if has("max_tokens") else defaults.max_tokens,
+        temperature=message.temperature if has("temperature") else defaults.temperature,
+        top_k=message.top_k if has("top_k") and message.top_k > 0 else None,
+        top_p=message.top_p if has("top_p") else defaults.top_p,
+        min_p=message.min_p,
+        repetition_penalty=(
+            message.repetition_penalty if has("repetition_penalty") else defaults.repetition_penalty
+        ),
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        seed=message.seed if has("seed") else None,
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        logprobs=message.logprobs if has("logprobs") else None,
+    )
+
+
+def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    """Every field set, so the receiver needs no defaults of its own."""
+    message = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k or 0,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        message.seed = params.seed
+    if params.logprobs is not None:
+        message.logprobs = params.logprobs
+    return message
+
+
+def logprobs_to_pb(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        token_id=logprobs.token_id,
+        logprob=logprobs.logprob,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top],
+    )
+
+
+def logprobs_from_pb(message: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(
+        message.token_id, message.logprob, tuple((t.token_id, t.logprob) for t in message.top)
+    )
+
+
+def plan_to_pb(plan: StepPlan) -> engine_worker_pb2.StepPlan:
+    return engine_worker_pb2.StepPlan(
+        step_id=plan.step_id,
+        new_requests=[
+            engine_worker_pb2.NewRequestPlan(
+                request_id=r.request_id,
+                token_ids=r.token_ids,
+                block_ids=r.block_ids,
+                num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=r.num_scheduled_tokens,
+                sampling=sampling_to_pb(r.sampling),
+                prompt_len=r.prompt_len,
+            )
+            for r in plan.new_requests
+        ],
+        running_requests=[
+            engine_worker_pb2.RunningRequestPlan(
+                request_id=r.request_id,
+                new_block_ids=r.new_block_ids,
+                num_scheduled_tokens=r.num_scheduled_tokens,
+            )
+            for r in plan.running_requests
+        ],
+        finished_request_ids=plan.finished_request_ids,
+    )
+
+
+def plan_from_pb(message: engine_worker_pb2.StepPlan) -> StepPlan:
+    return StepPlan(
+        message.step_id,
+        tuple(
+            NewRequestPlan(
+                r.request_id,
+                tuple(r.token_ids),
+                tuple(r.block_ids),
+                r.num_computed_tokens,
+                r.num_scheduled_tokens,
+                sampling_from_pb(r.sampling),
+                r.prompt_len,
+            )
+            for r in message.new_requests
+        ),
+        tuple(
+            RunningRequestPlan(r.request_id, tuple(r.new_block_ids), r.num_scheduled_tokens)
+            for r in message.running_requests
+        ),
+        tuple(message.finished_request_ids),
+    )
+
+
+def result_to_pb(result: StepResult, compute_ms: float = 0.0) -> engine_worker_pb2.StepResult:
+    sampled = []
+    for token in result.sampled:
+        message = engine_worker_pb2.SampledToken(
+            request_id=token.request_id, token_id=token.token_id
+        )
+        if token.logprobs is not None:
+            message.logprobs.CopyFrom(logprobs_to_pb(token.logprobs))
+        sampled.append(message)
+    return engine_worker_pb2.StepResult(
+        step_id=result.step_id, sampled=sampled, compute_ms=compute_ms
+    )
+
+
+def result_from_pb(message: engine_worker_pb2.StepResult) -> StepResult:
+    return StepResult(
+        message.step_id,
+        tuple(
+            SampledToken(
+                s.request_id,
+                s.token_id,
+                logprobs_from_pb(s.logprobs) if s.HasField("logprobs") else None,
+            )
+            for s in message.sampled
+        ),
+    )

@@ -1,0 +1,117 @@
+"""Engine flags shared by the CLI and the services, each defaulting to KVMESH_<FLAG> when set.
+
+The engine-worker owns the model and KV pool flags, the scheduler the batching ones; the
+in-process CLI takes both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from shared.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+
+
+def env_default(flag: str, default: str | None) -> str | None:
+    """KVMESH_<FLAG> (dashes as underscores) when set: containers configure by environment."""
+    return os.environ.get("KVMESH_" + flag.upper().replace("-", "_"), default)
+
+
+def env_int(flag: str, default: int | None) -> int | None:
+    value = env_default(flag, None if default is None else str(default))
+    return None if value is None else int(value)
+
+
+def add_worker_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model",
+        default=env_default("model", None),
+        help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)",
+    )
+    group.add_argument(
+        "--backend", default=env_default("backend", "auto"), help="compute backend: auto or torch"
+    )
+    group.add_argument(
+        "--dtype",
+        default=env_default("dtype", "float32"),
+        choices=["float32", "bfloat16", "float16"],
+    )
+    group.add_argument(
+        "--kv-memory", default=env_default("kv-memory", "1GiB"), help="KV cache budget, e.g. 512MiB"
+    )
+    group.add_argument(
+        "--block-size", type=int, default=env_int("block-size", 16), help="tokens per KV block"
+    )
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=env_int("max-model-len", None),
+        help="context length cap (default: the model's)",
+    )
+    group.add_argument(
+        "--threads",
+        type=int,
+        default=env_int("threads", None),
+        help="torch CPU threads (default: torch's choice)",
+    )
+
+
+def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("batching")
+    group.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=env_int("max-batched-tokens", 2048),
+        help="token budget per step",
+    )
+    group.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=env_int("max-num-seqs", 128),
+        help="most requests running at once",
+    )
+    group.add_argument(
+        "--chunk-size",
+        type=int,
+        default=env_int("chunk-size", 512),
+        help="prefill chunk size; 0 turns chunked prefill off",
+    )
+    group.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        default=env_default("no-prefix-caching", "") not in ("", "0", "false"),
+        help="turn automatic prefix caching off",
+    )
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    add_worker_flags(parser)
+    add_scheduler_flags(parser)
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_num_batched_tokens=args.max_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        prefill_chunk_size=args.chunk_size or None,
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """From worker flags, plus scheduler flags where the parser has them."""
+    return EngineConfig(
+        model=args.model,
+        backend=args.backend,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        num_threads=args.threads,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_memory_bytes=parse_bytes(args.kv_memory),
+            enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
+        ),
+        scheduler=(
+            scheduler_config(args) if hasattr(args, "max_batched_tokens") else SchedulerConfig()
+        ),
+    )

@@ -1,0 +1,132 @@
+from shared.pb.kvmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SchedulerFinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCHEDULER_FINISH_REASON_UNSPECIFIED: _ClassVar[SchedulerFinishReason]
+    SCHEDULER_FINISH_REASON_STOP: _ClassVar[SchedulerFinishReason]
+    SCHEDULER_FINISH_REASON_LENGTH: _ClassVar[SchedulerFinishReason]
+    SCHEDULER_FINISH_REASON_ABORT: _ClassVar[SchedulerFinishReason]
+SCHEDULER_FINISH_REASON_UNSPECIFIED: SchedulerFinishReason
+SCHEDULER_FINISH_REASON_STOP: SchedulerFinishReason
+SCHEDULER_FINISH_REASON_LENGTH: SchedulerFinishReason
+SCHEDULER_FINISH_REASON_ABORT: SchedulerFinishReason
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "sampling", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class SubmitEvent(_message.Message):
+    __slots__ = ("accepted", "tokens", "finished", "failed")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    accepted: SubmitAccepted
+    tokens: SubmitTokens
+    finished: SubmitFinished
+    failed: _common_pb2.Error
+    def __init__(self, accepted: _Optional[_Union[SubmitAccepted, _Mapping]] = ..., tokens: _Optional[_Union[SubmitTokens, _Mapping]] = ..., finished: _Optional[_Union[SubmitFinished, _Mapping]] = ..., failed: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...
+
+class SubmitAccepted(_message.Message):
+    __slots__ = ("queue_position",)
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    queue_position: int
+    def __init__(self, queue_position: _Optional[int] = ...) -> None: ...
+
+class SubmitTokens(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
+class SubmitFinished(_message.Message):
+    __slots__ = ("finish_reason", "cached_tokens", "queue_ms", "prefill_ms", "decode_ms")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: SchedulerFinishReason
+    cached_tokens: int
+    queue_ms: float
+    prefill_ms: float
+    decode_ms: float
+    def __init__(self, finish_reason: _Optional[_Union[SchedulerFinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ...) -> None: ...
+
+class SchedulerAbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class SchedulerAbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("include_recent_frees",)
+    INCLUDE_RECENT_FREES_FIELD_NUMBER: _ClassVar[int]
+    include_recent_frees: bool
+    def __init__(self, include_recent_frees: _Optional[bool] = ...) -> None: ...
+
+class FreedRequest(_message.Message):
+    __slots__ = ("request_id", "freed_unix_ns")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FREED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    freed_unix_ns: int
+    def __init__(self, request_id: _Optional[str] = ..., freed_unix_ns: _Optional[int] = ...) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_blocks", "num_preemptions", "prefix_hit_tokens", "num_expired_waiting", "num_expired_running", "num_aborted", "num_steps", "recent_frees", "worker_ready", "worker_compute_ms")
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPIRED_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPIRED_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FREES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_READY_FIELD_NUMBER: _ClassVar[int]
+    WORKER_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_hit_tokens: int
+    num_expired_waiting: int
+    num_expired_running: int
+    num_aborted: int
+    num_steps: int
+    recent_frees: _containers.RepeatedCompositeFieldContainer[FreedRequest]
+    worker_ready: bool
+    worker_compute_ms: float
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_expired_waiting: _Optional[int] = ..., num_expired_running: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., recent_frees: _Optional[_Iterable[_Union[FreedRequest, _Mapping]]] = ..., worker_ready: _Optional[bool] = ..., worker_compute_ms: _Optional[float] = ...) -> None: ...
+
+class SchedulerModelRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,136 @@
+"""What every service process shares: a gRPC aio server with health and reflection, flags from
+the environment, and a SIGTERM drain.
+
+Health: service "liveness" is SERVING while the process runs; "" and the service's own name
+turn SERVING only when it can serve (model loaded and warmed, a ready peer reachable).
+SIGTERM (or SIGINT): readiness goes NOT_SERVING, new work is refused, in-flight streams get a
+grace period to finish, then the server stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from shared.errors import KvmeshError, Reason
+from shared.flags import env_default, env_int
+
+LIVENESS = "liveness"
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Large plans and prompts: lift gRPC's 4 MiB default. Clients ping every 10 s so a dead peer
+# is noticed on an idle channel; servers must then allow pings that often, or they answer
+# GOAWAY "too_many_pings" and every call on the channel fails.
+_MESSAGE_LIMITS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+CHANNEL_OPTIONS = [
+    *_MESSAGE_LIMITS,
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    *_MESSAGE_LIMITS,
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+log = logging.getLogger("kvmesh.service")
+
+
+def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
+    parser.add_argument("--host", default=env_default("host", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=env_int("port", default_port))
+    parser.add_argument("--log-level", default=env_default("log-level", "INFO"))
+    parser.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=float(env_default("drain-seconds", None) or 30),
+        help="grace period for in-flight streams after SIGTERM",
+    )
+
+
+class ServiceRuntime:
+    def __init__(self, service_name: str, host: str, port: int) -> None:
+        self.service_name = service_name  # full proto name, e.g. kvmesh.v1.Scheduler
+        self.address = f"{host}:{port}"
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.draining = False
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._stopped = asyncio.Event()
+
+    def add_servicer(self, register: Callable[[object, grpc.aio.Server], None], servicer: object):
+        register(servicer, self.server)
+
+    async def start(self) -> None:
+        names = (self.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        if self.server.add_insecure_port(self.address) == 0:
+            raise OSError(f"cannot bind {self.address}")
+        await self.server.start()
+        await self.health.set(LIVENESS, _SERVING)
+        await self.set_ready(False)
+        log.info("listening", extra={"address": self.address})
+
+    async def set_ready(self, ready: bool) -> None:
+        status = _SERVING if ready and not self.draining else _NOT_SERVING
+        for name in ("", self.service_name):
+            await self.health.set(name, status)
+
+    def refuse_if_draining(self) -> None:
+        if self.draining:
+            raise KvmeshError(
+                Reason.MODEL_NOT_READY,
+                "this instance is shutting down; send the request to another",
+                retryable=True,
+                retry_after_ms=100,
+            )
+
+    @contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """Counts a stream so a drain can wait for it."""
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    async def serve_until_signalled(
+        self, grace_seconds: float, on_drain: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._stopped.set)
+        await self._stopped.wait()
+        log.info("draining", extra={"in_flight": self._inflight, "grace_s": grace_seconds})
+        self.draining = True
+        await self.set_ready(False)
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_seconds)
+        except asyncio.TimeoutError:
+            log.warning("grace period over", extra={"in_flight": self._inflight})
+        if on_drain is not None:
+            await on_drain()
+        await self.server.stop(grace=1.0)
+        log.info("stopped")
+
+    def stop(self) -> None:
+        self._stopped.set()

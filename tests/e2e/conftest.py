@@ -1,0 +1,24 @@
+"""A real mesh on loopback (real processes, real redis-server), shared by the e2e modules."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvmesh.launcher import Mesh, MeshConfig
+
+# Small KV pool and one engine thread per worker: the test process and the mesh share 2 cores.
+MESH_WORKER_ARGS = ["--kv-memory", "256MiB"]
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    config = MeshConfig(
+        worker_threads=2,
+        worker_args=MESH_WORKER_ARGS,
+        log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
+        drain_seconds=5,
+    )
+    with Mesh(config) as running:
+        yield running

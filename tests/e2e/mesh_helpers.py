@@ -1,0 +1,120 @@
+"""Helpers for tests against a real mesh: collecting streams, reading rich errors, loads."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from shared.pb.kvmesh.v1 import (
+    common_pb2,
+    inference_pb2,
+    inference_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+
+TERMINAL = ("completed", "cancelled", "failed")
+
+
+@dataclass
+class RichError:
+    """What a client in any language reads from the rich error model."""
+
+    code: grpc.StatusCode
+    reason: str
+    retryable: bool
+    retry_delay_ms: int | None  # None: no RetryInfo
+
+
+def rich_error(error: grpc.RpcError) -> RichError:
+    """Parsed with grpcio-status, as any Python client would, not with kvmesh's own code."""
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    assert status is not None, f"no google.rpc.Status in {error}"
+    reason, retryable, delay = "", False, None
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        retry = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            assert info.domain == "kvmesh.dev"
+            reason, retryable = info.reason, info.metadata["retryable"] == "true"
+        elif detail.Unpack(retry):
+            delay = retry.retry_delay.ToMilliseconds()
+    return RichError(error.code(), reason, retryable, delay)  # type: ignore[attr-defined]
+
+
+def text_request(text: str, **sampling: object) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(
+        text=text,
+        sampling=common_pb2.SamplingParams(**sampling),  # type: ignore[arg-type]
+    )
+
+
+def chat_request(content: str, **sampling: object) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(
+        chat=common_pb2.Chat(messages=[common_pb2.ChatMessage(role="user", content=content)]),
+        sampling=common_pb2.SamplingParams(**sampling),  # type: ignore[arg-type]
+    )
+
+
+def ids_request(ids: list[int], **sampling: object) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=ids),
+        sampling=common_pb2.SamplingParams(**sampling),  # type: ignore[arg-type]
+    )
+
+
+async def collect(
+    stub: inference_pb2_grpc.InferenceStub,
+    request: inference_pb2.GenerateRequest,
+    timeout: float | None = 120,
+) -> list[inference_pb2.GenerateEvent]:
+    return [event async for event in stub.Generate(request, timeout=timeout)]
+
+
+async def read_rest(call: grpc.aio.UnaryStreamCall) -> list[inference_pb2.GenerateEvent]:
+    """The remaining events of a call already read with read() (the two styles don't mix)."""
+    events = []
+    while (event := await call.read()) is not grpc.aio.EOF:
+        events.append(event)
+    return events
+
+
+def kinds(events: list[inference_pb2.GenerateEvent]) -> list[str]:
+    return [str(e.WhichOneof("event")) for e in events]
+
+
+def assert_one_terminal(events: list[inference_pb2.GenerateEvent]) -> str:
+    """Accepted first, exactly one terminal event, and it is last."""
+    names = kinds(events)
+    assert names[0] == "accepted", names
+    terminals = [n for n in names if n in TERMINAL]
+    assert len(terminals) == 1 and names[-1] == terminals[0], names
+    return terminals[0]
+
+
+def output_text(events: list[inference_pb2.GenerateEvent]) -> str:
+    return "".join(e.delta.text for e in events if e.WhichOneof("event") == "delta")
+
+
+def output_ids(events: list[inference_pb2.GenerateEvent]) -> list[int]:
+    return [t for e in events if e.WhichOneof("event") == "delta" for t in e.delta.token_ids]
+
+
+async def settled_load(
+    scheduler_address: str, timeout: float = 30, recent_frees: bool = False
+) -> scheduler_pb2.LoadReport:
+    """The scheduler's load once nothing is queued or running."""
+    async with grpc.aio.insecure_channel(scheduler_address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        deadline = time.monotonic() + timeout
+        while True:
+            load = await stub.GetLoad(scheduler_pb2.LoadRequest(include_recent_frees=recent_frees))
+            if load.num_running == 0 and load.num_waiting == 0:
+                return load
+            assert time.monotonic() < deadline, f"requests still in flight: {load}"
+            await asyncio.sleep(0.02)

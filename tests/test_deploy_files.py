@@ -1,0 +1,57 @@
+"""docker-compose.yml: valid against the compose-spec, and every command names a real module."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "docker-compose.yml"
+MESH_SERVICES = {"trace-collector", "tokenizer", "engine-worker", "scheduler", "gateway"}
+
+
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def python_modules(command: list[str]) -> list[str]:
+    return [command[i + 1] for i, arg in enumerate(command[:-1]) if arg == "-m"]
+
+
+def test_compose_file_matches_the_compose_spec() -> None:
+    beside_python = Path(sys.executable).parent / "check-jsonschema"
+    checker = str(beside_python) if beside_python.exists() else shutil.which("check-jsonschema")
+    assert checker, "check-jsonschema is not installed (pip install -e '.[test]')"
+    result = subprocess.run(
+        [checker, "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_command_and_health_check_names_a_module_that_exists() -> None:
+    services = compose()["services"]
+    assert set(services) >= MESH_SERVICES
+    checked = 0
+    for name, service in services.items():
+        commands = [service.get("command", []), service.get("healthcheck", {}).get("test", [])]
+        for command in commands:
+            for module in python_modules(command):
+                assert importlib.util.find_spec(module) is not None, f"{name}: no module {module}"
+                checked += 1
+    assert checked >= 2 * len(MESH_SERVICES)
+
+
+def test_each_mesh_service_has_a_health_check_and_redis_is_the_official_image() -> None:
+    services = compose()["services"]
+    for name in MESH_SERVICES:
+        assert "shared.healthcheck" in services[name]["healthcheck"]["test"], name
+        assert python_modules(services[name]["command"]) == [f"services.{name.replace('-', '_')}"]
+    assert services["redis"]["image"].startswith("redis:")
