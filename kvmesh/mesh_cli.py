@@ -11,25 +11,24 @@ import time
 from kvmesh.client import MeshClient, generate_request
 from kvmesh.launcher import Mesh, MeshConfig
 from shared.errors import KvmeshError
+from shared.flags import (
+    add_scheduler_flags,
+    add_worker_flags,
+    scheduler_flag_args,
+    worker_flag_args,
+)
 from shared.pb.kvmesh.v1 import inference_pb2
 
 
 def add_up_parser(commands: argparse._SubParsersAction) -> None:
     up = commands.add_parser("up", help="start the whole mesh on this machine (Ctrl-C stops it)")
-    up.add_argument("--model", help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     up.add_argument("--workers", type=int, default=1, help="engine-worker + scheduler pairs")
     up.add_argument("--redis", help="use this Redis (redis://HOST:PORT) instead of starting one")
     up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=50051, help="gateway port")
+    up.add_argument("--port", type=int, default=50051, help="gateway port; 0 picks a free one")
     up.add_argument("--log-dir", help="service logs (JSON lines); default: a temporary directory")
-    up.add_argument("--threads", type=int, help="torch threads per engine-worker")
-    up.add_argument("--kv-memory", default="1GiB", help="KV cache budget per engine-worker")
-    up.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    up.add_argument("--max-model-len", type=int)
-    up.add_argument("--max-num-seqs", type=int, default=128)
-    up.add_argument("--max-batched-tokens", type=int, default=2048)
-    up.add_argument("--chunk-size", type=int, default=512, help="0 turns chunked prefill off")
-    up.add_argument("--no-prefix-caching", action="store_true")
+    add_worker_flags(up)  # forwarded to every engine-worker
+    add_scheduler_flags(up)  # forwarded to every scheduler
     up.add_argument(
         "--prompt",
         help="once ready, stream one answer to this prompt through the gateway, then stop",
@@ -45,19 +44,6 @@ def add_remote_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def mesh_config(args: argparse.Namespace) -> MeshConfig:
-    worker_args = ["--kv-memory", args.kv_memory, "--dtype", args.dtype]
-    if args.max_model_len:
-        worker_args += ["--max-model-len", str(args.max_model_len)]
-    scheduler_args = [
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--max-batched-tokens",
-        str(args.max_batched_tokens),
-        "--chunk-size",
-        str(args.chunk_size),
-    ]
-    if args.no_prefix_caching:
-        scheduler_args.append("--no-prefix-caching")
     return MeshConfig(
         model=args.model,
         workers=args.workers,
@@ -65,8 +51,8 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
         host=args.host,
         gateway_port=args.port,
         worker_threads=args.threads,
-        worker_args=worker_args,
-        scheduler_args=scheduler_args,
+        worker_args=worker_flag_args(args),
+        scheduler_args=scheduler_flag_args(args),
         log_dir=args.log_dir,
     )
 

@@ -115,3 +115,19 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             scheduler_config(args) if hasattr(args, "max_batched_tokens") else SchedulerConfig()
         ),
     )
+
+
+def worker_flag_args(args: argparse.Namespace) -> list[str]:
+    """Parsed worker flags back as arguments, for a launcher to forward (model and threads are
+    the launcher's own)."""
+    forwarded = ["--backend", args.backend, "--dtype", args.dtype, "--kv-memory", args.kv_memory]
+    forwarded += ["--block-size", str(args.block_size)]
+    if args.max_model_len is not None:
+        forwarded += ["--max-model-len", str(args.max_model_len)]
+    return forwarded
+
+
+def scheduler_flag_args(args: argparse.Namespace) -> list[str]:
+    forwarded = ["--max-batched-tokens", str(args.max_batched_tokens)]
+    forwarded += ["--max-num-seqs", str(args.max_num_seqs), "--chunk-size", str(args.chunk_size)]
+    return forwarded + (["--no-prefix-caching"] if args.no_prefix_caching else [])

@@ -98,6 +98,17 @@ class Progress:
         )
 
 
+@dataclass
+class Admitted:
+    """A request the scheduler accepted: where it runs and with what."""
+
+    backend: SchedulerBackend
+    sampling: common_pb2.SamplingParams  # every field set, the seed chosen
+    token_ids: list[int]
+    submit: grpc.aio.UnaryStreamCall  # the scheduler's token stream; cancelling aborts
+    queue_position: int
+
+
 class GenerateHandler:
     def __init__(self, runtime: ServiceRuntime, backends: Backends) -> None:
         self.runtime = runtime
@@ -111,20 +122,20 @@ class GenerateHandler:
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         bind_request(request_id)
         try:
-            backend, sampling, token_ids, submit, accepted = await self._admit(
-                request, request_id, context, received
-            )
+            admitted = await self._admit(request, request_id, context, received)
         except KvmeshError as error:
             log.info("refused", extra={"reason": error.reason.value, "error": error.message})
             await grpc_errors.abort(context, error)
             return
+        backend, submit = admitted.backend, admitted.submit
         self.active[request_id] = backend
         backend.in_flight += 1
+        prompt_tokens = len(admitted.token_ids)
         log.info(
             "accepted",
-            extra={"prompt_tokens": len(token_ids), "queue_position": accepted.queue_position},
+            extra={"prompt_tokens": prompt_tokens, "queue_position": admitted.queue_position},
         )
-        progress = Progress(len(token_ids), received)
+        progress = Progress(prompt_tokens, received)
         text = TextStream(self.backends.tokenizer)
         with self.runtime.in_flight():
             try:
@@ -132,12 +143,12 @@ class GenerateHandler:
                 yield Event(
                     accepted=inference_pb2.Accepted(
                         request_id=request_id,
-                        queue_position=accepted.queue_position,
-                        prompt_tokens=len(token_ids),
+                        queue_position=admitted.queue_position,
+                        prompt_tokens=prompt_tokens,
                         model=backend.model.name,
                     )
                 )
-                async for event in self._relay(request, submit, text, progress, backend, sampling):
+                async for event in self._relay(request, admitted, text, progress):
                     kind = event.WhichOneof("event")
                     if kind in ("completed", "cancelled", "failed"):
                         log.info(
@@ -162,13 +173,7 @@ class GenerateHandler:
         request_id: str,
         context: grpc.aio.ServicerContext,
         received: float,
-    ) -> tuple[
-        SchedulerBackend,
-        common_pb2.SamplingParams,
-        list[int],
-        grpc.aio.UnaryStreamCall,
-        scheduler_pb2.SubmitAccepted,
-    ]:
+    ) -> Admitted:
         self.runtime.refuse_if_draining()
         if request_id in self.active:
             raise KvmeshError(Reason.INVALID_ARGUMENT, f"request id {request_id!r} is in use")
@@ -200,17 +205,16 @@ class GenerateHandler:
             raise
         if first is grpc.aio.EOF or first.WhichOneof("event") != "accepted":
             raise KvmeshError(Reason.INTERNAL, "the scheduler did not accept the request")
-        return backend, sampling, token_ids, submit, first.accepted
+        return Admitted(backend, sampling, token_ids, submit, first.accepted.queue_position)
 
     async def _relay(
         self,
         request: inference_pb2.GenerateRequest,
-        submit: grpc.aio.UnaryStreamCall,
+        admitted: Admitted,
         text: TextStream,
         progress: Progress,
-        backend: SchedulerBackend,
-        sampling: common_pb2.SamplingParams,
     ) -> AsyncIterator[Event]:
+        submit = admitted.submit
         stops = StopStringMatcher(list(request.stop))
         try:
             while True:
@@ -238,8 +242,7 @@ class GenerateHandler:
                             stops.matched,
                             None,
                             progress,
-                            backend,
-                            sampling,
+                            admitted,
                         )
                         return
                 elif kind == "finished":
@@ -264,7 +267,7 @@ class GenerateHandler:
                             else inference_pb2.FINISH_REASON_STOP_STRING
                         )
                         yield self._completed(
-                            reason, stops.matched or "", finished, progress, backend, sampling
+                            reason, stops.matched or "", finished, progress, admitted
                         )
                     return
                 elif kind == "failed":
@@ -285,10 +288,10 @@ class GenerateHandler:
         stop_string: str,
         finished: scheduler_pb2.SubmitFinished | None,
         progress: Progress,
-        backend: SchedulerBackend,
-        sampling: common_pb2.SamplingParams,
+        admitted: Admitted,
     ) -> Event:
         now = time.monotonic()
+        backend, sampling = admitted.backend, admitted.sampling
         model = backend.model or common_pb2.ModelInfo()
         timings = inference_pb2.Timings(
             total_ms=(now - progress.received) * 1e3,
