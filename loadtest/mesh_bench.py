@@ -71,27 +71,29 @@ def idle_ttfts_in_process(engine: Engine, prompts: list[list[int]]) -> list[floa
     return ttfts
 
 
-async def idle_ttfts_mesh(address: str, prompts: list[list[int]]) -> list[float]:
+async def idle_ttfts_mesh(mesh: Mesh, prompts: list[list[int]]) -> list[tuple[float, float]]:
+    """(TTFT, the worker's compute for that request's one step), both in seconds."""
     sampling = common_pb2.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    ttfts = []
-    async with grpc.aio.insecure_channel(address) as channel:
+    samples = []
+    async with (
+        grpc.aio.insecure_channel(mesh.gateway_address) as channel,
+        grpc.aio.insecure_channel(mesh.scheduler_addresses[0]) as scheduler_channel,
+    ):
         stub = inference_pb2_grpc.InferenceStub(channel)
+        scheduler = scheduler_pb2_grpc.SchedulerStub(scheduler_channel)
         for prompt in prompts:
             request = inference_pb2.GenerateRequest(
                 token_ids=common_pb2.TokenIds(ids=prompt), sampling=sampling
             )
+            before = (await scheduler.GetLoad(scheduler_pb2.LoadRequest())).worker_compute_ms
             started = time.perf_counter()
+            ttft = 0.0
             async for event in stub.Generate(request):
-                if event.WhichOneof("event") == "delta":
-                    ttfts.append(time.perf_counter() - started)
-                    break
-    return ttfts
-
-
-def worker_compute_ms(mesh: Mesh) -> float:
-    with grpc.insecure_channel(mesh.scheduler_addresses[0]) as channel:
-        load = scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(scheduler_pb2.LoadRequest())
-    return load.worker_compute_ms
+                if event.WhichOneof("event") == "delta" and not ttft:
+                    ttft = time.perf_counter() - started
+            after = (await scheduler.GetLoad(scheduler_pb2.LoadRequest())).worker_compute_ms
+            samples.append((ttft, (after - before) / 1e3))
+    return samples
 
 
 async def run_mesh(address: str, prompts: list[list[int]], output_len: int) -> dict:
@@ -148,13 +150,10 @@ def main() -> None:
         with Mesh(config) as mesh:
             asyncio.run(run_mesh(mesh.gateway_address, warmup, 4))
             idle = make_prompts(args.idle_requests, 64, 64, vocab, seed=100 + round_index)
-            compute_before = worker_compute_ms(mesh)
-            ttfts = asyncio.run(idle_ttfts_mesh(mesh.gateway_address, idle))
+            samples = asyncio.run(idle_ttfts_mesh(mesh, idle))
             # One step per idle request: what is not the worker's compute is the mesh's cost.
-            hop_ms.append(
-                (sum(ttfts) * 1e3 - worker_compute_ms(mesh) + compute_before) / len(ttfts)
-            )
-            mesh_idle += ttfts
+            hop_ms += [(ttft - compute) * 1e3 for ttft, compute in samples]
+            mesh_idle += [ttft for ttft, _ in samples]
             mesh_rounds.append(
                 asyncio.run(run_mesh(mesh.gateway_address, prompts, args.output_len))
             )
@@ -193,7 +192,7 @@ def main() -> None:
     )
     print(
         f"mesh overhead per idle request (client TTFT minus the worker's step compute): "
-        f"{statistics.mean(hop_ms):.2f} ms"
+        f"p50 {statistics.median(hop_ms):.2f} ms, mean {statistics.mean(hop_ms):.2f} ms"
     )
     if args.json:
         with open(args.json, "w") as handle:
