@@ -74,7 +74,9 @@ class ServiceRuntime:
         self._idle.set()
         self._stopped = asyncio.Event()
 
-    def add_servicer(self, register: Callable[[object, grpc.aio.Server], None], servicer: object):
+    def add_servicer(
+        self, register: Callable[[object, grpc.aio.Server], None], servicer: object
+    ) -> None:
         register(servicer, self.server)
 
     async def start(self) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from kvmesh.launcher import Mesh, MeshConfig
 
-# Small KV pool and one engine thread per worker: the test process and the mesh share 2 cores.
+# A small KV pool: the test process (which also loads an in-process engine) shares the machine.
 MESH_WORKER_ARGS = ["--kv-memory", "256MiB"]
 
 
