@@ -46,15 +46,12 @@ _FINISH_REASONS = {
 
 
 class TextStream:
-    """Incremental detokenization through the tokenizer service; no text for a model that
-    ships no tokenizer (token-id clients still get their tokens)."""
+    """Incremental detokenization of one request through the tokenizer service."""
 
     def __init__(self, tokenizer: tokenizer_pb2_grpc.TokenizerStub) -> None:
-        self._call: grpc.aio.StreamStreamCall | None = tokenizer.Detokenize()
+        self._call: grpc.aio.StreamStreamCall = tokenizer.Detokenize()
 
     async def push(self, token_ids: list[int], *, finish: bool = False) -> str:
-        if self._call is None:
-            return ""
         try:
             await self._call.write(
                 tokenizer_pb2.DetokenizeRequest(token_ids=token_ids, finish=finish)
@@ -63,23 +60,18 @@ class TextStream:
         except (grpc.RpcError, asyncio.InvalidStateError):
             # A write after the server ended the call raises InvalidStateError: read its status.
             call = self._call
-            failure = grpc_errors.from_rpc_error(
+            raise grpc_errors.from_rpc_error(
                 grpc.aio.AioRpcError(
                     await call.code(),
                     await call.initial_metadata(),
                     await call.trailing_metadata(),
                     await call.details(),
                 )
-            )
-            if failure.reason is Reason.TOKENIZER_UNAVAILABLE:
-                self._call = None
-                return ""
-            raise failure from None
+            ) from None
         return "" if reply is grpc.aio.EOF else reply.text
 
     def cancel(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
+        self._call.cancel()
 
 
 @dataclass
@@ -129,7 +121,6 @@ class GenerateHandler:
             return
         backend, submit = admitted.backend, admitted.submit
         self.active[request_id] = backend
-        backend.in_flight += 1
         prompt_tokens = len(admitted.token_ids)
         log.info(
             "accepted",
@@ -178,6 +169,22 @@ class GenerateHandler:
         if request_id in self.active:
             raise KvmeshError(Reason.INVALID_ARGUMENT, f"request id {request_id!r} is in use")
         backend = self.backends.pick(request.model)
+        # Counted from the routing decision on, so requests arriving together spread out.
+        backend.in_flight += 1
+        try:
+            return await self._submit(request, request_id, context, received, backend)
+        except BaseException:
+            backend.in_flight -= 1
+            raise
+
+    async def _submit(
+        self,
+        request: inference_pb2.GenerateRequest,
+        request_id: str,
+        context: grpc.aio.ServicerContext,
+        received: float,
+        backend: SchedulerBackend,
+    ) -> Admitted:
         assert backend.model is not None
         check_stop_strings(list(request.stop))
         sampling = resolve_sampling(request.sampling)

@@ -63,15 +63,12 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
-        try:
-            detokenizer = IncrementalDetokenizer(self._require())
-        except KvmeshError as error:
-            await grpc_errors.abort(context, error)
-            return
+        # A model without a tokenizer still serves token-id clients: their text is empty.
+        detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
         with self.runtime.in_flight():
             async for message in request_iterator:
-                text = detokenizer.push(message.token_ids)
-                if message.finish:
+                text = detokenizer.push(message.token_ids) if detokenizer else ""
+                if message.finish and detokenizer:
                     text += detokenizer.flush()
                 yield tokenizer_pb2.DetokenizeResponse(text=text)
                 if message.finish:

@@ -47,7 +47,8 @@ async def test_a_lost_worker_fails_streams_and_readiness_drops(tiny_mesh: Mesh) 
         assert assert_one_terminal(ok) == "completed"
         call = inference.Generate(ids_request([1, 2, 3], max_tokens=1000, ignore_eos=True))
         assert (await call.read()).WhichOneof("event") == "accepted"
-        assert (await call.read()).WhichOneof("event") == "delta"
+        running = await call.read()
+        assert running.WhichOneof("event") == "delta", [str(e) for e in await read_rest(call)]
         tiny_mesh.service("engine-worker-0").process.kill()
         rest = await read_rest(call)
         assert rest[-1].WhichOneof("event") == "failed"
