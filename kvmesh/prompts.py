@@ -25,8 +25,7 @@ def to_token_ids(
             messages = prompt["messages"]
             if not isinstance(messages, list) or not messages:
                 raise KvmeshError(Reason.INVALID_ARGUMENT, "'messages' must be a non-empty list")
-            text = _require_tokenizer(tokenizer).apply_chat_template(messages)
-            return _require_tokenizer(tokenizer).encode(text, add_special_tokens=False)
+            return _require_tokenizer(tokenizer).encode_chat(messages)
         prompt = prompt[keys[0]]
     if isinstance(prompt, str):
         return _require_tokenizer(tokenizer).encode(prompt)

@@ -170,10 +170,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._close(tracked, scheduler_pb2.SubmitEvent(finished=finished))
 
     def _close(self, tracked: Tracked, terminal: scheduler_pb2.SubmitEvent) -> None:
+        self._forget(tracked)
+        tracked.events.put_nowait(terminal)
+
+    def _forget(self, tracked: Tracked) -> None:
         if tracked.timer is not None:
             tracked.timer.cancel()
         self.tracked.pop(tracked.request_id, None)
-        tracked.events.put_nowait(terminal)
 
     def _fail_all(self, error: KvmeshError) -> None:
         failed = scheduler_pb2.SubmitEvent(failed=grpc_errors.to_pb(error))
@@ -273,9 +276,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                         return
             finally:
                 if request.request_id in self.tracked:  # the caller went away first
-                    self.tracked.pop(request.request_id)
-                    if tracked.timer is not None:
-                        tracked.timer.cancel()
+                    self._forget(tracked)
                     if self._abort(request.request_id):
                         self.counters.aborted += 1
                         log.info("cancelled by caller")

@@ -44,6 +44,10 @@ class TextTokenizer:
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat as the model expects it: the template writes any BOS itself."""
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
     ) -> str:

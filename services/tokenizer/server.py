@@ -45,8 +45,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         if kind == "text":
             return tokenizer.encode(request.text)
         if kind == "chat":
-            text = tokenizer.apply_chat_template(chat_messages(request.chat))
-            return tokenizer.encode(text, add_special_tokens=False)
+            return tokenizer.encode_chat(chat_messages(request.chat))
         raise KvmeshError(Reason.INVALID_ARGUMENT, "give text or a chat to encode")
 
     async def Encode(
