@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: setup demo up test lint protos bench-engine bench-mesh clean
+.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ bench-engine: $(STAMP)
 
 bench-mesh: $(STAMP)
 	$(BIN)/python -m loadtest.mesh_bench
+
+# Cache-aware routing vs round-robin over 2 workers, and one big worker; a few minutes.
+bench-routing: $(STAMP)
+	$(BIN)/python -m loadtest.routing_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -114,6 +114,8 @@ class Mesh:
                 self.tokenizer_address,
                 "--scheduler",
                 ",".join(self.scheduler_addresses),
+                "--redis",
+                self.redis_url,
                 *config.gateway_args,
             ],
             port=config.gateway_port or None,

@@ -12,8 +12,10 @@ from kvmesh.client import MeshClient, generate_request
 from kvmesh.launcher import Mesh, MeshConfig
 from shared.errors import KvmeshError
 from shared.flags import (
+    add_gateway_flags,
     add_scheduler_flags,
     add_worker_flags,
+    gateway_flag_args,
     scheduler_flag_args,
     worker_flag_args,
 )
@@ -29,6 +31,7 @@ def add_up_parser(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--log-dir", help="service logs (JSON lines); default: a temporary directory")
     add_worker_flags(up)  # forwarded to every engine-worker
     add_scheduler_flags(up)  # forwarded to every scheduler
+    add_gateway_flags(up)  # forwarded to the gateway
     up.add_argument(
         "--prompt",
         help="once ready, stream one answer to this prompt through the gateway, then stop",
@@ -53,6 +56,7 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
         worker_threads=args.threads,
         worker_args=worker_flag_args(args),
         scheduler_args=scheduler_flag_args(args),
+        gateway_args=gateway_flag_args(args),
         log_dir=args.log_dir,
     )
 

@@ -18,6 +18,8 @@ class Reason(str, Enum):
     MODEL_NOT_READY = "MODEL_NOT_READY"
     KV_CACHE_TOO_SMALL = "KV_CACHE_TOO_SMALL"
     OVERLOADED = "OVERLOADED"
+    RATE_LIMITED = "RATE_LIMITED"  # the tenant's own limits, not the mesh's capacity
+    UNAUTHENTICATED = "UNAUTHENTICATED"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     WORKER_LOST = "WORKER_LOST"
     INTERNAL = "INTERNAL"  # a bug: never expected, always logged with a traceback

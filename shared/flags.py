@@ -11,6 +11,9 @@ import os
 
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
 
+# Gateway routing policies (services/gateway/router.py implements them).
+ROUTING_POLICIES = ("cache-aware", "round-robin", "least-loaded")
+
 
 def env_default(flag: str, default: str | None) -> str | None:
     """KVMESH_<FLAG> (dashes as underscores) when set: containers configure by environment."""
@@ -83,6 +86,47 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
         default=env_default("no-prefix-caching", "") not in ("", "0", "false"),
         help="turn automatic prefix caching off",
     )
+
+
+def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("routing, admission and tenants")
+    group.add_argument(
+        "--routing",
+        default=env_default("routing", "cache-aware"),
+        choices=ROUTING_POLICIES,
+        help="cache-aware: longest cached prefix weighed against load (needs --redis)",
+    )
+    group.add_argument(
+        "--max-queue-ms",
+        type=float,
+        default=float(env_default("max-queue-ms", "10000") or 0),
+        help="refuse with OVERLOADED when every scheduler's estimated queue time is past "
+        "this (0: no limit)",
+    )
+    group.add_argument(
+        "--max-queue-tokens",
+        type=int,
+        default=env_int("max-queue-tokens", 0),
+        help="... or its queued prompt tokens are past this (0: no limit)",
+    )
+    group.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=env_int("max-in-flight", 4096),
+        help="streams this gateway holds at once; beyond: OVERLOADED",
+    )
+    group.add_argument(
+        "--api-keys-file",
+        default=env_default("api-keys-file", None),
+        help="TOML file of tenants, their API keys and limits (or KVMESH_API_KEYS=tenant=key,...)",
+    )
+
+
+def gateway_flag_args(args: argparse.Namespace) -> list[str]:
+    forwarded = ["--routing", args.routing, "--max-queue-ms", str(args.max_queue_ms)]
+    forwarded += ["--max-queue-tokens", str(args.max_queue_tokens)]
+    forwarded += ["--max-in-flight", str(args.max_in_flight)]
+    return forwarded + (["--api-keys-file", args.api_keys_file] if args.api_keys_file else [])
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:

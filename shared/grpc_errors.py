@@ -27,6 +27,8 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.MODEL_NOT_READY: grpc.StatusCode.UNAVAILABLE,
     Reason.KV_CACHE_TOO_SMALL: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Reason.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
     Reason.WORKER_LOST: grpc.StatusCode.UNAVAILABLE,
     Reason.INTERNAL: grpc.StatusCode.INTERNAL,

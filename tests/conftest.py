@@ -41,3 +41,13 @@ def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save_random_checkpoint(
         tmp_path_factory.mktemp("mistral"), "mistral", max_shard_size="300KB"
     )
+
+
+@pytest.fixture
+def redis_server():  # type: ignore[no-untyped-def]
+    """A fresh, empty redis-server of this test's own."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer().start()
+    yield server
+    server.stop()

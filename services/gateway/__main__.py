@@ -4,26 +4,75 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 
 from services.gateway.backends import Backends
+from services.gateway.generate import GatewayPolicy
+from services.gateway.rate_limits import RateLimiter
+from services.gateway.router import Router, Watermarks
 from services.gateway.server import InferenceService
-from shared.flags import env_default
+from services.gateway.tenants import ApiKeys
+from shared.flags import add_gateway_flags, env_default
 from shared.logs import configure_logging
 from shared.pb.kvmesh.v1 import inference_pb2_grpc
+from shared.redis_link import RedisLink
 from shared.service import ServiceRuntime, add_common_flags
 
 SERVICE_NAME = "kvmesh.v1.Inference"
+log = logging.getLogger("kvmesh.gateway")
+DEGRADED = (
+    "routing by this gateway's own in-flight counts, admission by each scheduler's bounded "
+    "queue, tenant limits by per-gateway local buckets"
+)
+
+
+def api_keys(args: argparse.Namespace) -> ApiKeys:
+    if args.api_keys_file:
+        return ApiKeys.from_toml(args.api_keys_file)
+    return ApiKeys.from_env(os.environ.get("KVMESH_API_KEYS", ""))
+
+
+def gateway_policy(args: argparse.Namespace, link: RedisLink | None) -> GatewayPolicy:
+    keys = api_keys(args)
+    if keys.enabled:
+        names = ", ".join(sorted(t.name for t in keys.tenants))
+        log.info("auth on: requests need an API key", extra={"tenants": names})
+    else:
+        log.warning(
+            "auth off: no API keys configured (--api-keys-file or KVMESH_API_KEYS); "
+            "every request runs as tenant 'anonymous'"
+        )
+    watermarks = Watermarks(args.max_queue_ms, args.max_queue_tokens)
+    return GatewayPolicy(
+        api_keys=keys,
+        router=Router(link, args.routing, watermarks),
+        rate_limiter=RateLimiter(link),
+        max_in_flight=args.max_in_flight,
+    )
 
 
 async def serve(args: argparse.Namespace) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port)
     backends = Backends(args.tokenizer, [a for a in args.scheduler.split(",") if a])
+    link = RedisLink(args.redis, degraded=DEGRADED) if args.redis else None
+    if link is None:
+        log.warning("no --redis: routing and admission use this gateway's local view only")
+    policy = gateway_policy(args, link)
     runtime.add_servicer(
-        inference_pb2_grpc.add_InferenceServicer_to_server, InferenceService(runtime, backends)
+        inference_pb2_grpc.add_InferenceServicer_to_server,
+        InferenceService(runtime, backends, policy),
     )
     await runtime.start()
     backends.start(runtime.set_ready)
-    await runtime.serve_until_signalled(args.drain_seconds, on_drain=backends.close)
+
+    async def close() -> None:
+        await backends.close()
+        await policy.rate_limiter.close()
+
+    await runtime.serve_until_signalled(args.drain_seconds, on_drain=close)
+    if link is not None:
+        await link.close()
 
 
 def main() -> None:
@@ -39,6 +88,12 @@ def main() -> None:
         default=env_default("scheduler", "127.0.0.1:50071"),
         help="scheduler addresses, comma-separated",
     )
+    parser.add_argument(
+        "--redis",
+        default=env_default("redis", None),
+        help="shared load, prefix-cache and rate-limit state, e.g. redis://host:6379/0",
+    )
+    add_gateway_flags(parser)
     args = parser.parse_args()
     configure_logging("gateway", args.log_level)
     asyncio.run(serve(args))

@@ -1,8 +1,7 @@
 """The gateway's view of the mesh: the tokenizer and the schedulers, and which are ready.
 
 Each scheduler's health is watched over a stream (no polling); the gateway is ready while at
-least one scheduler is. Routing is local for now: the ready scheduler with the fewest requests
-in flight from this gateway.
+least one scheduler is. Which of them gets a request is the router's choice (router.py).
 """
 
 from __future__ import annotations
@@ -34,7 +33,12 @@ class SchedulerBackend:
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.model: common_pb2.ModelInfo | None = None  # set while ready
+        # Requests this gateway routed here: until they end; until the scheduler accepted them
+        # (so its published load cannot count them yet); and the prompt tokens of those without
+        # a first token, the prefill work they bring (fresher than the published load).
         self.in_flight = 0
+        self.in_transit = 0
+        self.pending_tokens = 0
 
     @property
     def ready(self) -> bool:
@@ -79,7 +83,8 @@ class Backends:
 
         self._watchers = [asyncio.create_task(s.watch(changed)) for s in self.schedulers]
 
-    def pick(self, model_name: str) -> SchedulerBackend:
+    def serving(self, model_name: str) -> list[SchedulerBackend]:
+        """The ready schedulers serving `model_name` (empty name: any), or a clear error."""
         ready = [s for s in self.schedulers if s.ready]
         if not ready:
             raise KvmeshError(
@@ -94,7 +99,11 @@ class Backends:
                 Reason.MODEL_NOT_FOUND,
                 f"no model named {model_name!r}; ListModels shows what is served",
             )
-        return min(serving, key=lambda s: s.in_flight)
+        return serving
+
+    def pick(self, model_name: str) -> SchedulerBackend:
+        """Any scheduler serving the model, for questions about the model (not requests)."""
+        return self.serving(model_name)[0]
 
     def models(self) -> list[common_pb2.ModelInfo]:
         seen: dict[str, common_pb2.ModelInfo] = {}

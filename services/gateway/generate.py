@@ -1,5 +1,9 @@
 """One Generate stream: admit, submit to a scheduler, relay its tokens as text deltas.
 
+Admission, in order: authenticate the tenant, bound this gateway's in-flight requests, check
+and tokenize the input, charge the tenant's rate limits, route (which refuses when every
+scheduler is past the watermarks), submit.
+
 Exactly one terminal event ends every accepted stream. The scheduler's per-step token events
 go through one Detokenize stream per request (never half a UTF-8 character), then through the
 stop-string matcher, which may end the request early: cancelling the Submit call aborts it
@@ -13,7 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -24,7 +28,10 @@ from services.gateway.admission import (
     time_remaining,
 )
 from services.gateway.backends import Backends, SchedulerBackend
+from services.gateway.rate_limits import Grant, RateLimiter
+from services.gateway.router import RouteDecision, Router
 from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.tenants import ApiKeys, Tenant
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.logs import bind_request
@@ -91,21 +98,72 @@ class Progress:
 
 
 @dataclass
-class Admitted:
-    """A request the scheduler accepted: where it runs and with what."""
+class GatewayPolicy:
+    """Who may send what, and where it goes."""
 
-    backend: SchedulerBackend
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
+    router: Router = field(default_factory=lambda: Router(None))
+    rate_limiter: RateLimiter = field(default_factory=lambda: RateLimiter(None))
+    max_in_flight: int = 4096  # this gateway's own bound on open streams
+
+
+@dataclass
+class Routed:
+    """A request counted against the scheduler it was routed to, until it ends."""
+
+    route: RouteDecision
+    in_transit: bool = True  # not yet accepted by the scheduler
+    pending: bool = True  # no first token yet
+
+    def __post_init__(self) -> None:
+        backend = self.route.backend
+        backend.in_flight += 1
+        backend.in_transit += 1
+        backend.pending_tokens += self.route.uncached_tokens
+
+    def accepted(self) -> None:
+        if self.in_transit:
+            self.in_transit = False
+            self.route.backend.in_transit -= 1
+
+    def started(self) -> None:
+        self.accepted()
+        if self.pending:
+            self.pending = False
+            self.route.backend.pending_tokens -= self.route.uncached_tokens
+
+    def ended(self) -> None:
+        self.started()
+        self.route.backend.in_flight -= 1
+
+
+@dataclass
+class Admitted:
+    """A request the scheduler accepted: where it runs, for whom and with what."""
+
+    routed: Routed
+    tenant: Tenant
+    grant: Grant | None  # the rate-limit charge, released when the request ends
     sampling: common_pb2.SamplingParams  # every field set, the seed chosen
     token_ids: list[int]
     submit: grpc.aio.UnaryStreamCall  # the scheduler's token stream; cancelling aborts
     queue_position: int
 
+    @property
+    def backend(self) -> SchedulerBackend:
+        return self.routed.route.backend
+
 
 class GenerateHandler:
-    def __init__(self, runtime: ServiceRuntime, backends: Backends) -> None:
+    def __init__(
+        self, runtime: ServiceRuntime, backends: Backends, policy: GatewayPolicy | None = None
+    ) -> None:
         self.runtime = runtime
         self.backends = backends
+        self.policy = policy or GatewayPolicy()
         self.active: dict[str, SchedulerBackend] = {}
+        self._num_admitting = 0
+        self._releases: set[asyncio.Task[None]] = set()
 
     async def __call__(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -122,9 +180,17 @@ class GenerateHandler:
         backend, submit = admitted.backend, admitted.submit
         self.active[request_id] = backend
         prompt_tokens = len(admitted.token_ids)
+        route = admitted.routed.route
         log.info(
             "accepted",
-            extra={"prompt_tokens": prompt_tokens, "queue_position": admitted.queue_position},
+            extra={
+                "tenant": admitted.tenant.name,
+                "prompt_tokens": prompt_tokens,
+                "queue_position": admitted.queue_position,
+                "scheduler": backend.address,
+                "matched_blocks": route.matched_blocks,
+                "route_reason": route.reason,
+            },
         )
         progress = Progress(prompt_tokens, received)
         text = TextStream(self.backends.tokenizer)
@@ -137,6 +203,7 @@ class GenerateHandler:
                         queue_position=admitted.queue_position,
                         prompt_tokens=prompt_tokens,
                         model=backend.model.name,
+                        routing=route.to_pb(),
                     )
                 )
                 async for event in self._relay(request, admitted, text, progress):
@@ -156,7 +223,8 @@ class GenerateHandler:
                 submit.cancel()  # a no-op when it ended; else the scheduler aborts the request
                 text.cancel()
                 self.active.pop(request_id, None)
-                backend.in_flight -= 1
+                admitted.routed.ended()
+                self._release(admitted.grant, prompt_tokens + progress.completion_tokens)
 
     async def _admit(
         self,
@@ -166,40 +234,75 @@ class GenerateHandler:
         received: float,
     ) -> Admitted:
         self.runtime.refuse_if_draining()
+        tenant = self.policy.api_keys.authenticate(context.invocation_metadata())
         if request_id in self.active:
             raise KvmeshError(Reason.INVALID_ARGUMENT, f"request id {request_id!r} is in use")
-        backend = self.backends.pick(request.model)
-        # Counted from the routing decision on, so requests arriving together spread out.
-        backend.in_flight += 1
+        if len(self.active) + self._num_admitting >= self.policy.max_in_flight:
+            raise KvmeshError(
+                Reason.OVERLOADED,
+                f"this gateway already holds {self.policy.max_in_flight} requests",
+                retryable=True,
+                retry_after_ms=1000,
+            )
+        self._num_admitting += 1
         try:
-            return await self._submit(request, request_id, context, received, backend)
-        except BaseException:
-            backend.in_flight -= 1
-            raise
+            return await self._check_and_submit(request, request_id, context, received, tenant)
+        finally:
+            self._num_admitting -= 1
 
-    async def _submit(
+    async def _check_and_submit(
         self,
         request: inference_pb2.GenerateRequest,
         request_id: str,
         context: grpc.aio.ServicerContext,
         received: float,
-        backend: SchedulerBackend,
+        tenant: Tenant,
     ) -> Admitted:
-        assert backend.model is not None
+        candidates = self.backends.serving(request.model)
+        model = candidates[0].model
+        assert model is not None
         check_stop_strings(list(request.stop))
         sampling = resolve_sampling(request.sampling)
         remaining = time_remaining(context, request.timeout_ms)
-        token_ids = await prompt_token_ids(
-            request, self.backends.tokenizer, backend.model, remaining
-        )
-        if remaining is not None:
-            remaining -= time.monotonic() - received
+        token_ids = await prompt_token_ids(request, self.backends.tokenizer, model, remaining)
+        limiter = self.policy.rate_limiter
+        grant = await limiter.admit(tenant, request_id, len(token_ids) + sampling.max_tokens)
+        try:
+            route = await self.policy.router.route(candidates, token_ids, tenant.cache_salt)
+            routed = Routed(route)
+            try:
+                if remaining is not None:
+                    remaining -= time.monotonic() - received
+                submit, position = await self._submit(
+                    route.backend, request, request_id, token_ids, sampling, tenant, remaining
+                )
+            except BaseException:
+                routed.ended()
+                raise
+            routed.accepted()
+        except BaseException:
+            self._release(grant, 0)
+            raise
+        return Admitted(routed, tenant, grant, sampling, token_ids, submit, position)
+
+    async def _submit(
+        self,
+        backend: SchedulerBackend,
+        request: inference_pb2.GenerateRequest,
+        request_id: str,
+        token_ids: list[int],
+        sampling: common_pb2.SamplingParams,
+        tenant: Tenant,
+        remaining: float | None,
+    ) -> tuple[grpc.aio.UnaryStreamCall, int]:
         submit = backend.stub.Submit(
             scheduler_pb2.SubmitRequest(
                 request_id=request_id,
                 token_ids=token_ids,
                 sampling=sampling,
                 priority=request.priority,
+                cache_salt=tenant.cache_salt,
+                tenant=tenant.name,
             ),
             timeout=remaining,
         )
@@ -212,7 +315,16 @@ class GenerateHandler:
             raise
         if first is grpc.aio.EOF or first.WhichOneof("event") != "accepted":
             raise KvmeshError(Reason.INTERNAL, "the scheduler did not accept the request")
-        return Admitted(backend, sampling, token_ids, submit, first.accepted.queue_position)
+        return submit, first.accepted.queue_position
+
+    def _release(self, grant: Grant | None, tokens_used: int) -> None:
+        """Return the tenant's charge in the background: a stream's cleanup never waits on
+        Redis, and a cancelled stream still releases."""
+        if grant is None:
+            return
+        task = asyncio.create_task(self.policy.rate_limiter.release(grant, tokens_used))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _relay(
         self,
@@ -230,6 +342,7 @@ class GenerateHandler:
                 if kind == "tokens":
                     ids = list(event.tokens.token_ids)
                     progress.completion_tokens += len(ids)
+                    admitted.routed.started()
                     released = stops.push(await text.push(ids))
                     first = progress.first_token_at is None
                     progress.first_token_at = progress.first_token_at or time.monotonic()
@@ -323,6 +436,8 @@ class GenerateHandler:
                     sampling=sampling,
                     seed=sampling.seed,
                     scheduler=backend.address,
+                    routing=admitted.routed.route.to_pb(),
+                    tenant=admitted.tenant.name,
                 ),
             )
         )

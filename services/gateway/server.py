@@ -8,7 +8,7 @@ import grpc
 
 from services.gateway.admission import prompt_token_ids
 from services.gateway.backends import Backends
-from services.gateway.generate import GenerateHandler
+from services.gateway.generate import GatewayPolicy, GenerateHandler
 from shared import grpc_errors
 from shared.errors import KvmeshError
 from shared.pb.kvmesh.v1 import (
@@ -21,9 +21,18 @@ from shared.service import ServiceRuntime
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, runtime: ServiceRuntime, backends: Backends) -> None:
+    def __init__(
+        self, runtime: ServiceRuntime, backends: Backends, policy: GatewayPolicy | None = None
+    ) -> None:
         self.backends = backends
-        self.generate = GenerateHandler(runtime, backends)
+        self.policy = policy or GatewayPolicy()
+        self.generate = GenerateHandler(runtime, backends, self.policy)
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        try:
+            self.policy.api_keys.authenticate(context.invocation_metadata())
+        except KvmeshError as error:
+            await grpc_errors.abort(context, error)
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -34,6 +43,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Abort(
         self, request: inference_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.AbortResponse:
+        await self._authenticate(context)
         backend = self.generate.active.get(request.request_id)
         if backend is None:
             return inference_pb2.AbortResponse(found=False)
@@ -49,11 +59,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
+        await self._authenticate(context)
         return inference_pb2.ListModelsResponse(models=self.backends.models())
 
     async def GetModel(
         self, request: inference_pb2.GetModelRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ModelInfo:
+        await self._authenticate(context)
         try:
             model = self.backends.pick(request.name).model
         except KvmeshError as error:
@@ -65,6 +77,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def _token_ids(
         self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tuple[list[int], common_pb2.ModelInfo]:
+        await self._authenticate(context)
         try:
             model = self.backends.pick(request.model).model
             assert model is not None

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import contextlib
 
-from services.scheduler.load_publisher import publish_load
+from services.scheduler.redis_publisher import RedisPublisher
 from services.scheduler.server import SchedulerService
 from shared.flags import add_scheduler_flags, env_default, env_int, scheduler_config
 from shared.logs import configure_logging
@@ -29,8 +29,8 @@ async def serve(args: argparse.Namespace) -> None:
     await runtime.start()
     tasks = [asyncio.create_task(service.run())]
     if args.redis:
-        publisher = publish_load(args.redis, runtime.address, service.load_report)
-        tasks.append(asyncio.create_task(publisher))
+        publisher = RedisPublisher(args.redis, args.advertise or runtime.address, service)
+        tasks.append(asyncio.create_task(publisher.run()))
     await runtime.serve_until_signalled(args.drain_seconds)
     for task in tasks:
         task.cancel()
@@ -55,7 +55,13 @@ def main() -> None:
     parser.add_argument(
         "--redis",
         default=env_default("redis", None),
-        help="publish load here, e.g. redis://host:6379/0",
+        help="publish load and prefix-cache contents here, e.g. redis://host:6379/0",
+    )
+    parser.add_argument(
+        "--advertise",
+        default=env_default("advertise", None),
+        help="the address gateways know this scheduler by, which names its Redis entries "
+        "(default: --host:--port)",
     )
     add_scheduler_flags(parser)
     args = parser.parse_args()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from services.scheduler.cache_events import CacheEventLog
 from services.scheduler.request import Request
 
 
@@ -19,6 +20,7 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None
+    salt: bytes = b""  # the tenant salt inside block_hash, to publish it under the right key
     token_ids: tuple[int, ...] = ()  # content of a hashed block, re-checked on every hit
 
 
@@ -53,6 +55,8 @@ class BlockManager:
         self.blocks = [KVBlock(i) for i in range(self.num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))
         self._by_hash: dict[int, int] = {}
+        # What became findable or was evicted, for Redis (bounded: a few times the pool).
+        self.events = CacheEventLog(limit=4 * self.num_blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,8 +68,18 @@ class BlockManager:
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Longest run of cached full blocks; at least one prompt token is always left to compute
         so the step that finishes the prompt produces logits."""
+        matched, collided = self._leading_cached_blocks(request)
+        self.stats.collisions += collided
+        return PrefixMatch(tuple(matched), self.block_size)
+
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """Leading prompt tokens the cache holds now (an estimate of work a request skips)."""
+        return len(self._leading_cached_blocks(request)[0]) * self.block_size
+
+    def _leading_cached_blocks(self, request: Request) -> tuple[list[int], bool]:
+        """Block ids of the cached prefix, and whether a hash hit had different tokens."""
         if not self.enable_prefix_caching:
-            return PrefixMatch(block_size=self.block_size)
+            return [], False
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.full_block_hashes(self.block_size)[:max_blocks]
         matched: list[int] = []
@@ -77,10 +91,9 @@ class BlockManager:
             if self.blocks[block_id].token_ids != tuple(
                 request.token_ids[start : start + self.block_size]
             ):
-                self.stats.collisions += 1
-                break
+                return matched, True
             matched.append(block_id)
-        return PrefixMatch(tuple(matched), self.block_size)
+        return matched, False
 
     def allocate(
         self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None
@@ -112,6 +125,7 @@ class BlockManager:
         if block.block_hash is not None:
             if self._by_hash.get(block.block_hash) == block_id:
                 del self._by_hash[block.block_hash]
+                self.events.evicted(block.salt, block.block_hash)
             block.block_hash = None
             block.token_ids = ()
             self.stats.evictions += 1
@@ -130,9 +144,18 @@ class BlockManager:
                 continue
             start = index * self.block_size
             block.block_hash = hashes[index]
+            block.salt = request.cache_salt
             block.token_ids = tuple(request.token_ids[start : start + self.block_size])
             # A block with the same content may already be cached; the first one stays findable.
-            self._by_hash.setdefault(block.block_hash, block.block_id)
+            if self._by_hash.setdefault(block.block_hash, block.block_id) == block.block_id:
+                self.events.stored(block.salt, block.block_hash)
+
+    def cached_hashes(self) -> dict[bytes, list[int]]:
+        """Every findable block hash by salt: the full state a resync publishes."""
+        by_salt: dict[bytes, list[int]] = {}
+        for block_hash, block_id in self._by_hash.items():
+            by_salt.setdefault(self.blocks[block_id].salt, []).append(block_hash)
+        return by_salt
 
     def free(self, request: Request) -> None:
         """Release the request's blocks. Tail blocks are freed first so they are evicted first."""

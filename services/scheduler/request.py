@@ -34,6 +34,7 @@ class Request:
     prompt_len: int = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    num_cached_on_arrival: int = 0  # the hit it would have had on arrival (a load estimate)
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained

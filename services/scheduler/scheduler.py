@@ -27,6 +27,7 @@ class SchedulerLoad:
     """Counts a caller can check from outside: queues, blocks, lifetime totals."""
 
     num_waiting: int
+    num_waiting_tokens: int  # prompt tokens waiting requests still have to compute (estimated)
     num_running: int
     num_free_blocks: int
     num_blocks: int
@@ -56,6 +57,7 @@ class Scheduler:
         self._step_ids = itertools.count()
         self._freed_since_last_plan: list[str] = []
         self.num_preemptions = 0
+        self.num_finished = 0  # completed or aborted
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -73,6 +75,7 @@ class Scheduler:
         request = Request(
             request_id, list(prompt_token_ids), sampling, next(self._arrivals), priority, cache_salt
         )
+        request.num_cached_on_arrival = self.block_manager.cached_prefix_tokens(request)
         self.requests[request_id] = request
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
         return request
@@ -111,6 +114,7 @@ class Scheduler:
     def load(self) -> SchedulerLoad:
         return SchedulerLoad(
             len(self.waiting),
+            sum(r.num_tokens - r.num_cached_on_arrival for r in self.waiting),
             len(self.running),
             self.block_manager.num_free_blocks,
             self.block_manager.num_blocks,
@@ -247,6 +251,7 @@ class Scheduler:
         logprobs: tuple = (),
     ) -> RequestOutput:
         self.block_manager.free(request)
+        self.num_finished += 1
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.scheduler.queue_estimate import QueueTimeEstimator
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.worker_link import WorkerLink, WorkerLost, worker_lost_error
 from shared import grpc_errors
@@ -80,6 +81,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.model: common_pb2.ModelInfo | None = None
         self.tracked: dict[str, Tracked] = {}
         self.counters = Counters()
+        self.queue_estimate = QueueTimeEstimator()
         self.recent_frees: collections.deque[tuple[str, int]] = collections.deque(
             maxlen=RECENT_FREES
         )
@@ -115,6 +117,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if self.link.lost:
                 raise WorkerLost(self.link.address)
             self._wake.clear()  # before schedule(): a submission from here on wakes us again
+            full = bool(scheduler.waiting) or len(scheduler.running) >= self.config.max_num_seqs
+            self.queue_estimate.observe(time.monotonic(), full, scheduler.num_finished)
             plan = scheduler.schedule()
             if plan.num_scheduled_tokens == 0:
                 if plan.finished_request_ids:  # let the worker forget them now
@@ -228,18 +232,24 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise KvmeshError(
                 Reason.DEADLINE_EXCEEDED, "the deadline leaves no time to start", retryable=True
             )
-        if len(self.scheduler.waiting) >= self.max_waiting:
+        num_waiting = len(self.scheduler.waiting)
+        if num_waiting >= self.max_waiting:
+            drain_s = self.queue_estimate.queue_time_s(num_waiting - self.max_waiting, 0)
             raise KvmeshError(
                 Reason.OVERLOADED,
-                f"{len(self.scheduler.waiting)} requests are already queued",
+                f"{num_waiting} requests are already queued (the bound is {self.max_waiting})",
                 retryable=True,
-                retry_after_ms=1000,
+                retry_after_ms=max(100, round(drain_s * 1e3)),
             )
         if request.request_id in self.tracked:
             raise KvmeshError(Reason.INVALID_ARGUMENT, f"{request.request_id!r} is in use")
         sampling = sampling_from_pb(request.sampling)
         self.scheduler.add_request(
-            request.request_id, list(request.token_ids), sampling, request.priority
+            request.request_id,
+            list(request.token_ids),
+            sampling,
+            request.priority,
+            cache_salt=request.cache_salt,
         )
         tracked = Tracked(request.request_id, time.monotonic())
         if remaining is not None:
@@ -305,10 +315,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             num_expired_waiting=self.counters.expired_waiting,
             num_expired_running=self.counters.expired_running,
             worker_ready=self.scheduler is not None and not self.link.lost,
+            max_waiting=self.max_waiting,
         )
         if self.scheduler is not None:
             load = self.scheduler.load()
             report.num_waiting = load.num_waiting
+            report.num_waiting_tokens = load.num_waiting_tokens
+            free_slots = self.config.max_num_seqs - load.num_running
+            queue_s = self.queue_estimate.queue_time_s(load.num_waiting, free_slots)
+            report.queue_time_estimate_ms = queue_s * 1e3
             report.num_running = load.num_running
             report.num_free_blocks = load.num_free_blocks
             report.num_blocks = load.num_blocks

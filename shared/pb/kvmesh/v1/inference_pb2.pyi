@@ -58,16 +58,30 @@ class GenerateEvent(_message.Message):
     def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., completed: _Optional[_Union[Completed, _Mapping]] = ..., cancelled: _Optional[_Union[Cancelled, _Mapping]] = ..., failed: _Optional[_Union[Failed, _Mapping]] = ...) -> None: ...
 
 class Accepted(_message.Message):
-    __slots__ = ("request_id", "queue_position", "prompt_tokens", "model")
+    __slots__ = ("request_id", "queue_position", "prompt_tokens", "model", "routing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     queue_position: int
     prompt_tokens: int
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., queue_position: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    routing: RoutingDecision
+    def __init__(self, request_id: _Optional[str] = ..., queue_position: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ..., routing: _Optional[_Union[RoutingDecision, _Mapping]] = ...) -> None: ...
+
+class RoutingDecision(_message.Message):
+    __slots__ = ("scheduler", "matched_blocks", "matched_tokens", "reason")
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    scheduler: str
+    matched_blocks: int
+    matched_tokens: int
+    reason: str
+    def __init__(self, scheduler: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Delta(_message.Message):
     __slots__ = ("text", "token_ids", "logprobs", "first_token")
@@ -106,7 +120,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ...) -> None: ...
 
 class ExecutionRecord(_message.Message):
-    __slots__ = ("model_name", "model_version", "artifact_digest", "backend", "dtype", "sampling", "seed", "scheduler")
+    __slots__ = ("model_name", "model_version", "artifact_digest", "backend", "dtype", "sampling", "seed", "scheduler", "routing", "tenant")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +129,8 @@ class ExecutionRecord(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_version: str
     artifact_digest: str
@@ -123,7 +139,9 @@ class ExecutionRecord(_message.Message):
     sampling: _common_pb2.SamplingParams
     seed: int
     scheduler: str
-    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., artifact_digest: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., scheduler: _Optional[str] = ...) -> None: ...
+    routing: RoutingDecision
+    tenant: str
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., artifact_digest: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., scheduler: _Optional[str] = ..., routing: _Optional[_Union[RoutingDecision, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class Completed(_message.Message):
     __slots__ = ("finish_reason", "stop_string", "usage", "timings", "execution")

@@ -20,16 +20,20 @@ SCHEDULER_FINISH_REASON_LENGTH: SchedulerFinishReason
 SCHEDULER_FINISH_REASON_ABORT: SchedulerFinishReason
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "priority")
+    __slots__ = ("request_id", "token_ids", "sampling", "priority", "cache_salt", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    cache_salt: bytes
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class SubmitEvent(_message.Message):
     __slots__ = ("accepted", "tokens", "finished", "failed")
@@ -98,7 +102,7 @@ class FreedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., freed_unix_ns: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_blocks", "num_preemptions", "prefix_hit_tokens", "num_expired_waiting", "num_expired_running", "num_aborted", "num_steps", "recent_frees", "worker_ready", "worker_compute_ms")
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_blocks", "num_preemptions", "prefix_hit_tokens", "num_expired_waiting", "num_expired_running", "num_aborted", "num_steps", "recent_frees", "worker_ready", "worker_compute_ms", "num_waiting_tokens", "queue_time_estimate_ms", "max_waiting")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +116,9 @@ class LoadReport(_message.Message):
     RECENT_FREES_FIELD_NUMBER: _ClassVar[int]
     WORKER_READY_FIELD_NUMBER: _ClassVar[int]
     WORKER_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIME_ESTIMATE_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_free_blocks: int
@@ -125,7 +132,10 @@ class LoadReport(_message.Message):
     recent_frees: _containers.RepeatedCompositeFieldContainer[FreedRequest]
     worker_ready: bool
     worker_compute_ms: float
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_expired_waiting: _Optional[int] = ..., num_expired_running: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., recent_frees: _Optional[_Iterable[_Union[FreedRequest, _Mapping]]] = ..., worker_ready: _Optional[bool] = ..., worker_compute_ms: _Optional[float] = ...) -> None: ...
+    num_waiting_tokens: int
+    queue_time_estimate_ms: float
+    max_waiting: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_expired_waiting: _Optional[int] = ..., num_expired_running: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., recent_frees: _Optional[_Iterable[_Union[FreedRequest, _Mapping]]] = ..., worker_ready: _Optional[bool] = ..., worker_compute_ms: _Optional[float] = ..., num_waiting_tokens: _Optional[int] = ..., queue_time_estimate_ms: _Optional[float] = ..., max_waiting: _Optional[int] = ...) -> None: ...
 
 class SchedulerModelRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,236 @@
+"""Which scheduler gets a request, and whether the mesh takes it at all.
+
+Cache-aware routing: the gateway hashes the prompt into the same chained block hashes the
+schedulers' prefix caches use (salted per tenant), and asks Redis, in one pipeline, how many
+leading blocks each scheduler holds and how loaded each is. Each candidate costs the prompt
+tokens already queued there plus twice the prompt tokens it would have to compute (a miss
+also evicts cached blocks); the cheapest wins. So a request follows its cached prefix until
+that worker's queue is longer than two whole prefills elsewhere.
+
+Admission: a candidate whose estimated queue time or queued tokens is past the watermarks is
+not eligible; with none eligible the request is refused at once with OVERLOADED and a
+RetryInfo of the time the least loaded one needs to drain back under the watermark.
+
+Redis unreachable: requests go to the scheduler with the fewest requests in flight from this
+gateway, and admission is left to each scheduler's own bounded queue.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as redis
+
+from services.gateway.backends import SchedulerBackend
+from shared import redis_keys
+from shared.block_hash import hash_full_blocks
+from shared.errors import KvmeshError, Reason
+from shared.flags import ROUTING_POLICIES
+from shared.pb.kvmesh.v1 import inference_pb2
+from shared.queue_time import queue_time_s
+from shared.redis_link import RedisLink
+
+# A prompt token computed where its prefix is not cached costs its compute, and its blocks
+# evict what that worker had cached for later requests: it counts twice against queued work.
+MISS_WEIGHT = 2
+MIN_RETRY_MS = 100
+MAX_RETRY_MS = 60_000
+
+
+@dataclass(frozen=True)
+class Watermarks:
+    max_queue_ms: float = 0.0  # 0: no limit
+    max_queue_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """One scheduler's load as it last published it, corrected by what this gateway has sent
+    it since (its report can be a few steps old)."""
+
+    waiting: int  # queued there, plus sent from here and not yet accepted
+    free_slots: int
+    max_running: int
+    in_flight_here: int  # this gateway's requests there: running or queued, never stale
+    waiting_tokens: int  # prefill work queued there (or sent from here and not yet started)
+    drain_per_s: float
+    published: bool  # False: no fresh report in Redis
+
+    @classmethod
+    def parse(cls, fields: dict[bytes, bytes] | None, backend: SchedulerBackend) -> WorkerLoad:
+        fields = fields or {}
+        tokens = int(fields.get(b"waiting_tokens", 0))
+        return cls(
+            waiting=int(fields.get(b"waiting", 0)) + backend.in_transit,
+            free_slots=int(fields.get(b"max_running", 0)) - int(fields.get(b"running", 0)),
+            max_running=int(fields.get(b"max_running", 0)),
+            in_flight_here=backend.in_flight,
+            waiting_tokens=max(tokens, backend.pending_tokens),
+            drain_per_s=float(fields.get(b"drain_per_s", 0.0)),
+            published=bool(fields),
+        )
+
+    @property
+    def queue_ms(self) -> float:
+        if not self.published:
+            return 0.0  # unknown: left to the scheduler's own bounded queue
+        # Two lower bounds of the queue beyond the free slots: the published one (complete, but
+        # a few steps old) and this gateway's own (current, but blind to other gateways).
+        published = queue_time_s(self.waiting, self.free_slots, self.drain_per_s)
+        here = queue_time_s(self.in_flight_here, self.max_running, self.drain_per_s)
+        return max(published, here) * 1e3
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    backend: SchedulerBackend
+    matched_blocks: int
+    block_size: int
+    reason: str
+    uncached_tokens: int  # what the chosen worker is expected to compute
+
+    def to_pb(self) -> inference_pb2.RoutingDecision:
+        return inference_pb2.RoutingDecision(
+            scheduler=self.backend.address,
+            matched_blocks=self.matched_blocks,
+            matched_tokens=self.matched_blocks * self.block_size,
+            reason=self.reason,
+        )
+
+
+class Router:
+    def __init__(
+        self,
+        link: RedisLink | None,
+        policy: str = "cache-aware",
+        watermarks: Watermarks | None = None,
+    ) -> None:
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}, not {policy!r}")
+        self.link = link
+        self.policy = policy
+        self.watermarks = watermarks or Watermarks()
+        self._turn = itertools.count()
+
+    async def route(
+        self,
+        candidates: Sequence[SchedulerBackend],
+        token_ids: Sequence[int],
+        cache_salt: bytes,
+    ) -> RouteDecision:
+        assert candidates and candidates[0].model is not None
+        model = candidates[0].model
+        block_size = model.kv_block_size or 1
+        # The scheduler always leaves the last prompt token to compute; so does the match here.
+        usable_blocks = (len(token_ids) - 1) // block_size
+        hashes: list[int] = []
+        if self.policy == "cache-aware" and usable_blocks:
+            prefix = token_ids[: usable_blocks * block_size]
+            hashes = hash_full_blocks(prefix, block_size, cache_salt)
+        snapshot = await self._lookup(candidates, model.name, hashes, cache_salt)
+        if snapshot is None:
+            if self.policy == "round-robin":
+                return self._round_robin(candidates, len(token_ids), block_size)
+            backend = min(candidates, key=lambda b: b.in_flight)
+            return RouteDecision(backend, 0, block_size, "local-fallback", len(token_ids))
+        loads, matches = snapshot
+        eligible = [i for i, load in enumerate(loads) if self._admits(load)]
+        if not eligible:
+            raise self._overloaded(loads)
+        if self.policy == "round-robin":
+            pool = [candidates[i] for i in eligible]
+            return self._round_robin(pool, len(token_ids), block_size)
+
+        def cost(index: int) -> tuple[int, int]:
+            uncached = len(token_ids) - matches[index] * block_size
+            work = loads[index].waiting_tokens + MISS_WEIGHT * uncached
+            return work, candidates[index].in_flight
+
+        chosen = min(eligible, key=cost)
+        best_match = max(matches)
+        if matches[chosen] and matches[chosen] == best_match:
+            reason = "prefix"
+        elif best_match:
+            reason = "load"  # a longer prefix sits on a busier worker
+        else:
+            reason = "least-loaded"
+        uncached = len(token_ids) - matches[chosen] * block_size
+        return RouteDecision(candidates[chosen], matches[chosen], block_size, reason, uncached)
+
+    def _round_robin(
+        self, pool: Sequence[SchedulerBackend], num_tokens: int, block_size: int
+    ) -> RouteDecision:
+        backend = pool[next(self._turn) % len(pool)]
+        return RouteDecision(backend, 0, block_size, "round-robin", num_tokens)
+
+    async def _lookup(
+        self,
+        candidates: Sequence[SchedulerBackend],
+        model_name: str,
+        hashes: list[int],
+        cache_salt: bytes,
+    ) -> tuple[list[WorkerLoad], list[int]] | None:
+        """Every candidate's load and leading cached blocks, in one round trip."""
+        if self.link is None:
+            return None
+
+        async def read(client: redis.Redis) -> list:
+            pipe = client.pipeline(transaction=False)
+            for backend in candidates:
+                pipe.hgetall(redis_keys.scheduler_load(backend.address))
+                if hashes:
+                    key = redis_keys.prefix_blocks(model_name, cache_salt, backend.address)
+                    pipe.smismember(key, hashes)
+            return await pipe.execute()
+
+        replies = await self.link.run(read)
+        if replies is None:
+            return None
+        step = 2 if hashes else 1
+        loads = [
+            WorkerLoad.parse(replies[i * step], backend) for i, backend in enumerate(candidates)
+        ]
+        matches = [
+            _leading_hits(replies[i * step + 1]) if hashes else 0 for i in range(len(candidates))
+        ]
+        return loads, matches
+
+    def _admits(self, load: WorkerLoad) -> bool:
+        marks = self.watermarks
+        if marks.max_queue_ms and load.queue_ms > marks.max_queue_ms:
+            return False
+        return not (marks.max_queue_tokens and load.waiting_tokens > marks.max_queue_tokens)
+
+    def _overloaded(self, loads: list[WorkerLoad]) -> KvmeshError:
+        marks = self.watermarks
+        waits = []
+        for load in loads:
+            drain_ms = 0.0
+            if marks.max_queue_ms and load.queue_ms > marks.max_queue_ms:
+                drain_ms = load.queue_ms - marks.max_queue_ms
+            if marks.max_queue_tokens and load.waiting_tokens > marks.max_queue_tokens:
+                excess = load.waiting_tokens - marks.max_queue_tokens
+                per_token_ms = load.queue_ms / max(load.waiting_tokens, 1)
+                drain_ms = max(drain_ms, excess * per_token_ms)
+            waits.append(drain_ms)
+        retry_ms = min(waits)
+        retry_ms = MAX_RETRY_MS if math.isinf(retry_ms) else retry_ms
+        return KvmeshError(
+            Reason.OVERLOADED,
+            f"every scheduler is past the admission watermarks "
+            f"(queue estimates {', '.join(f'{load.queue_ms:.0f} ms' for load in loads)})",
+            retryable=True,
+            retry_after_ms=int(min(MAX_RETRY_MS, max(MIN_RETRY_MS, retry_ms))),
+        )
+
+
+def _leading_hits(flags: Sequence[int]) -> int:
+    count = 0
+    for flag in flags:
+        if not flag:
+            break
+        count += 1
+    return count

@@ -1,0 +1,134 @@
+"""API keys -> tenants, each with its own limits and its own prefix-cache salt.
+
+Keys come from a TOML file (`--api-keys-file`) or `KVMESH_API_KEYS` ("tenant=key,..."). Only
+their sha256 digests are kept, and a presented key is compared against every entry with
+`hmac.compare_digest` (no early exit), so neither timing nor logs reveal a key. With no keys
+configured, auth is off and every request runs as the tenant "anonymous".
+
+    [tenants.acme]
+    keys = ["sk-acme-1", "sk-acme-2"]
+    requests_per_second = 5      # token bucket; 0 or absent: unlimited
+    tokens_per_minute = 60000    # prompt + max_tokens charged on admission, unused refunded
+    max_concurrent = 8           # requests in flight at once, across every gateway
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import tomllib
+
+from shared.errors import KvmeshError, Reason
+
+ANONYMOUS = "anonymous"
+_SALT_CONTEXT = b"kvmesh prefix-cache salt\x00"
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    requests_per_second: float = 0.0  # 0: unlimited
+    tokens_per_minute: float = 0.0
+    max_concurrent: int = 0
+
+    @property
+    def unlimited(self) -> bool:
+        return not (self.requests_per_second or self.tokens_per_minute or self.max_concurrent)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    limits: TenantLimits = field(default_factory=TenantLimits)
+
+    @property
+    def cache_salt(self) -> bytes:
+        """Derived here from the tenant, never taken from a client: tenants never share
+        cached blocks, so one cannot time another's prompts through the prefix cache."""
+        return hashlib.sha256(_SALT_CONTEXT + self.name.encode()).digest()[:16]
+
+
+class ApiKeys:
+    def __init__(self, entries: Iterable[tuple[str, Tenant]] = ()) -> None:
+        self._entries = [(_digest(key), tenant) for key, tenant in entries]
+        self.anonymous = Tenant(ANONYMOUS)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._entries)
+
+    @property
+    def tenants(self) -> list[Tenant]:
+        return list({t.name: t for _, t in self._entries}.values())
+
+    @classmethod
+    def from_toml(cls, path: str) -> ApiKeys:
+        with open(path, "rb") as handle:
+            try:
+                document = tomllib.load(handle)
+            except tomllib.TOMLDecodeError as error:
+                raise KvmeshError(Reason.INVALID_ARGUMENT, f"{path}: {error}") from None
+        entries: list[tuple[str, Tenant]] = []
+        for name, table in document.get("tenants", {}).items():
+            keys = table.get("keys", [])
+            if not keys or not all(isinstance(k, str) and k for k in keys):
+                raise KvmeshError(
+                    Reason.INVALID_ARGUMENT, f"{path}: tenant {name!r} needs a non-empty keys list"
+                )
+            limits = TenantLimits(
+                requests_per_second=float(table.get("requests_per_second", 0)),
+                tokens_per_minute=float(table.get("tokens_per_minute", 0)),
+                max_concurrent=int(table.get("max_concurrent", 0)),
+            )
+            entries += [(key, Tenant(name, limits)) for key in keys]
+        return cls(entries)
+
+    @classmethod
+    def from_env(cls, text: str) -> ApiKeys:
+        """ "tenant=key,tenant=key": tenants without limits."""
+        entries = []
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, sep, key = item.partition("=")
+            if not sep or not name or not key:
+                raise KvmeshError(
+                    Reason.INVALID_ARGUMENT,
+                    "KVMESH_API_KEYS takes tenant=key pairs, comma-separated",
+                )
+            entries.append((key, Tenant(name)))
+        return cls(entries)
+
+    def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Tenant:
+        if not self.enabled:
+            return self.anonymous
+        presented = _presented_key(metadata or ())
+        if presented is None:
+            raise KvmeshError(
+                Reason.UNAUTHENTICATED,
+                "an API key is required: send 'authorization: Bearer KEY' metadata",
+            )
+        digest = _digest(presented)
+        found: Tenant | None = None
+        for key_digest, tenant in self._entries:  # every entry, whatever matched
+            if hmac.compare_digest(digest, key_digest):
+                found = tenant
+        if found is None:
+            raise KvmeshError(Reason.UNAUTHENTICATED, "the API key is not valid")
+        return found
+
+
+def _presented_key(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
+    for name, value in metadata:
+        text = value.decode(errors="replace") if isinstance(value, bytes) else value
+        if name == "authorization":
+            scheme, _, token = text.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+        elif name == "x-api-key" and text:
+            return text
+    return None
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()

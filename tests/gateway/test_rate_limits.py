@@ -1,0 +1,81 @@
+"""Per-tenant limits: the Lua token buckets and leases in a real redis-server, and the local
+buckets each gateway falls back to without Redis."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.rate_limits import RateLimiter
+from services.gateway.tenants import Tenant, TenantLimits
+from shared.errors import KvmeshError, Reason
+from shared.redis_link import RedisLink
+from tests.redis_server import RedisServer
+
+
+def limiter(server: RedisServer) -> RateLimiter:
+    return RateLimiter(RedisLink(server.url, degraded="tests", retry_s=0.0))
+
+
+async def refused(limiter: RateLimiter, tenant: Tenant, request_id: str, tokens: int) -> int:
+    with pytest.raises(KvmeshError) as raised:
+        await limiter.admit(tenant, request_id, tokens)
+    error = raised.value
+    assert error.reason is Reason.RATE_LIMITED and error.retryable
+    return error.retry_after_ms
+
+
+async def test_requests_per_second_is_shared_by_every_gateway(redis_server: RedisServer) -> None:
+    tenant = Tenant("acme", TenantLimits(requests_per_second=2))
+    first, second = limiter(redis_server), limiter(redis_server)  # two gateways
+    await first.admit(tenant, "r1", 10)
+    await second.admit(tenant, "r2", 10)
+    retry_ms = await refused(first, tenant, "r3", 10)
+    assert 0 < retry_ms <= 500  # one token refills in 500 ms
+
+
+async def test_tokens_per_minute_charges_prompt_and_max_tokens_and_refunds_unused(
+    redis_server: RedisServer,
+) -> None:
+    tenant = Tenant("acme", TenantLimits(tokens_per_minute=600))  # 10 tokens/s
+    limits = limiter(redis_server)
+    grant = await limits.admit(tenant, "big", 500)
+    retry_ms = await refused(limits, tenant, "next", 200)
+    assert 9_000 <= retry_ms <= 10_100  # 100 missing tokens at 10/s
+    await limits.release(grant, tokens_used=100)  # 400 of the 500 came back
+    await limits.admit(tenant, "next", 200)
+
+
+async def test_concurrency_limit_counts_requests_until_released(
+    redis_server: RedisServer,
+) -> None:
+    tenant = Tenant("acme", TenantLimits(max_concurrent=1))
+    limits = limiter(redis_server)
+    grant = await limits.admit(tenant, "one", 1)
+    await refused(limits, tenant, "two", 1)
+    await limits.release(grant, 1)
+    await limits.admit(tenant, "two", 1)
+    await limits.close()
+
+
+async def test_tenants_do_not_share_buckets(redis_server: RedisServer) -> None:
+    limits = limiter(redis_server)
+    acme = Tenant("acme", TenantLimits(requests_per_second=1))
+    beta = Tenant("beta", TenantLimits(requests_per_second=1))
+    await limits.admit(acme, "a1", 1)
+    await refused(limits, acme, "a2", 1)
+    await limits.admit(beta, "b1", 1)
+
+
+async def test_without_redis_each_gateway_enforces_the_limits_locally() -> None:
+    dead = RedisServer()  # never started
+    limits = RateLimiter(RedisLink(dead.url, degraded="tests"))
+    tenant = Tenant("acme", TenantLimits(requests_per_second=1, max_concurrent=5))
+    grant = await limits.admit(tenant, "r1", 1)
+    assert grant is not None and not grant.shared
+    await refused(limits, tenant, "r2", 1)
+    await limits.release(grant, 1)
+
+
+async def test_unlimited_tenants_never_touch_redis() -> None:
+    limits = RateLimiter(None)
+    assert await limits.admit(Tenant("anonymous"), "r", 10**6) is None

@@ -1,0 +1,150 @@
+"""Cache-aware routing and admission through a real redis-server: the scheduler's publisher
+writes its prefix cache and load, the gateway's router reads them back."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as redis
+
+from services.gateway.backends import SchedulerBackend
+from services.gateway.router import Router, Watermarks
+from services.scheduler.redis_publisher import RedisPublisher
+from services.scheduler.server import SchedulerService
+from shared import redis_keys
+from shared.block_hash import hash_full_blocks
+from shared.config import SchedulerConfig
+from shared.errors import KvmeshError, Reason
+from shared.pb.kvmesh.v1 import common_pb2
+from shared.redis_link import RedisLink
+from shared.sampling import SamplingParams
+from tests.redis_server import RedisServer
+from tests.scheduler.fake_worker import FakeWorker
+from tests.scheduler.helpers import make_scheduler, run_to_completion
+
+MODEL = common_pb2.ModelInfo(name="tiny", kv_block_size=4)
+PROMPT = list(range(1, 42))  # 10 full blocks of 4, and one more token
+ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def scheduler_service(address: str) -> SchedulerService:
+    """A scheduler service with its pure scheduler attached and no worker (none is needed to
+    publish what the cache holds)."""
+    service = SchedulerService(None, SchedulerConfig(), True, "127.0.0.1:1", 64)  # type: ignore[arg-type]
+    service.scheduler = make_scheduler(num_blocks=64, block_size=4, budget=64)
+    service.model = MODEL
+    return service
+
+
+def backend(address: str) -> SchedulerBackend:
+    backend = SchedulerBackend(address)
+    backend.model = MODEL
+    return backend
+
+
+def link(server: RedisServer) -> RedisLink:
+    return RedisLink(server.url, degraded="tests", retry_s=0.1)
+
+
+async def test_gateway_routes_to_the_scheduler_that_published_the_prefix(
+    redis_server: RedisServer,
+) -> None:
+    cached, empty = scheduler_service("s-cached:1"), scheduler_service("s-empty:2")
+    salt = b"tenant-a"
+    assert cached.scheduler is not None
+    cached.scheduler.add_request("warm", PROMPT, ONE_TOKEN, cache_salt=salt)
+    run_to_completion(cached.scheduler, FakeWorker(4))
+    for service, address in ((cached, "s-cached:1"), (empty, "s-empty:2")):
+        await RedisPublisher(redis_server.url, address, service).flush()
+    router = Router(link(redis_server))
+    backends = [backend("s-empty:2"), backend("s-cached:1")]
+
+    decision = await router.route(backends, PROMPT, salt)
+    assert decision.backend.address == "s-cached:1"
+    assert (decision.matched_blocks, decision.reason) == (10, "prefix")
+    assert decision.uncached_tokens == 1
+    # The same prompt for another tenant matches nothing: salts scope the keys and hashes.
+    other = await router.route(backends, PROMPT, b"tenant-b")
+    assert (other.matched_blocks, other.reason) == (0, "least-loaded")
+    # A prompt that shares the first 5 blocks only.
+    forked = PROMPT[:20] + [999] * 21
+    assert (await router.route(backends, forked, salt)).matched_blocks == 5
+
+
+async def test_a_long_queue_outweighs_a_cached_prefix(redis_server: RedisServer) -> None:
+    router = Router(link(redis_server))
+    client = redis.Redis.from_url(redis_server.url)
+    key = redis_keys.prefix_blocks("tiny", b"", "busy:1")
+    await client.sadd(key, *hash_full_blocks(PROMPT[:40], 4))
+    await client.hset(redis_keys.scheduler_load("busy:1"), mapping={"waiting_tokens": 30})
+    backends = [backend("busy:1"), backend("idle:2")]
+    assert (await router.route(backends, PROMPT, b"")).backend.address == "busy:1"
+    # Queued work beyond two whole prefills elsewhere: the idle worker wins despite no prefix.
+    await client.hset(redis_keys.scheduler_load("busy:1"), mapping={"waiting_tokens": 90})
+    decision = await router.route(backends, PROMPT, b"")
+    assert (decision.backend.address, decision.reason) == ("idle:2", "load")
+    await client.aclose()
+
+
+async def test_past_the_watermarks_the_router_refuses_with_a_drain_time(
+    redis_server: RedisServer,
+) -> None:
+    router = Router(link(redis_server), watermarks=Watermarks(max_queue_ms=1000))
+    client = redis.Redis.from_url(redis_server.url)
+    # Draining 10 requests/s, a request behind 29 waits 3 s, behind 24, 2.5 s.
+    for address, waiting in (("a:1", 29), ("b:2", 24)):
+        await client.hset(
+            redis_keys.scheduler_load(address),
+            mapping={"waiting": waiting, "drain_per_s": 10},
+        )
+    with pytest.raises(KvmeshError) as raised:
+        await router.route([backend("a:1"), backend("b:2")], PROMPT, b"")
+    error = raised.value
+    assert error.reason is Reason.OVERLOADED and error.retryable
+    assert error.retry_after_ms == 1500  # b drains to the 1 s watermark in 1.5 s
+    await client.hset(redis_keys.scheduler_load("b:2"), mapping={"waiting": 4})
+    decision = await router.route([backend("a:1"), backend("b:2")], PROMPT, b"")
+    assert decision.backend.address == "b:2"
+    await client.aclose()
+
+
+async def test_round_robin_alternates_and_ignores_prefixes(redis_server: RedisServer) -> None:
+    router = Router(link(redis_server), policy="round-robin")
+    backends = [backend("a:1"), backend("b:2")]
+    chosen = [(await router.route(backends, PROMPT, b"")).backend.address for _ in range(4)]
+    assert chosen == ["a:1", "b:2", "a:1", "b:2"]
+
+
+async def test_without_redis_routing_falls_back_to_local_in_flight_counts() -> None:
+    dead = RedisServer()  # never started: connections are refused
+    router = Router(RedisLink(dead.url, degraded="tests"))
+    backends = [backend("a:1"), backend("b:2")]
+    backends[0].in_flight = 3
+    decision = await router.route(backends, PROMPT, b"")
+    assert (decision.backend.address, decision.reason) == ("b:2", "local-fallback")
+
+
+async def test_publisher_republishes_everything_after_redis_restarts(
+    redis_server: RedisServer,
+) -> None:
+    service = scheduler_service("s:1")
+    assert service.scheduler is not None
+    service.scheduler.add_request("warm", PROMPT, ONE_TOKEN)
+    run_to_completion(service.scheduler, FakeWorker(4))
+    publisher = RedisPublisher(redis_server.url, "s:1", service)
+    publisher.link.retry_s = 0.0
+    await publisher.flush()
+    key = redis_keys.prefix_blocks("tiny", b"", "s:1")
+    client = redis.Redis.from_url(redis_server.url)
+    assert await client.scard(key) == 10
+    assert int(await client.pttl(key)) > 0  # a dead scheduler's entries expire
+    redis_server.stop()
+    await publisher.flush()  # fails quietly: the scheduler serves on
+    assert not publisher.link.up
+    redis_server.start()  # empty, as after a crash
+    await publisher.flush()
+    await publisher.flush()
+    client = redis.Redis.from_url(redis_server.url)
+    assert await client.scard(key) == 10
+    load = await client.hgetall(redis_keys.scheduler_load("s:1"))
+    assert load[b"ready"] == b"1" and b"queue_ms" in load
+    await client.aclose()

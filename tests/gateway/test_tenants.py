@@ -1,0 +1,78 @@
+"""API keys -> tenants: parsing, authentication, and the server-side cache salt."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from services.gateway.tenants import ApiKeys, TenantLimits
+from shared.errors import KvmeshError, Reason
+
+KEYS_FILE = """
+[tenants.acme]
+keys = ["sk-acme-1", "sk-acme-2"]
+requests_per_second = 5
+tokens_per_minute = 6000
+max_concurrent = 2
+
+[tenants.beta]
+keys = ["sk-beta"]
+"""
+
+
+@pytest.fixture
+def keys(tmp_path: pathlib.Path) -> ApiKeys:
+    path = tmp_path / "keys.toml"
+    path.write_text(KEYS_FILE)
+    return ApiKeys.from_toml(str(path))
+
+
+def test_each_key_maps_to_its_tenant_and_limits(keys: ApiKeys) -> None:
+    acme = keys.authenticate([("authorization", "Bearer sk-acme-2")])
+    assert acme.name == "acme"
+    assert acme.limits == TenantLimits(5.0, 6000.0, 2)
+    beta = keys.authenticate([("x-api-key", "sk-beta")])
+    assert beta.name == "beta" and beta.limits.unlimited
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [[], [("authorization", "Bearer wrong")], [("authorization", "Basic sk-beta")]],
+)
+def test_missing_or_wrong_keys_are_unauthenticated(
+    keys: ApiKeys, metadata: list[tuple[str, str]]
+) -> None:
+    with pytest.raises(KvmeshError) as raised:
+        keys.authenticate(metadata)
+    assert raised.value.reason is Reason.UNAUTHENTICATED
+    assert "sk-" not in raised.value.message  # a key never appears in an error
+
+
+def test_auth_off_runs_everything_as_anonymous() -> None:
+    keys = ApiKeys.from_env("")
+    assert not keys.enabled
+    assert keys.authenticate([]).name == "anonymous"
+
+
+def test_env_keys_and_their_errors() -> None:
+    keys = ApiKeys.from_env("acme=k1, beta=k2")
+    assert keys.authenticate([("authorization", "Bearer k2")]).name == "beta"
+    with pytest.raises(KvmeshError):
+        ApiKeys.from_env("no-equals-sign")
+
+
+def test_each_tenant_has_its_own_stable_cache_salt(keys: ApiKeys) -> None:
+    acme = keys.authenticate([("x-api-key", "sk-acme-1")])
+    again = keys.authenticate([("x-api-key", "sk-acme-2")])
+    beta = keys.authenticate([("x-api-key", "sk-beta")])
+    assert acme.cache_salt == again.cache_salt  # same tenant, any key: shared cache
+    assert acme.cache_salt != beta.cache_salt
+    assert len(acme.cache_salt) == 16
+
+
+def test_a_tenant_without_keys_is_refused(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text("[tenants.empty]\nkeys = []\n")
+    with pytest.raises(KvmeshError, match="non-empty keys"):
+        ApiKeys.from_toml(str(path))
