@@ -4,7 +4,8 @@ per second while the scheduler is full (a queue, or every sequence slot taken).
 Only full time counts: then each finish frees the slot the next queued request takes, so the
 finish rate is the rate the queue drains at. A lightly loaded scheduler finishes few requests
 because few arrive, not because it is slow, and says nothing about that rate. With no recent
-full time (or too few finishes in it) the last measured rate stands, and before any measurement a conservative prior does.
+full time (or too few finishes in it) the last measured rate stands, and before any
+measurement a conservative prior does.
 """
 
 from __future__ import annotations
