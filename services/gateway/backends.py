@@ -10,6 +10,8 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,6 +24,9 @@ from shared.pb.kvmesh.v1 import (
     tokenizer_pb2_grpc,
 )
 from shared.service import CHANNEL_OPTIONS
+
+if TYPE_CHECKING:
+    from services.gateway.router import RouteDecision
 
 log = logging.getLogger("kvmesh.gateway.backends")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -66,6 +71,36 @@ class SchedulerBackend:
                 self.model = None
                 await on_change()
             await asyncio.sleep(0.2)
+
+
+@dataclass
+class Routed:
+    """A request counted against the scheduler it was routed to, until it ends."""
+
+    route: RouteDecision
+    in_transit: bool = True  # not yet accepted by the scheduler
+    pending: bool = True  # no first token yet
+
+    def __post_init__(self) -> None:
+        backend = self.route.backend
+        backend.in_flight += 1
+        backend.in_transit += 1
+        backend.pending_tokens += self.route.uncached_tokens
+
+    def accepted(self) -> None:
+        if self.in_transit:
+            self.in_transit = False
+            self.route.backend.in_transit -= 1
+
+    def started(self) -> None:
+        self.accepted()
+        if self.pending:
+            self.pending = False
+            self.route.backend.pending_tokens -= self.route.uncached_tokens
+
+    def ended(self) -> None:
+        self.started()
+        self.route.backend.in_flight -= 1
 
 
 class Backends:

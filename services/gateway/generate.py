@@ -27,11 +27,12 @@ from services.gateway.admission import (
     resolve_sampling,
     time_remaining,
 )
-from services.gateway.backends import Backends, SchedulerBackend
+from services.gateway.backends import Backends, Routed, SchedulerBackend
 from services.gateway.rate_limits import Grant, RateLimiter
-from services.gateway.router import RouteDecision, Router
+from services.gateway.router import Router
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.tenants import ApiKeys, Tenant
+from services.gateway.text_stream import TextStream
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.logs import bind_request
@@ -39,8 +40,6 @@ from shared.pb.kvmesh.v1 import (
     common_pb2,
     inference_pb2,
     scheduler_pb2,
-    tokenizer_pb2,
-    tokenizer_pb2_grpc,
 )
 from shared.service import ServiceRuntime
 
@@ -50,35 +49,6 @@ _FINISH_REASONS = {
     scheduler_pb2.SCHEDULER_FINISH_REASON_STOP: inference_pb2.FINISH_REASON_STOP,
     scheduler_pb2.SCHEDULER_FINISH_REASON_LENGTH: inference_pb2.FINISH_REASON_LENGTH,
 }
-
-
-class TextStream:
-    """Incremental detokenization of one request through the tokenizer service."""
-
-    def __init__(self, tokenizer: tokenizer_pb2_grpc.TokenizerStub) -> None:
-        self._call: grpc.aio.StreamStreamCall = tokenizer.Detokenize()
-
-    async def push(self, token_ids: list[int], *, finish: bool = False) -> str:
-        try:
-            await self._call.write(
-                tokenizer_pb2.DetokenizeRequest(token_ids=token_ids, finish=finish)
-            )
-            reply = await self._call.read()
-        except (grpc.RpcError, asyncio.InvalidStateError):
-            # A write after the server ended the call raises InvalidStateError: read its status.
-            call = self._call
-            raise grpc_errors.from_rpc_error(
-                grpc.aio.AioRpcError(
-                    await call.code(),
-                    await call.initial_metadata(),
-                    await call.trailing_metadata(),
-                    await call.details(),
-                )
-            ) from None
-        return "" if reply is grpc.aio.EOF else reply.text
-
-    def cancel(self) -> None:
-        self._call.cancel()
 
 
 @dataclass
@@ -105,36 +75,6 @@ class GatewayPolicy:
     router: Router = field(default_factory=lambda: Router(None))
     rate_limiter: RateLimiter = field(default_factory=lambda: RateLimiter(None))
     max_in_flight: int = 4096  # this gateway's own bound on open streams
-
-
-@dataclass
-class Routed:
-    """A request counted against the scheduler it was routed to, until it ends."""
-
-    route: RouteDecision
-    in_transit: bool = True  # not yet accepted by the scheduler
-    pending: bool = True  # no first token yet
-
-    def __post_init__(self) -> None:
-        backend = self.route.backend
-        backend.in_flight += 1
-        backend.in_transit += 1
-        backend.pending_tokens += self.route.uncached_tokens
-
-    def accepted(self) -> None:
-        if self.in_transit:
-            self.in_transit = False
-            self.route.backend.in_transit -= 1
-
-    def started(self) -> None:
-        self.accepted()
-        if self.pending:
-            self.pending = False
-            self.route.backend.pending_tokens -= self.route.uncached_tokens
-
-    def ended(self) -> None:
-        self.started()
-        self.route.backend.in_flight -= 1
 
 
 @dataclass

@@ -1,0 +1,39 @@
+"""Incremental detokenization of one request through the tokenizer service's bidi stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from shared import grpc_errors
+from shared.pb.kvmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+
+class TextStream:
+    """Incremental detokenization of one request through the tokenizer service."""
+
+    def __init__(self, tokenizer: tokenizer_pb2_grpc.TokenizerStub) -> None:
+        self._call: grpc.aio.StreamStreamCall = tokenizer.Detokenize()
+
+    async def push(self, token_ids: list[int], *, finish: bool = False) -> str:
+        try:
+            await self._call.write(
+                tokenizer_pb2.DetokenizeRequest(token_ids=token_ids, finish=finish)
+            )
+            reply = await self._call.read()
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            # A write after the server ended the call raises InvalidStateError: read its status.
+            call = self._call
+            raise grpc_errors.from_rpc_error(
+                grpc.aio.AioRpcError(
+                    await call.code(),
+                    await call.initial_metadata(),
+                    await call.trailing_metadata(),
+                    await call.details(),
+                )
+            ) from None
+        return "" if reply is grpc.aio.EOF else reply.text
+
+    def cancel(self) -> None:
+        self._call.cancel()
