@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing clean
+.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,10 @@ bench-mesh: $(STAMP)
 # Cache-aware routing vs round-robin over 2 workers, and one big worker; a few minutes.
 bench-routing: $(STAMP)
 	$(BIN)/python -m loadtest.routing_bench
+
+# Throughput with tracing on vs off, same load, same run; a few minutes.
+bench-tracing: $(STAMP)
+	$(BIN)/python -m loadtest.tracing_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

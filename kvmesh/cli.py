@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 
 from kvmesh.mesh_cli import add_remote_flags, add_up_parser, run_chat, run_remote_generate, run_up
+from kvmesh.trace_cli import add_trace_parser, run_trace
 from shared.errors import KvmeshError
 from shared.flags import add_engine_flags, engine_config
 from shared.sampling import SamplingParams
@@ -65,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     add_up_parser(commands)
     manifest = commands.add_parser("manifest", help="load a model and print its manifest as JSON")
     add_engine_flags(manifest)
+    add_trace_parser(commands)
     return parser
 
 
@@ -144,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_chat(args, _remote_sampling(args))
         if args.command == "up":
             return run_up(args)
+        if args.command == "trace":
+            return run_trace(args)
         from kvmesh.engine import Engine
 
         print(json.dumps(Engine(engine_config(args)).manifest, indent=2))

@@ -43,6 +43,7 @@ class MeshConfig:
     log_dir: str | None = None  # None: a temporary directory
     ready_timeout_s: float = 300.0
     drain_seconds: float = 10.0
+    tracing: bool = True  # every service sends spans to the mesh's trace-collector
 
 
 @dataclass
@@ -51,6 +52,7 @@ class ServiceProcess:
     address: str | None  # gRPC address; None for redis
     process: subprocess.Popen[bytes]
     log_path: str
+    metrics_url: str | None = None  # its Prometheus endpoint
 
     def log_tail(self, lines: int = 20) -> str:
         with open(self.log_path, errors="replace") as handle:
@@ -68,6 +70,7 @@ class Mesh:
         self.scheduler_addresses: list[str] = []
         self.worker_addresses: list[str] = []
         self.tokenizer_address = ""
+        self.collector_address = ""
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -87,7 +90,7 @@ class Mesh:
         config = self.config
         if self.redis_url is None:
             self.redis_url = self._start_redis()
-        self._spawn("trace-collector", "services.trace_collector", [])
+        self.collector_address = self._spawn("trace-collector", "services.trace_collector", [])
         model = ["--model", config.model] if config.model else []
         self.tokenizer_address = self._spawn("tokenizer", "services.tokenizer", model)
         threads = config.worker_threads or max(1, (os.cpu_count() or 1) // config.workers)
@@ -106,6 +109,12 @@ class Mesh:
                     ["--worker", worker, "--redis", self.redis_url, *config.scheduler_args],
                 )
             )
+        # The gateway starts once every scheduler serves: it then sees all of them from its
+        # first request, instead of after a reconnect backoff on a peer not yet listening.
+        deadline = time.monotonic() + config.ready_timeout_s
+        for service in self.services:
+            if service.address is not None:
+                self._wait_ready(service, deadline)
         self.gateway_address = self._spawn(
             "gateway",
             "services.gateway",
@@ -120,10 +129,7 @@ class Mesh:
             ],
             port=config.gateway_port or None,
         )
-        deadline = time.monotonic() + config.ready_timeout_s
-        for service in self.services:
-            if service.address is not None:
-                self._wait_ready(service, deadline)
+        self._wait_ready(self.services[-1], deadline)
 
     def _start_redis(self) -> str:
         binary = shutil.which("redis-server")
@@ -175,11 +181,16 @@ class Mesh:
             port_text,
             "--drain-seconds",
             str(self.config.drain_seconds),
+            "--metrics-port",
+            str(metrics_port := free_port(self.config.host)),
             *args,
         ]
+        if self.config.tracing and self.collector_address:
+            command += ["--otlp-endpoint", self.collector_address]
         # One torch/OpenMP pool per core budget: only engine-workers get more than one thread.
         env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         self._launch(name, address, command, env)
+        self.services[-1].metrics_url = f"http://{host}:{metrics_port}/metrics"
         return address
 
     def _launch(self, name: str, address: str | None, command: list[str], env: dict) -> None:

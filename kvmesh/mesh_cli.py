@@ -71,7 +71,8 @@ def run_up(args: argparse.Namespace) -> int:
         mesh.start()
         print(
             f"kvmesh: ready in {time.perf_counter() - started:.1f}s; "
-            f"gateway at {mesh.gateway_address}",
+            f"gateway at {mesh.gateway_address}; traces: kvmesh trace --collector "
+            f"{mesh.collector_address} REQUEST_ID",
             file=sys.stderr,
         )
         print(mesh.gateway_address, flush=True)

@@ -120,12 +120,19 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
         default=env_default("api-keys-file", None),
         help="TOML file of tenants, their API keys and limits (or KVMESH_API_KEYS=tenant=key,...)",
     )
+    parser.add_argument(
+        "--trace-content",
+        action="store_true",
+        default=env_default("trace-content", "") == "1",
+        help="record prompt and completion text in spans (off: telemetry never holds them)",
+    )
 
 
 def gateway_flag_args(args: argparse.Namespace) -> list[str]:
     forwarded = ["--routing", args.routing, "--max-queue-ms", str(args.max_queue_ms)]
     forwarded += ["--max-queue-tokens", str(args.max_queue_tokens)]
     forwarded += ["--max-in-flight", str(args.max_in_flight)]
+    forwarded += ["--trace-content"] if args.trace_content else []
     return forwarded + (["--api-keys-file", args.api_keys_file] if args.api_keys_file else [])
 
 

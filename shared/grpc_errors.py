@@ -24,6 +24,7 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.TOKENIZER_UNAVAILABLE: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.INVALID_MODEL: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.MODEL_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Reason.TRACE_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Reason.MODEL_NOT_READY: grpc.StatusCode.UNAVAILABLE,
     Reason.KV_CACHE_TOO_SMALL: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -22,6 +22,8 @@ from grpc_reflection.v1alpha import reflection
 
 from shared.errors import KvmeshError, Reason
 from shared.flags import env_default, env_int
+from shared.metrics import serve_metrics
+from shared.telemetry import configure_tracing
 
 LIVENESS = "liveness"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -59,6 +61,24 @@ def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None
         default=float(env_default("drain-seconds", None) or 30),
         help="grace period for in-flight streams after SIGTERM",
     )
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=env_default("otlp-endpoint", None),
+        help="HOST:PORT of an OTLP/gRPC trace receiver (the trace-collector); unset: no tracing",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=env_int("metrics-port", 0),
+        help="serve Prometheus metrics on this port (0: not served)",
+    )
+
+
+def start_observability(service_name: str, args: argparse.Namespace) -> None:
+    """Tracing to --otlp-endpoint and a Prometheus endpoint on --metrics-port, as flagged."""
+    configure_tracing(service_name, args.otlp_endpoint, f"{args.host}:{args.port}")
+    if args.metrics_port:
+        serve_metrics(args.host, args.metrics_port)
 
 
 class ServiceRuntime:

@@ -10,7 +10,7 @@ from services.engine_worker.server import EngineWorkerService
 from shared.flags import add_worker_flags, engine_config
 from shared.logs import configure_logging
 from shared.pb.kvmesh.v1 import engine_worker_pb2_grpc
-from shared.service import ServiceRuntime, add_common_flags
+from shared.service import ServiceRuntime, add_common_flags, start_observability
 
 SERVICE_NAME = "kvmesh.v1.EngineWorker"
 
@@ -38,6 +38,7 @@ def main() -> None:
     add_worker_flags(parser)
     args = parser.parse_args()
     configure_logging("engine-worker", args.log_level)
+    start_observability("engine-worker", args)
     logging.getLogger("kvmesh").info("starting", extra={"model": args.model})
     asyncio.run(serve(args))
 

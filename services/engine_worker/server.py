@@ -15,17 +15,29 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import grpc
+from opentelemetry import trace
+from prometheus_client import Counter, Histogram
 
 from services.engine_worker.worker import Worker
 from shared import grpc_errors
 from shared.codec import plan_from_pb, result_to_pb
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, Reason
+from shared.metrics import TOKEN_SECONDS
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
 from shared.service import ServiceRuntime
+from shared.telemetry import context_from_traceparent
 
 log = logging.getLogger("kvmesh.engine_worker")
+tracer = trace.get_tracer("kvmesh.engine_worker")
 T = TypeVar("T")
+STEP_SECONDS = Histogram(
+    "kvmesh_step_duration_seconds", "One forward pass and sampling", buckets=TOKEN_SECONDS
+)
+BATCH_SIZE = Histogram(
+    "kvmesh_step_batch_size", "Requests in one step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)
+)
+TOKENS_COMPUTED = Counter("kvmesh_tokens_computed", "Tokens through the model (prompt and output)")
 
 
 def model_info(worker: Worker) -> common_pb2.ModelInfo:
@@ -51,6 +63,37 @@ def model_info(worker: Worker) -> common_pb2.ModelInfo:
         vocab_size=worker.architecture.vocab_size,
         eos_token_ids=worker.architecture.eos_token_ids,
     )
+
+
+def record_step(
+    plan: engine_worker_pb2.StepPlan, seconds: float, started_ns: int, worker: str
+) -> None:
+    """Step metrics, and one span per traced prefill chunk (the step's whole compute time:
+    the chunk shares the forward pass with the rest of the batch)."""
+    batch_size = len(plan.new_requests) + len(plan.running_requests)
+    tokens = sum(r.num_scheduled_tokens for r in plan.new_requests)
+    tokens += sum(r.num_scheduled_tokens for r in plan.running_requests)
+    STEP_SECONDS.observe(seconds)
+    BATCH_SIZE.observe(batch_size)
+    TOKENS_COMPUTED.inc(tokens)
+    ended_ns = started_ns + round(seconds * 1e9)
+    for chunk in plan.prefill_traces:
+        span = tracer.start_span(
+            "prefill",
+            context=context_from_traceparent(chunk.traceparent),
+            start_time=started_ns,
+            attributes={
+                "kvmesh.request_id": chunk.request_id,
+                "kvmesh.chunk_tokens": chunk.chunk_tokens,
+                "kvmesh.prefix_hit_tokens": chunk.cached_tokens,
+                "kvmesh.start_position": chunk.start_position,
+                "kvmesh.batch_size": batch_size,
+                "kvmesh.batch_tokens": tokens,
+                "kvmesh.step_id": plan.step_id,
+                "kvmesh.worker": worker,
+            },
+        )
+        span.end(end_time=ended_ns)
 
 
 class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
@@ -104,9 +147,11 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
         try:
             async for message in request_iterator:
                 plan = plan_from_pb(message)
-                started = time.perf_counter()
+                started, started_ns = time.perf_counter(), time.time_ns()
                 result = await self._in_torch_thread(worker.execute, plan)
-                yield result_to_pb(result, (time.perf_counter() - started) * 1e3)
+                seconds = time.perf_counter() - started
+                record_step(message, seconds, started_ns, self.runtime.address)
+                yield result_to_pb(result, seconds * 1e3)
         finally:
             # Queued behind a step still running in the torch thread, never beside it.
             self._torch_thread.submit(worker.requests.clear)  # the next scheduler starts empty

@@ -17,7 +17,7 @@ from shared.flags import add_gateway_flags, env_default
 from shared.logs import configure_logging
 from shared.pb.kvmesh.v1 import inference_pb2_grpc
 from shared.redis_link import RedisLink
-from shared.service import ServiceRuntime, add_common_flags
+from shared.service import ServiceRuntime, add_common_flags, start_observability
 
 SERVICE_NAME = "kvmesh.v1.Inference"
 log = logging.getLogger("kvmesh.gateway")
@@ -49,6 +49,7 @@ def gateway_policy(args: argparse.Namespace, link: RedisLink | None) -> GatewayP
         router=Router(link, args.routing, watermarks),
         rate_limiter=RateLimiter(link),
         max_in_flight=args.max_in_flight,
+        trace_content=args.trace_content,
     )
 
 
@@ -96,6 +97,7 @@ def main() -> None:
     add_gateway_flags(parser)
     args = parser.parse_args()
     configure_logging("gateway", args.log_level)
+    start_observability("gateway", args)
     asyncio.run(serve(args))
 
 

@@ -55,6 +55,7 @@ async def prompt_token_ids(
     tokenizer: tokenizer_pb2_grpc.TokenizerStub,
     model: common_pb2.ModelInfo,
     timeout: float | None,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> list[int]:
     kind = request.WhichOneof("input")
     if kind == "token_ids":
@@ -66,10 +67,11 @@ async def prompt_token_ids(
                 f"token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})",
             )
     elif kind == "text":
-        ids = await _encode(tokenizer, tokenizer_pb2.EncodeRequest(text=request.text), timeout)
+        encode = tokenizer_pb2.EncodeRequest(text=request.text)
+        ids = await _encode(tokenizer, encode, timeout, metadata)
     elif kind == "chat":
         encode = tokenizer_pb2.EncodeRequest(chat=request.chat)
-        ids = await _encode(tokenizer, encode, timeout)
+        ids = await _encode(tokenizer, encode, timeout, metadata)
     else:
         raise KvmeshError(Reason.INVALID_ARGUMENT, "give text, chat or token_ids as the input")
     if not ids:
@@ -81,9 +83,10 @@ async def _encode(
     tokenizer: tokenizer_pb2_grpc.TokenizerStub,
     request: tokenizer_pb2.EncodeRequest,
     timeout: float | None,
+    metadata: tuple[tuple[str, str], ...],
 ) -> list[int]:
     try:
-        reply = await tokenizer.Encode(request, timeout=timeout)
+        reply = await tokenizer.Encode(request, timeout=timeout, metadata=metadata)
     except grpc.RpcError as error:
         raise grpc_errors.from_rpc_error(error) from None
     return list(reply.token_ids)

@@ -29,6 +29,15 @@ from services.gateway.admission import (
 )
 from services.gateway.backends import Backends, Routed, SchedulerBackend
 from services.gateway.rate_limits import Grant, RateLimiter
+from services.gateway.request_record import (
+    FINISH_REASONS,
+    Admitted,
+    Progress,
+    completed_event,
+    terminal_reason,
+    upstream_failure,
+)
+from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.router import Router
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.tenants import ApiKeys, Tenant
@@ -36,35 +45,12 @@ from services.gateway.text_stream import TextStream
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.logs import bind_request
-from shared.pb.kvmesh.v1 import (
-    common_pb2,
-    inference_pb2,
-    scheduler_pb2,
-)
+from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, scheduler_pb2
 from shared.service import ServiceRuntime
 
 log = logging.getLogger("kvmesh.gateway")
 Event = inference_pb2.GenerateEvent
-_FINISH_REASONS = {
-    scheduler_pb2.SCHEDULER_FINISH_REASON_STOP: inference_pb2.FINISH_REASON_STOP,
-    scheduler_pb2.SCHEDULER_FINISH_REASON_LENGTH: inference_pb2.FINISH_REASON_LENGTH,
-}
-
-
-@dataclass
-class Progress:
-    prompt_tokens: int
-    received: float
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    first_token_at: float | None = None
-
-    def usage(self) -> inference_pb2.Usage:
-        return inference_pb2.Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            cached_tokens=self.cached_tokens,
-        )
+TERMINAL = ("completed", "cancelled", "failed")
 
 
 @dataclass
@@ -75,23 +61,7 @@ class GatewayPolicy:
     router: Router = field(default_factory=lambda: Router(None))
     rate_limiter: RateLimiter = field(default_factory=lambda: RateLimiter(None))
     max_in_flight: int = 4096  # this gateway's own bound on open streams
-
-
-@dataclass
-class Admitted:
-    """A request the scheduler accepted: where it runs, for whom and with what."""
-
-    routed: Routed
-    tenant: Tenant
-    grant: Grant | None  # the rate-limit charge, released when the request ends
-    sampling: common_pb2.SamplingParams  # every field set, the seed chosen
-    token_ids: list[int]
-    submit: grpc.aio.UnaryStreamCall  # the scheduler's token stream; cancelling aborts
-    queue_position: int
-
-    @property
-    def backend(self) -> SchedulerBackend:
-        return self.routed.route.backend
+    trace_content: bool = False  # prompt and completion text in spans (off: never)
 
 
 class GenerateHandler:
@@ -111,12 +81,22 @@ class GenerateHandler:
         received = time.monotonic()
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         bind_request(request_id)
+        telemetry = RequestTelemetry(
+            request_id,
+            context.invocation_metadata(),
+            "chat" if request.WhichOneof("input") == "chat" else "text_completion",
+            self.policy.trace_content,
+        )
         try:
-            admitted = await self._admit(request, request_id, context, received)
+            admitted = await self._admit(request, request_id, context, received, telemetry)
         except KvmeshError as error:
             log.info("refused", extra={"reason": error.reason.value, "error": error.message})
+            telemetry.rejected(error)
             await grpc_errors.abort(context, error)
             return
+        except BaseException:
+            telemetry.ended("cancelled", "client_disconnected", 0, 0)
+            raise
         backend, submit = admitted.backend, admitted.submit
         self.active[request_id] = backend
         prompt_tokens = len(admitted.token_ids)
@@ -130,10 +110,12 @@ class GenerateHandler:
                 "scheduler": backend.address,
                 "matched_blocks": route.matched_blocks,
                 "route_reason": route.reason,
+                "trace_id": telemetry.trace_id,
             },
         )
         progress = Progress(prompt_tokens, received)
-        text = TextStream(self.backends.tokenizer)
+        text = TextStream(self.backends.tokenizer, telemetry.detokenize_metadata())
+        outcome, reason = "cancelled", "client_disconnected"  # unless a terminal event is sent
         with self.runtime.in_flight():
             try:
                 assert backend.model is not None
@@ -144,11 +126,15 @@ class GenerateHandler:
                         prompt_tokens=prompt_tokens,
                         model=backend.model.name,
                         routing=route.to_pb(),
+                        trace_id=telemetry.trace_id,
                     )
                 )
                 async for event in self._relay(request, admitted, text, progress):
                     kind = event.WhichOneof("event")
-                    if kind in ("completed", "cancelled", "failed"):
+                    if kind == "delta":
+                        telemetry.delta(event.delta.text, len(event.delta.token_ids))
+                    elif kind in TERMINAL:
+                        outcome, reason = kind, terminal_reason(event)
                         log.info(
                             kind,
                             extra={
@@ -158,13 +144,17 @@ class GenerateHandler:
                                 ),
                             },
                         )
+                    sending = time.monotonic()
                     yield event
+                    telemetry.blocked_sending(time.monotonic() - sending)
             finally:
                 submit.cancel()  # a no-op when it ended; else the scheduler aborts the request
                 text.cancel()
                 self.active.pop(request_id, None)
                 admitted.routed.ended()
                 self._release(admitted.grant, prompt_tokens + progress.completion_tokens)
+                telemetry.detokenize_ended(text.wait_s)
+                telemetry.ended(outcome, reason, prompt_tokens, progress.completion_tokens)
 
     async def _admit(
         self,
@@ -172,21 +162,28 @@ class GenerateHandler:
         request_id: str,
         context: grpc.aio.ServicerContext,
         received: float,
+        telemetry: RequestTelemetry,
     ) -> Admitted:
-        self.runtime.refuse_if_draining()
-        tenant = self.policy.api_keys.authenticate(context.invocation_metadata())
-        if request_id in self.active:
-            raise KvmeshError(Reason.INVALID_ARGUMENT, f"request id {request_id!r} is in use")
-        if len(self.active) + self._num_admitting >= self.policy.max_in_flight:
-            raise KvmeshError(
-                Reason.OVERLOADED,
-                f"this gateway already holds {self.policy.max_in_flight} requests",
-                retryable=True,
-                retry_after_ms=1000,
-            )
+        with telemetry.phase("admission"):
+            self.runtime.refuse_if_draining()
+            tenant = self.policy.api_keys.authenticate(context.invocation_metadata())
+            if request_id in self.active:
+                raise KvmeshError(Reason.INVALID_ARGUMENT, f"request id {request_id!r} is in use")
+            if len(self.active) + self._num_admitting >= self.policy.max_in_flight:
+                raise KvmeshError(
+                    Reason.OVERLOADED,
+                    f"this gateway already holds {self.policy.max_in_flight} requests",
+                    retryable=True,
+                    retry_after_ms=1000,
+                )
+            check_stop_strings(list(request.stop))
+            sampling = resolve_sampling(request.sampling)
+            candidates = self.backends.serving(request.model)
         self._num_admitting += 1
         try:
-            return await self._check_and_submit(request, request_id, context, received, tenant)
+            return await self._check_and_submit(
+                request, request_id, context, received, tenant, sampling, candidates, telemetry
+            )
         finally:
             self._num_admitting -= 1
 
@@ -197,24 +194,39 @@ class GenerateHandler:
         context: grpc.aio.ServicerContext,
         received: float,
         tenant: Tenant,
+        sampling: common_pb2.SamplingParams,
+        candidates: list[SchedulerBackend],
+        telemetry: RequestTelemetry,
     ) -> Admitted:
-        candidates = self.backends.serving(request.model)
         model = candidates[0].model
         assert model is not None
-        check_stop_strings(list(request.stop))
-        sampling = resolve_sampling(request.sampling)
         remaining = time_remaining(context, request.timeout_ms)
-        token_ids = await prompt_token_ids(request, self.backends.tokenizer, model, remaining)
+        telemetry.prompt(request.text)
+        with telemetry.phase("tokenize") as span:
+            token_ids = await prompt_token_ids(
+                request, self.backends.tokenizer, model, remaining, telemetry.phase_metadata(span)
+            )
+            span.set_attribute("gen_ai.usage.input_tokens", len(token_ids))
         limiter = self.policy.rate_limiter
-        grant = await limiter.admit(tenant, request_id, len(token_ids) + sampling.max_tokens)
+        with telemetry.phase("rate_limit"):
+            grant = await limiter.admit(tenant, request_id, len(token_ids) + sampling.max_tokens)
         try:
-            route = await self.policy.router.route(candidates, token_ids, tenant.cache_salt)
+            with telemetry.phase("route") as span:
+                route = await self.policy.router.route(candidates, token_ids, tenant.cache_salt)
+                span.set_attributes(route.span_attributes())
             routed = Routed(route)
             try:
                 if remaining is not None:
                     remaining -= time.monotonic() - received
                 submit, position = await self._submit(
-                    route.backend, request, request_id, token_ids, sampling, tenant, remaining
+                    route.backend,
+                    request,
+                    request_id,
+                    token_ids,
+                    sampling,
+                    tenant,
+                    remaining,
+                    telemetry.metadata(),
                 )
             except BaseException:
                 routed.ended()
@@ -223,6 +235,19 @@ class GenerateHandler:
         except BaseException:
             self._release(grant, 0)
             raise
+        telemetry.admitted(
+            {
+                "gen_ai.request.model": model.name,
+                "gen_ai.response.model": model.name,
+                "gen_ai.request.max_tokens": sampling.max_tokens,
+                "gen_ai.request.temperature": sampling.temperature,
+                "gen_ai.request.top_p": sampling.top_p,
+                "gen_ai.request.seed": sampling.seed,
+                "gen_ai.usage.input_tokens": len(token_ids),
+                "kvmesh.tenant": tenant.name,
+                **route.span_attributes(),
+            }
+        )
         return Admitted(routed, tenant, grant, sampling, token_ids, submit, position)
 
     async def _submit(
@@ -234,6 +259,7 @@ class GenerateHandler:
         sampling: common_pb2.SamplingParams,
         tenant: Tenant,
         remaining: float | None,
+        metadata: tuple[tuple[str, str], ...],
     ) -> tuple[grpc.aio.UnaryStreamCall, int]:
         submit = backend.stub.Submit(
             scheduler_pb2.SubmitRequest(
@@ -245,6 +271,7 @@ class GenerateHandler:
                 tenant=tenant.name,
             ),
             timeout=remaining,
+            metadata=metadata,
         )
         try:
             first = await submit.read()
@@ -297,7 +324,7 @@ class GenerateHandler:
                     if stops.matched is not None:
                         submit.cancel()  # aborts upstream: blocks free within a step
                         yield Event(usage=progress.usage())
-                        yield self._completed(
+                        yield completed_event(
                             inference_pb2.FINISH_REASON_STOP_STRING,
                             stops.matched,
                             None,
@@ -322,11 +349,11 @@ class GenerateHandler:
                         )
                     else:
                         reason = (
-                            _FINISH_REASONS[finished.finish_reason]
+                            FINISH_REASONS[finished.finish_reason]
                             if stops.matched is None
                             else inference_pb2.FINISH_REASON_STOP_STRING
                         )
-                        yield self._completed(
+                        yield completed_event(
                             reason, stops.matched or "", finished, progress, admitted
                         )
                     return
@@ -337,60 +364,7 @@ class GenerateHandler:
                 else:
                     raise KvmeshError(Reason.WORKER_LOST, "the scheduler ended the stream early")
         except (grpc.RpcError, KvmeshError) as error:
-            failure = error if isinstance(error, KvmeshError) else _upstream_failure(error)
+            failure = error if isinstance(error, KvmeshError) else upstream_failure(error)
             log.warning("failed", extra={"reason": failure.reason.value, "error": failure.message})
             yield Event(usage=progress.usage())
             yield Event(failed=inference_pb2.Failed(error=grpc_errors.to_pb(failure)))
-
-    def _completed(
-        self,
-        reason: int,
-        stop_string: str,
-        finished: scheduler_pb2.SubmitFinished | None,
-        progress: Progress,
-        admitted: Admitted,
-    ) -> Event:
-        now = time.monotonic()
-        backend, sampling = admitted.backend, admitted.sampling
-        model = backend.model or common_pb2.ModelInfo()
-        timings = inference_pb2.Timings(
-            total_ms=(now - progress.received) * 1e3,
-            ttft_ms=((progress.first_token_at or now) - progress.received) * 1e3,
-        )
-        if finished is not None:
-            timings.queue_ms = finished.queue_ms
-            timings.prefill_ms = finished.prefill_ms
-            timings.decode_ms = finished.decode_ms
-        return Event(
-            completed=inference_pb2.Completed(
-                finish_reason=reason,  # type: ignore[arg-type]
-                stop_string=stop_string,
-                usage=progress.usage(),
-                timings=timings,
-                execution=inference_pb2.ExecutionRecord(
-                    model_name=model.name,
-                    model_version=model.version,
-                    artifact_digest=model.artifact_digest,
-                    backend=model.backend,
-                    dtype=model.dtype,
-                    sampling=sampling,
-                    seed=sampling.seed,
-                    scheduler=backend.address,
-                    routing=admitted.routed.route.to_pb(),
-                    tenant=admitted.tenant.name,
-                ),
-            )
-        )
-
-
-def _upstream_failure(error: grpc.RpcError) -> KvmeshError:
-    """A stream that broke after acceptance: a peer died, unless it said otherwise."""
-    failure = grpc_errors.from_rpc_error(error)
-    if failure.reason in (Reason.MODEL_NOT_READY, Reason.INTERNAL):
-        return KvmeshError(
-            Reason.WORKER_LOST,
-            f"a service on the request's path stopped responding: {failure.message}",
-            retryable=True,
-            retry_after_ms=1000,
-        )
-    return failure

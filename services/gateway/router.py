@@ -92,6 +92,13 @@ class RouteDecision:
     reason: str
     uncached_tokens: int  # what the chosen worker is expected to compute
 
+    def span_attributes(self) -> dict[str, str | int]:
+        return {
+            "kvmesh.scheduler": self.backend.address,
+            "kvmesh.route.reason": self.reason,
+            "kvmesh.route.matched_tokens": self.matched_blocks * self.block_size,
+        }
+
     def to_pb(self) -> inference_pb2.RoutingDecision:
         return inference_pb2.RoutingDecision(
             scheduler=self.backend.address,

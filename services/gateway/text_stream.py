@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
@@ -13,10 +14,16 @@ from shared.pb.kvmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 class TextStream:
     """Incremental detokenization of one request through the tokenizer service."""
 
-    def __init__(self, tokenizer: tokenizer_pb2_grpc.TokenizerStub) -> None:
-        self._call: grpc.aio.StreamStreamCall = tokenizer.Detokenize()
+    def __init__(
+        self,
+        tokenizer: tokenizer_pb2_grpc.TokenizerStub,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        self._call: grpc.aio.StreamStreamCall = tokenizer.Detokenize(metadata=metadata)
+        self.wait_s = 0.0  # time spent waiting on the tokenizer, for the trace
 
     async def push(self, token_ids: list[int], *, finish: bool = False) -> str:
+        started = time.monotonic()
         try:
             await self._call.write(
                 tokenizer_pb2.DetokenizeRequest(token_ids=token_ids, finish=finish)
@@ -33,6 +40,8 @@ class TextStream:
                     await call.details(),
                 )
             ) from None
+        finally:
+            self.wait_s += time.monotonic() - started
         return "" if reply is grpc.aio.EOF else reply.text
 
     def cancel(self) -> None:

@@ -6,12 +6,15 @@ import argparse
 import asyncio
 import contextlib
 
+from prometheus_client import REGISTRY
+
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.redis_publisher import RedisPublisher
 from services.scheduler.server import SchedulerService
 from shared.flags import add_scheduler_flags, env_default, env_int, scheduler_config
 from shared.logs import configure_logging
 from shared.pb.kvmesh.v1 import scheduler_pb2_grpc
-from shared.service import ServiceRuntime, add_common_flags
+from shared.service import ServiceRuntime, add_common_flags, start_observability
 
 SERVICE_NAME = "kvmesh.v1.Scheduler"
 
@@ -26,6 +29,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_waiting=args.max_waiting,
     )
     runtime.add_servicer(scheduler_pb2_grpc.add_SchedulerServicer_to_server, service)
+    REGISTRY.register(SchedulerMetrics(asyncio.get_running_loop(), service.load_report))
     await runtime.start()
     tasks = [asyncio.create_task(service.run())]
     if args.redis:
@@ -66,6 +70,7 @@ def main() -> None:
     add_scheduler_flags(parser)
     args = parser.parse_args()
     configure_logging("scheduler", args.log_level)
+    start_observability("scheduler", args)
     asyncio.run(serve(args))
 
 

@@ -19,6 +19,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.scheduler.queue_estimate import QueueTimeEstimator
+from services.scheduler.request_trace import (
+    CANCEL_TO_FREED,
+    RequestTrace,
+    terminal_outcome,
+    trace_plan,
+)
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.worker_link import WorkerLink, WorkerLost, worker_lost_error
 from shared import grpc_errors
@@ -48,10 +54,15 @@ class Tracked:
 
     request_id: str
     arrival: float
+    trace: RequestTrace
     events: asyncio.Queue[scheduler_pb2.SubmitEvent] = field(default_factory=asyncio.Queue)
-    first_step: float | None = None
+    output_tokens: int = 0
     first_token: float | None = None
     timer: asyncio.TimerHandle | None = None
+
+    @property
+    def first_step(self) -> float | None:
+        return self.trace.scheduled_at
 
 
 @dataclass
@@ -129,16 +140,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), 0.05)
                 continue
-            now = time.monotonic()
-            for new in plan.new_requests:
-                tracked = self.tracked.get(new.request_id)
-                if tracked is not None and tracked.first_step is None:
-                    tracked.first_step = now
-            result_pb = await self.link.step(plan_to_pb(plan))
+            plan_pb = plan_to_pb(plan)
+            trace_plan(plan, plan_pb, scheduler.requests, self._trace_of)
+            result_pb = await self.link.step(plan_pb)
             self.counters.steps += 1
             self.counters.worker_compute_ms += result_pb.compute_ms
             result = result_from_pb(result_pb)
             self._dispatch(scheduler.update(plan, result))
+
+    def _trace_of(self, request_id: str) -> RequestTrace | None:
+        tracked = self.tracked.get(request_id)
+        return None if tracked is None else tracked.trace
 
     def _wake_loop(self) -> None:
         self._wake.set()
@@ -150,7 +162,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if tracked is None:
                 continue
             if output.new_token_ids:
-                tracked.first_token = tracked.first_token or now
+                tracked.output_tokens += len(output.new_token_ids)
+                if tracked.first_token is None:
+                    tracked.first_token = now
+                    tracked.trace.first_token()
                 tokens = scheduler_pb2.SubmitTokens(
                     token_ids=output.new_token_ids,
                     logprobs=[logprobs_to_pb(lp) for lp in output.logprobs],
@@ -175,6 +190,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def _close(self, tracked: Tracked, terminal: scheduler_pb2.SubmitEvent) -> None:
         self._forget(tracked)
+        outcome, reason = terminal_outcome(terminal)
+        cached = terminal.finished.cached_tokens
+        tracked.trace.ended(outcome, reason, tracked.output_tokens, cached)
         tracked.events.put_nowait(terminal)
 
     def _forget(self, tracked: Tracked) -> None:
@@ -204,6 +222,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         started = tracked.first_step is not None
         if not self._abort(request_id):
             return
+        tracked.trace.cancelled("deadline")
         if started:
             self.counters.expired_running += 1
             error = KvmeshError(Reason.DEADLINE_EXCEEDED, "the deadline passed while generating")
@@ -219,7 +238,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     # ---- RPCs ------------------------------------------------------------------------------
 
-    def _admit(self, request: scheduler_pb2.SubmitRequest, remaining: float | None) -> Tracked:
+    def _admit(
+        self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> Tracked:
+        remaining = context.time_remaining()
         self.runtime.refuse_if_draining()
         if self.scheduler is None or self.link.lost:
             raise KvmeshError(
@@ -251,7 +273,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             request.priority,
             cache_salt=request.cache_salt,
         )
-        tracked = Tracked(request.request_id, time.monotonic())
+        trace = RequestTrace(
+            context.invocation_metadata(),
+            request.request_id,
+            len(request.token_ids),
+            request.tenant,
+        )
+        tracked = Tracked(request.request_id, time.monotonic(), trace)
         if remaining is not None:
             loop = asyncio.get_running_loop()
             tracked.timer = loop.call_later(
@@ -265,7 +293,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> AsyncIterator[scheduler_pb2.SubmitEvent]:
         bind_request(request.request_id)
         try:
-            tracked = self._admit(request, context.time_remaining())
+            tracked = self._admit(request, context)
         except KvmeshError as error:
             log.info("refused", extra={"reason": error.reason.value, "error": error.message})
             await grpc_errors.abort(context, error)
@@ -286,19 +314,26 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                         return
             finally:
                 if request.request_id in self.tracked:  # the caller went away first
+                    noticed = time.monotonic()
                     self._forget(tracked)
                     if self._abort(request.request_id):
+                        CANCEL_TO_FREED.observe(time.monotonic() - noticed)
+                        tracked.trace.cancelled("caller")
                         self.counters.aborted += 1
                         log.info("cancelled by caller")
+                    tracked.trace.ended("cancelled", "caller", tracked.output_tokens)
 
     async def Abort(
         self, request: scheduler_pb2.SchedulerAbortRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SchedulerAbortResponse:
         tracked = self.tracked.get(request.request_id)
+        noticed = time.monotonic()
         found = self._abort(request.request_id)
         if found:
+            CANCEL_TO_FREED.observe(time.monotonic() - noticed)
             self.counters.aborted += 1
             if tracked is not None:
+                tracked.trace.cancelled("abort")
                 self._finish(tracked, FinishReason.ABORT, 0, time.monotonic())
         return scheduler_pb2.SchedulerAbortResponse(found=found)
 

@@ -12,7 +12,7 @@ from shared.flags import env_default
 from shared.logs import configure_logging
 from shared.model_paths import resolve_model_path
 from shared.pb.kvmesh.v1 import tokenizer_pb2_grpc
-from shared.service import ServiceRuntime, add_common_flags
+from shared.service import ServiceRuntime, add_common_flags, start_observability
 
 SERVICE_NAME = "kvmesh.v1.Tokenizer"
 
@@ -43,6 +43,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     configure_logging("tokenizer", args.log_level)
+    start_observability("tokenizer", args)
     asyncio.run(serve(args))
 
 

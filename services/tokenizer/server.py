@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+from prometheus_client import Counter, Histogram
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.loader import TextTokenizer
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
+from shared.metrics import TOKEN_SECONDS
 from shared.pb.kvmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from shared.service import ServiceRuntime
+from shared.telemetry import context_from_metadata
 
 log = logging.getLogger("kvmesh.tokenizer")
+tracer = trace.get_tracer("kvmesh.tokenizer")
+ENCODE_SECONDS = Histogram(
+    "kvmesh_tokenizer_encode_seconds", "Time to encode one text or chat", buckets=TOKEN_SECONDS
+)
+TOKENS = Counter("kvmesh_tokenizer_tokens", "Tokens encoded and detokenized", ["direction"])
 
 
 def chat_messages(chat: common_pb2.Chat) -> list[dict[str, str]]:
@@ -51,11 +62,19 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     async def Encode(
         self, request: tokenizer_pb2.EncodeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.EncodeResponse:
-        try:
-            return tokenizer_pb2.EncodeResponse(token_ids=self.encode(request))
-        except KvmeshError as error:
-            await grpc_errors.abort(context, error)
-            raise
+        parent = context_from_metadata(context.invocation_metadata())
+        with tracer.start_as_current_span("tokenizer.Encode", parent, SpanKind.SERVER) as span:
+            started = time.perf_counter()
+            try:
+                token_ids = self.encode(request)
+            except KvmeshError as error:
+                span.set_attribute("kvmesh.error.reason", error.reason.value)
+                await grpc_errors.abort(context, error)
+                raise
+            ENCODE_SECONDS.observe(time.perf_counter() - started)
+            TOKENS.labels("encode").inc(len(token_ids))
+            span.set_attribute("gen_ai.usage.input_tokens", len(token_ids))
+            return tokenizer_pb2.EncodeResponse(token_ids=token_ids)
 
     async def Detokenize(
         self,
@@ -64,14 +83,36 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     ) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
         # A model without a tokenizer still serves token-id clients: their text is empty.
         detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+        parent = context_from_metadata(context.invocation_metadata())
+        span = tracer.start_span("tokenizer.Detokenize", parent, SpanKind.SERVER)
+        num_tokens, busy_s, ended = 0, 0.0, False
+
+        def end_span() -> None:  # one span for the stream, however it ends: none per token
+            nonlocal ended
+            if not ended:
+                ended = True
+                TOKENS.labels("detokenize").inc(num_tokens)
+                span.set_attributes(
+                    {"gen_ai.usage.output_tokens": num_tokens, "kvmesh.busy_ms": busy_s * 1e3}
+                )
+                span.end()
+
         with self.runtime.in_flight():
-            async for message in request_iterator:
-                text = detokenizer.push(message.token_ids) if detokenizer else ""
-                if message.finish and detokenizer:
-                    text += detokenizer.flush()
-                yield tokenizer_pb2.DetokenizeResponse(text=text)
-                if message.finish:
-                    return
+            try:
+                async for message in request_iterator:
+                    started = time.perf_counter()
+                    text = detokenizer.push(message.token_ids) if detokenizer else ""
+                    if message.finish and detokenizer:
+                        text += detokenizer.flush()
+                    num_tokens += len(message.token_ids)
+                    busy_s += time.perf_counter() - started
+                    if message.finish:
+                        end_span()  # the work is done; the reply's send is the caller's wait
+                    yield tokenizer_pb2.DetokenizeResponse(text=text)
+                    if message.finish:
+                        return
+            finally:
+                end_span()
 
     async def GetInfo(
         self, request: tokenizer_pb2.TokenizerInfoRequest, context: grpc.aio.ServicerContext

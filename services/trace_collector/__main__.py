@@ -1,41 +1,63 @@
-"""`python -m services.trace_collector`: receives OTLP spans from every service."""
+"""`python -m services.trace_collector`: receives OTLP spans from every service, answers
+kvmesh.v1.Traces queries, and optionally forwards the spans to another OTLP endpoint."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
-from services.trace_collector.server import TraceCollector
-from shared.flags import env_int
+from services.trace_collector.forwarder import OtlpForwarder
+from services.trace_collector.server import TraceCollector, TracesService
+from services.trace_collector.span_store import SpanStore
+from shared.config import parse_bytes
+from shared.flags import env_default
 from shared.logs import configure_logging
+from shared.metrics import serve_metrics
+from shared.pb.kvmesh.v1 import traces_pb2_grpc
 from shared.service import ServiceRuntime, add_common_flags
 
-SERVICE_NAME = "opentelemetry.proto.collector.trace.v1.TraceService"
+SERVICE_NAME = "kvmesh.v1.Traces"
 
 
 async def serve(args: argparse.Namespace) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port)
+    store = SpanStore(parse_bytes(args.max_memory))
+    forwarder = OtlpForwarder(args.forward) if args.forward else None
     runtime.add_servicer(
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server, TraceCollector(args.max_spans)
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server, TraceCollector(store, forwarder)
     )
+    runtime.add_servicer(traces_pb2_grpc.add_TracesServicer_to_server, TracesService(store))
     await runtime.start()
     await runtime.set_ready(True)
+    forwarding = asyncio.create_task(forwarder.run()) if forwarder else None
     await runtime.serve_until_signalled(args.drain_seconds)
+    if forwarding is not None and forwarder is not None:
+        forwarding.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await forwarding
+        await forwarder.close()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="services.trace_collector", description=__doc__)
     add_common_flags(parser, default_port=4317)
     parser.add_argument(
-        "--max-spans",
-        type=int,
-        default=env_int("max-spans", 100_000),
-        help="spans kept; the oldest go first",
+        "--max-memory",
+        default=env_default("max-memory", "256MiB"),
+        help="memory budget for stored spans; past it the oldest traces are evicted",
+    )
+    parser.add_argument(
+        "--forward",
+        default=env_default("forward", None),
+        help="also send every span to this OTLP/gRPC endpoint (Jaeger, an OTel Collector)",
     )
     args = parser.parse_args()
     configure_logging("trace-collector", args.log_level)
+    if args.metrics_port:  # the collector does not trace itself
+        serve_metrics(args.host, args.metrics_port)
     asyncio.run(serve(args))
 
 

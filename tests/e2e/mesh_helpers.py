@@ -10,6 +10,7 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from kvmesh.launcher import MeshConfig
 from shared.pb.kvmesh.v1 import (
     common_pb2,
     inference_pb2,
@@ -118,3 +119,14 @@ async def settled_load(
                 return load
             assert time.monotonic() < deadline, f"requests still in flight: {load}"
             await asyncio.sleep(0.02)
+
+
+def tiny_mesh_config(model_dir: str, log_dir: str) -> MeshConfig:
+    """A mesh of a tiny random model: starts in seconds, one thread, a 16 MiB KV pool."""
+    return MeshConfig(
+        model=model_dir,
+        worker_threads=1,
+        worker_args=["--kv-memory", "16MiB"],
+        log_dir=log_dir,
+        drain_seconds=2,
+    )

@@ -10,20 +10,21 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.launcher import Mesh
 from shared.pb.kvmesh.v1 import inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from tests.e2e.mesh_helpers import assert_one_terminal, collect, ids_request, read_rest, rich_error
+from tests.e2e.mesh_helpers import (
+    assert_one_terminal,
+    collect,
+    ids_request,
+    read_rest,
+    rich_error,
+    tiny_mesh_config,
+)
 
 
 @pytest.fixture(scope="module")
 def tiny_mesh(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    config = MeshConfig(
-        model=tiny_llama_dir,
-        worker_threads=1,
-        worker_args=["--kv-memory", "16MiB"],
-        log_dir=str(tmp_path_factory.mktemp("tiny-mesh-logs")),
-        drain_seconds=2,
-    )
+    config = tiny_mesh_config(tiny_llama_dir, str(tmp_path_factory.mktemp("tiny-mesh-logs")))
     with Mesh(config) as running:
         yield running
 

@@ -35,17 +35,33 @@ class RunningRequestPlan(_message.Message):
     num_scheduled_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
+class PrefillTrace(_message.Message):
+    __slots__ = ("request_id", "traceparent", "chunk_tokens", "cached_tokens", "start_position")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    traceparent: str
+    chunk_tokens: int
+    cached_tokens: int
+    start_position: int
+    def __init__(self, request_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., start_position: _Optional[int] = ...) -> None: ...
+
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "running_requests", "finished_request_ids")
+    __slots__ = ("step_id", "new_requests", "running_requests", "finished_request_ids", "prefill_traces")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TRACES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequestPlan]
     running_requests: _containers.RepeatedCompositeFieldContainer[RunningRequestPlan]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestPlan, _Mapping]]] = ..., running_requests: _Optional[_Iterable[_Union[RunningRequestPlan, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    prefill_traces: _containers.RepeatedCompositeFieldContainer[PrefillTrace]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestPlan, _Mapping]]] = ..., running_requests: _Optional[_Iterable[_Union[RunningRequestPlan, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., prefill_traces: _Optional[_Iterable[_Union[PrefillTrace, _Mapping]]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("request_id", "token_id", "logprobs")

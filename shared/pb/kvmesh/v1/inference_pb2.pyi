@@ -58,18 +58,20 @@ class GenerateEvent(_message.Message):
     def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., completed: _Optional[_Union[Completed, _Mapping]] = ..., cancelled: _Optional[_Union[Cancelled, _Mapping]] = ..., failed: _Optional[_Union[Failed, _Mapping]] = ...) -> None: ...
 
 class Accepted(_message.Message):
-    __slots__ = ("request_id", "queue_position", "prompt_tokens", "model", "routing")
+    __slots__ = ("request_id", "queue_position", "prompt_tokens", "model", "routing", "trace_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     queue_position: int
     prompt_tokens: int
     model: str
     routing: RoutingDecision
-    def __init__(self, request_id: _Optional[str] = ..., queue_position: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ..., routing: _Optional[_Union[RoutingDecision, _Mapping]] = ...) -> None: ...
+    trace_id: str
+    def __init__(self, request_id: _Optional[str] = ..., queue_position: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ..., routing: _Optional[_Union[RoutingDecision, _Mapping]] = ..., trace_id: _Optional[str] = ...) -> None: ...
 
 class RoutingDecision(_message.Message):
     __slots__ = ("scheduler", "matched_blocks", "matched_tokens", "reason")

@@ -1,0 +1,117 @@
+"""What the gateway knows of an accepted request, and the Completed event built from it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from services.gateway.backends import Routed, SchedulerBackend
+from services.gateway.rate_limits import Grant
+from services.gateway.tenants import Tenant
+from shared import grpc_errors
+from shared.errors import KvmeshError, Reason
+from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, scheduler_pb2
+
+FINISH_REASONS = {
+    scheduler_pb2.SCHEDULER_FINISH_REASON_STOP: inference_pb2.FINISH_REASON_STOP,
+    scheduler_pb2.SCHEDULER_FINISH_REASON_LENGTH: inference_pb2.FINISH_REASON_LENGTH,
+}
+
+
+@dataclass
+class Admitted:
+    """A request the scheduler accepted: where it runs, for whom and with what."""
+
+    routed: Routed
+    tenant: Tenant
+    grant: Grant | None  # the rate-limit charge, released when the request ends
+    sampling: common_pb2.SamplingParams  # every field set, the seed chosen
+    token_ids: list[int]
+    submit: grpc.aio.UnaryStreamCall  # the scheduler's token stream; cancelling aborts
+    queue_position: int
+
+    @property
+    def backend(self) -> SchedulerBackend:
+        return self.routed.route.backend
+
+
+@dataclass
+class Progress:
+    prompt_tokens: int
+    received: float
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    first_token_at: float | None = None
+
+    def usage(self) -> inference_pb2.Usage:
+        return inference_pb2.Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+        )
+
+
+def completed_event(
+    reason: int,
+    stop_string: str,
+    finished: scheduler_pb2.SubmitFinished | None,
+    progress: Progress,
+    admitted: Admitted,
+) -> inference_pb2.GenerateEvent:
+    now = time.monotonic()
+    backend, sampling = admitted.backend, admitted.sampling
+    model = backend.model or common_pb2.ModelInfo()
+    timings = inference_pb2.Timings(
+        total_ms=(now - progress.received) * 1e3,
+        ttft_ms=((progress.first_token_at or now) - progress.received) * 1e3,
+    )
+    if finished is not None:
+        timings.queue_ms = finished.queue_ms
+        timings.prefill_ms = finished.prefill_ms
+        timings.decode_ms = finished.decode_ms
+    return inference_pb2.GenerateEvent(
+        completed=inference_pb2.Completed(
+            finish_reason=reason,  # type: ignore[arg-type]
+            stop_string=stop_string,
+            usage=progress.usage(),
+            timings=timings,
+            execution=inference_pb2.ExecutionRecord(
+                model_name=model.name,
+                model_version=model.version,
+                artifact_digest=model.artifact_digest,
+                backend=model.backend,
+                dtype=model.dtype,
+                sampling=sampling,
+                seed=sampling.seed,
+                scheduler=backend.address,
+                routing=admitted.routed.route.to_pb(),
+                tenant=admitted.tenant.name,
+            ),
+        )
+    )
+
+
+def terminal_reason(event: inference_pb2.GenerateEvent) -> str:
+    """The reason label of a terminal event: finish reason, cancel reason or error reason."""
+    kind = event.WhichOneof("event")
+    if kind == "completed":
+        name = inference_pb2.FinishReason.Name(event.completed.finish_reason)
+        return name.removeprefix("FINISH_REASON_").lower()
+    if kind == "cancelled":
+        return event.cancelled.reason or "abort"
+    return event.failed.error.reason or "internal"
+
+
+def upstream_failure(error: grpc.RpcError) -> KvmeshError:
+    """A stream that broke after acceptance: a peer died, unless it said otherwise."""
+    failure = grpc_errors.from_rpc_error(error)
+    if failure.reason in (Reason.MODEL_NOT_READY, Reason.INTERNAL):
+        return KvmeshError(
+            Reason.WORKER_LOST,
+            f"a service on the request's path stopped responding: {failure.message}",
+            retryable=True,
+            retry_after_ms=1000,
+        )
+    return failure

@@ -1,0 +1,199 @@
+"""One Generate request's telemetry: the root of its trace and the request-level metrics.
+
+The root span `kvmesh.Generate` (a child of the client's `traceparent` when it sent one) spans
+the whole stream; the gateway's phases are its children: admission (auth and input checks),
+tokenize, rate_limit, route, detokenize (the Detokenize stream's life) and delivery (first
+delta to terminal event). Scheduler and engine-worker spans join through the context passed in
+the gRPC metadata of each outgoing call. Inter-token gaps are attributes of the root, never a
+span per token. Prompt and completion text enter the trace only with --trace-content.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import Counter, Gauge, Histogram
+
+from shared.errors import KvmeshError
+from shared.metrics import REQUEST_SECONDS, TOKEN_SECONDS, exemplar
+from shared.telemetry import context_from_metadata, metadata_for, trace_id_hex
+
+tracer = trace.get_tracer("kvmesh.gateway")
+REQUESTS = Counter(
+    "kvmesh_requests",
+    "Requests by how they ended (rejected, completed, cancelled, failed)",
+    ["outcome", "reason"],
+)
+ADMITTED = Counter("kvmesh_admitted", "Requests a scheduler accepted")
+IN_FLIGHT = Gauge("kvmesh_gateway_requests_in_flight", "Generate streams open on this gateway")
+TTFT = Histogram(
+    "kvmesh_time_to_first_token_seconds",
+    "Request received to first delta sent",
+    buckets=REQUEST_SECONDS,
+)
+TPOT = Histogram(
+    "kvmesh_time_per_output_token_seconds",
+    "Mean time per output token after the first",
+    buckets=TOKEN_SECONDS,
+)
+ITL = Histogram(
+    "kvmesh_inter_token_latency_seconds", "Time between consecutive deltas", buckets=TOKEN_SECONDS
+)
+E2E = Histogram(
+    "kvmesh_e2e_request_latency_seconds",
+    "Request received to terminal event sent",
+    buckets=REQUEST_SECONDS,
+)
+# A long answer's gaps beyond this are summarised by the histogram only.
+MAX_GAPS_IN_SPAN = 4096
+MAX_CONTENT_CHARS = 4096
+
+
+class RequestTelemetry:
+    def __init__(
+        self,
+        request_id: str,
+        metadata: Sequence[tuple[str, str | bytes]] | None,
+        operation: str,
+        record_content: bool = False,
+    ) -> None:
+        self.received = time.monotonic()
+        self.record_content = record_content
+        self.root = tracer.start_span(
+            "kvmesh.Generate",
+            context=context_from_metadata(metadata),
+            kind=SpanKind.SERVER,
+            attributes={
+                "kvmesh.request_id": request_id,
+                "gen_ai.operation.name": operation,
+                "rpc.system": "grpc",
+                "rpc.service": "kvmesh.v1.Inference",
+                "rpc.method": "Generate",
+            },
+        )
+        self.trace_id = trace_id_hex(self.root)
+        self._parent = trace.set_span_in_context(self.root)
+        self._first_delta: float | None = None
+        self._last_delta: float | None = None
+        self._gaps_ms: list[float] = []
+        self._completion: list[str] = []
+        self._delivery: trace.Span | None = None
+        self._delivery_blocked_s = 0.0
+        self._detokenize: trace.Span | None = None
+        self._ended = False
+        IN_FLIGHT.inc()
+
+    # ---- spans for the gateway's phases ----------------------------------------------------
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[trace.Span]:
+        span = tracer.start_span(name, context=self._parent)
+        try:
+            yield span
+        except KvmeshError as error:
+            span.set_status(Status(StatusCode.ERROR, error.reason.value))
+            raise
+        finally:
+            span.end()
+
+    @staticmethod
+    def phase_metadata(span: trace.Span) -> tuple[tuple[str, str], ...]:
+        """For a call made within a phase: the callee's span becomes the phase's child."""
+        return metadata_for(span)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """For calls whose server spans are children of the root (Submit)."""
+        return metadata_for(self.root)
+
+    def detokenize_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Opens the detokenize span; the tokenizer's Detokenize span becomes its child."""
+        self._detokenize = tracer.start_span("detokenize", context=self._parent)
+        return metadata_for(self._detokenize)
+
+    def detokenize_ended(self, wait_s: float) -> None:
+        if self._detokenize is not None:
+            self._detokenize.set_attribute("kvmesh.detokenize.wait_ms", wait_s * 1e3)
+            self._detokenize.end()
+            self._detokenize = None
+
+    # ---- what happened ---------------------------------------------------------------------
+
+    def prompt(self, text: str) -> None:
+        if self.record_content and text:
+            self.root.set_attribute("gen_ai.prompt", text[:MAX_CONTENT_CHARS])
+
+    def admitted(self, attributes: dict[str, str | int | float]) -> None:
+        ADMITTED.inc()
+        self.root.set_attributes(attributes)
+
+    def delta(self, text: str, num_tokens: int) -> None:
+        """A delta is about to be sent; the first one starts the delivery span."""
+        now = time.monotonic()
+        if self.record_content:
+            self._completion.append(text)
+        if num_tokens == 0:
+            return
+        if self._first_delta is None:
+            self._first_delta = now
+            self.root.add_event("first_token")
+            self._delivery = tracer.start_span("delivery", context=self._parent)
+        elif self._last_delta is not None:
+            gap_s = now - self._last_delta
+            ITL.observe(gap_s, exemplar(self.trace_id))
+            if len(self._gaps_ms) < MAX_GAPS_IN_SPAN:
+                self._gaps_ms.append(round(gap_s * 1e3, 3))
+        self._last_delta = now
+
+    def blocked_sending(self, seconds: float) -> None:
+        """Time a send waited for the client (gRPC flow control) counts as delivery."""
+        self._delivery_blocked_s += seconds
+
+    def rejected(self, error: KvmeshError) -> None:
+        REQUESTS.labels("rejected", error.reason.value).inc()
+        self.root.set_attribute("kvmesh.error.reason", error.reason.value)
+        self._end(Status(StatusCode.ERROR, error.reason.value))
+
+    def ended(self, outcome: str, reason: str, prompt_tokens: int, output_tokens: int) -> None:
+        """The terminal event (or the client's disconnect): outcome, usage and the metrics."""
+        if self._ended:
+            return
+        now = time.monotonic()
+        REQUESTS.labels(outcome, reason).inc()
+        e2e_s = now - self.received
+        example = exemplar(self.trace_id)
+        E2E.observe(e2e_s, example)
+        if self._first_delta is not None:
+            ttft_s = self._first_delta - self.received
+            TTFT.observe(ttft_s, example)
+            if output_tokens > 1 and self._last_delta is not None:
+                TPOT.observe((self._last_delta - self._first_delta) / (output_tokens - 1), example)
+        self.root.set_attributes(
+            {
+                "gen_ai.usage.input_tokens": prompt_tokens,
+                "gen_ai.usage.output_tokens": output_tokens,
+                "gen_ai.response.finish_reasons": [reason],
+                "kvmesh.outcome": outcome,
+                "kvmesh.itl_ms": self._gaps_ms,
+            }
+        )
+        if self.record_content:
+            completion = "".join(self._completion)[:MAX_CONTENT_CHARS]
+            self.root.set_attribute("gen_ai.completion", completion)
+        status = Status(StatusCode.ERROR, reason) if outcome == "failed" else Status(StatusCode.OK)
+        self._end(status)
+
+    def _end(self, status: Status) -> None:
+        self._ended = True
+        IN_FLIGHT.dec()
+        self.detokenize_ended(0.0)
+        if self._delivery is not None:
+            self._delivery.set_attribute(
+                "kvmesh.delivery.blocked_ms", self._delivery_blocked_s * 1e3
+            )
+            self._delivery.end()
+        self.root.set_status(status)
+        self.root.end()

@@ -1,0 +1,173 @@
+"""One request's spans in the scheduler, and the per-request scheduler metrics.
+
+`scheduler.request` (a child of the gateway's span, from the Submit metadata) lasts from
+arrival to the terminal event. Its children: `queue` (arrival to first scheduled) and `decode`
+(first token to the end: one span with counters, never one per token). Prefill chunks are the
+engine-worker's spans: the step plan carries this span's traceparent for each chunk. Preemption
+and cancellation are events on `scheduler.request`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import Counter, Histogram
+
+from services.scheduler.request import Request
+from shared.metrics import REQUEST_SECONDS, TOKEN_SECONDS, exemplar
+from shared.pb.kvmesh.v1 import engine_worker_pb2, scheduler_pb2
+from shared.step import NewRequestPlan, RunningRequestPlan, StepPlan
+from shared.telemetry import context_from_metadata, trace_id_hex, traceparent_of
+
+tracer = trace.get_tracer("kvmesh.scheduler")
+QUEUE_SECONDS = Histogram(
+    "kvmesh_queue_time_seconds",
+    "Arrival at the scheduler to first scheduled",
+    buckets=REQUEST_SECONDS,
+)
+PREFILL_SECONDS = Histogram(
+    "kvmesh_prefill_time_seconds",
+    "First scheduled to first token (every prefill chunk)",
+    buckets=REQUEST_SECONDS,
+)
+CANCELLATIONS = Counter("kvmesh_cancellations", "Requests ended before finishing", ["cause"])
+for _cause in ("caller", "abort", "deadline"):
+    CANCELLATIONS.labels(_cause)
+CANCEL_TO_FREED = Histogram(
+    "kvmesh_cancel_to_freed_seconds",
+    "A cancellation noticed (caller gone, Abort, deadline) to its KV blocks freed",
+    buckets=TOKEN_SECONDS,
+)
+
+
+class RequestTrace:
+    def __init__(
+        self,
+        metadata: Sequence[tuple[str, str | bytes]] | None,
+        request_id: str,
+        prompt_tokens: int,
+        tenant: str,
+    ) -> None:
+        self.arrival = time.monotonic()
+        self.span = tracer.start_span(
+            "scheduler.request",
+            context=context_from_metadata(metadata),
+            kind=SpanKind.SERVER,
+            attributes={
+                "kvmesh.request_id": request_id,
+                "gen_ai.usage.input_tokens": prompt_tokens,
+                "kvmesh.tenant": tenant,
+            },
+        )
+        self.trace_id = trace_id_hex(self.span)
+        self.traceparent = traceparent_of(self.span)  # the worker's prefill spans hang here
+        self._parent = trace.set_span_in_context(self.span)
+        self._queue: trace.Span | None = tracer.start_span("queue", context=self._parent)
+        self.scheduled_at: float | None = None  # first in a step's plan
+        self._decode: trace.Span | None = None
+        self._decode_steps = 0
+        self._decode_batch_total = 0
+        self._prefill_chunks = 0
+
+    def scheduled(self, prefill_chunk: bool) -> None:
+        """The request is in a step's plan."""
+        if self._queue is not None:
+            self.scheduled_at = time.monotonic()
+            QUEUE_SECONDS.observe(self.scheduled_at - self.arrival, exemplar(self.trace_id))
+            self._queue.end()
+            self._queue = None
+        self._prefill_chunks += prefill_chunk
+
+    def decode_step(self, batch_size: int) -> None:
+        self._decode_steps += 1
+        self._decode_batch_total += batch_size
+
+    def first_token(self) -> None:
+        if self.scheduled_at is not None:
+            PREFILL_SECONDS.observe(time.monotonic() - self.scheduled_at, exemplar(self.trace_id))
+        self._decode = tracer.start_span("decode", context=self._parent)
+
+    def preempted(self) -> None:
+        self.span.add_event("preempted")
+
+    def cancelled(self, cause: str) -> None:
+        CANCELLATIONS.labels(cause).inc()
+        self.span.add_event("cancelled", {"kvmesh.cancel.cause": cause})
+
+    def ended(self, outcome: str, reason: str, output_tokens: int, cached_tokens: int = 0) -> None:
+        if self._queue is not None:  # never scheduled (expired, cancelled or failed waiting)
+            self._queue.end()
+            self._queue = None
+        if self._decode is not None:
+            self._decode.set_attributes(
+                {
+                    "gen_ai.usage.output_tokens": output_tokens,
+                    "kvmesh.decode.steps": self._decode_steps,
+                    "kvmesh.batch_size.mean": self._decode_batch_total / max(1, self._decode_steps),
+                }
+            )
+            self._decode.end()
+            self._decode = None
+        self.span.set_attributes(
+            {
+                "gen_ai.usage.output_tokens": output_tokens,
+                "gen_ai.response.finish_reasons": [reason],
+                "kvmesh.prefix_hit_tokens": cached_tokens,
+                "kvmesh.prefill.chunks": self._prefill_chunks,
+                "kvmesh.outcome": outcome,
+            }
+        )
+        if outcome == "failed":
+            self.span.set_status(Status(StatusCode.ERROR, reason))
+        self.span.end()
+
+
+def trace_plan(
+    plan: StepPlan,
+    plan_pb: engine_worker_pb2.StepPlan,
+    requests: Mapping[str, Request],
+    trace_of: Callable[[str], RequestTrace | None],
+) -> None:
+    """First scheduling, decode steps and preemptions into each request's trace; prefill
+    chunks of traced requests into the plan, for the worker to record as spans."""
+    for request_id in plan.finished_request_ids:
+        trace = trace_of(request_id)
+        if trace is not None and request_id in requests:  # preempted, not done
+            trace.preempted()
+    batch_size = len(plan.new_requests) + len(plan.running_requests)
+    scheduled: list[NewRequestPlan | RunningRequestPlan] = [
+        *plan.new_requests,
+        *plan.running_requests,
+    ]
+    for item in scheduled:
+        trace = trace_of(item.request_id)
+        request = requests.get(item.request_id)
+        if trace is None or request is None:
+            continue
+        # Prompt chunks, and the recomputation of a preempted request, are prefill.
+        prefill = (
+            request.num_output_tokens == 0 or request.num_computed_tokens < request.num_tokens - 1
+        )
+        trace.scheduled(prefill)
+        if not prefill:
+            trace.decode_step(batch_size)
+        elif trace.traceparent:
+            plan_pb.prefill_traces.add(
+                request_id=item.request_id,
+                traceparent=trace.traceparent,
+                chunk_tokens=item.num_scheduled_tokens,
+                cached_tokens=request.num_cached_tokens,
+                start_position=request.num_computed_tokens,
+            )
+
+
+def terminal_outcome(terminal: scheduler_pb2.SubmitEvent) -> tuple[str, str]:
+    """(outcome, reason) of a terminal event, for the trace."""
+    if terminal.WhichOneof("event") == "failed":
+        return "failed", terminal.failed.reason
+    reason = scheduler_pb2.SchedulerFinishReason.Name(terminal.finished.finish_reason)
+    reason = reason.removeprefix("SCHEDULER_FINISH_REASON_").lower()
+    return ("cancelled" if reason == "abort" else "completed"), reason

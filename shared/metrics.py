@@ -1,0 +1,29 @@
+"""Prometheus metrics: the endpoint every service serves, and the bucket layouts they share.
+
+Each service declares its own metrics beside the code that observes them; names follow the
+Prometheus conventions (`kvmesh_<what>_<unit>`, counters end in `_total` once exposed).
+Histograms take the request's trace id as an exemplar, shown in the OpenMetrics format
+(`Accept: application/openmetrics-text`), so a slow bucket leads to a trace.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import start_http_server
+
+log = logging.getLogger("kvmesh.metrics")
+# Request-scale latencies (queue, TTFT, E2E): 5 ms to a minute.
+REQUEST_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Token-scale latencies (TPOT, ITL, one step): 1 ms to 2.5 s.
+TOKEN_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+def serve_metrics(host: str, port: int) -> None:
+    """`GET http://HOST:PORT/metrics` from a daemon thread."""
+    start_http_server(port, addr=host)
+    log.info("metrics", extra={"address": f"http://{host}:{port}/metrics"})
+
+
+def exemplar(trace_id: str) -> dict[str, str] | None:
+    return {"trace_id": trace_id} if trace_id else None
