@@ -124,11 +124,8 @@ def format_waterfall(trace: traces_pb2.Trace) -> str:
 
 
 def format_summary(stats: traces_pb2.PhaseStats) -> str:
-    lines = [
-        f"{stats.requests} requests",
-        f"{'phase':<10}{'n':>7}{'p50':>10}{'p95':>10}{'p99':>10}",
-    ]
-    lines[-1] += f"{'max':>10}  (ms)"
+    header = f"{'phase':<10}{'n':>7}{'p50':>10}{'p95':>10}{'p99':>10}{'max':>10}  (ms)"
+    lines = [f"{stats.requests} requests ({stats.rejected} refused, not counted)", header]
     for phase in stats.phases:
         lines.append(
             f"{phase.phase:<10}{phase.count:>7}{phase.p50_ms:>10.1f}{phase.p95_ms:>10.1f}"

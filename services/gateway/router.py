@@ -58,6 +58,7 @@ class WorkerLoad:
     waiting_tokens: int  # prefill work queued there (or sent from here and not yet started)
     drain_per_s: float
     published: bool  # False: no fresh report in Redis
+    slot_releases_s: tuple[float, ...] = ()  # when its running requests free their slots
 
     @classmethod
     def parse(cls, fields: dict[bytes, bytes] | None, backend: SchedulerBackend) -> WorkerLoad:
@@ -71,6 +72,9 @@ class WorkerLoad:
             waiting_tokens=max(tokens, backend.pending_tokens),
             drain_per_s=float(fields.get(b"drain_per_s", 0.0)),
             published=bool(fields),
+            slot_releases_s=tuple(
+                float(s) for s in fields.get(b"slot_releases_s", b"").split(b",") if s
+            ),
         )
 
     @property
@@ -79,8 +83,9 @@ class WorkerLoad:
             return 0.0  # unknown: left to the scheduler's own bounded queue
         # Two lower bounds of the queue beyond the free slots: the published one (complete, but
         # a few steps old) and this gateway's own (current, but blind to other gateways).
-        published = queue_time_s(self.waiting, self.free_slots, self.drain_per_s)
-        here = queue_time_s(self.in_flight_here, self.max_running, self.drain_per_s)
+        releases = self.slot_releases_s
+        published = queue_time_s(self.waiting, self.free_slots, self.drain_per_s, releases)
+        here = queue_time_s(self.in_flight_here, self.max_running, self.drain_per_s, releases)
         return max(published, here) * 1e3
 
 

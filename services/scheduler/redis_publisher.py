@@ -69,6 +69,7 @@ class RedisPublisher:
             "blocks": report.num_blocks,
             "queue_ms": round(report.queue_time_estimate_ms, 1),
             "drain_per_s": round(self.service.queue_estimate.drain_per_s, 3),
+            "slot_releases_s": ",".join(f"{s:.3f}" for s in report.slot_releases_s),
             "max_waiting": report.max_waiting,
             "max_running": self.service.config.max_num_seqs,
             "ready": int(report.worker_ready),

@@ -129,7 +129,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 raise WorkerLost(self.link.address)
             self._wake.clear()  # before schedule(): a submission from here on wakes us again
             full = bool(scheduler.waiting) or len(scheduler.running) >= self.config.max_num_seqs
-            self.queue_estimate.observe(time.monotonic(), full, scheduler.num_finished)
+            self.queue_estimate.observe(
+                time.monotonic(), full, scheduler.num_finished, bool(scheduler.running)
+            )
             plan = scheduler.schedule()
             if plan.num_scheduled_tokens == 0:
                 if plan.finished_request_ids:  # let the worker forget them now
@@ -177,6 +179,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _finish(
         self, tracked: Tracked, reason: FinishReason, cached_tokens: int, now: float
     ) -> None:
+        if reason != FinishReason.ABORT:
+            self.queue_estimate.finished(tracked.output_tokens)
         first_step = tracked.first_step or now
         first_token = tracked.first_token or now
         finished = scheduler_pb2.SubmitFinished(
@@ -357,8 +361,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             report.num_waiting = load.num_waiting
             report.num_waiting_tokens = load.num_waiting_tokens
             free_slots = self.config.max_num_seqs - load.num_running
-            queue_s = self.queue_estimate.queue_time_s(load.num_waiting, free_slots)
+            releases = self.queue_estimate.slot_releases_s(
+                (r.num_output_tokens, r.sampling.max_tokens) for r in self.scheduler.running
+            )
+            queue_s = self.queue_estimate.queue_time_s(load.num_waiting, free_slots, releases)
             report.queue_time_estimate_ms = queue_s * 1e3
+            report.slot_releases_s.extend(releases)
             report.num_running = load.num_running
             report.num_free_blocks = load.num_free_blocks
             report.num_blocks = load.num_blocks

@@ -133,8 +133,10 @@ class TracesService(traces_pb2_grpc.TracesServicer):
         self, request: traces_pb2.PhaseStatsRequest, context: grpc.aio.ServicerContext
     ) -> traces_pb2.PhaseStats:
         timings = self._timings(request.window_s, request.model)
+        accepted = [t for t in timings if t.outcome != "rejected"]
         return traces_pb2.PhaseStats(
-            requests=len(timings),
+            requests=len(accepted),
+            rejected=len(timings) - len(accepted),
             phases=[
                 traces_pb2.PhasePercentiles(
                     phase=s.phase,
@@ -144,7 +146,7 @@ class TracesService(traces_pb2_grpc.TracesServicer):
                     p99_ms=s.p99_ms,
                     max_ms=s.max_ms,
                 )
-                for s in summarize(timings)
+                for s in summarize(accepted)
             ],
         )
 
@@ -157,7 +159,11 @@ class TracesService(traces_pb2_grpc.TracesServicer):
                 context,
                 KvmeshError(Reason.INVALID_ARGUMENT, f"phase must be one of {PHASES[:-2]}"),
             )
-        timings = [t for t in self._timings(request.window_s, request.model) if t.phase_ms(phase)]
+        timings = [
+            t
+            for t in self._timings(request.window_s, request.model)
+            if t.outcome != "rejected" and t.phase_ms(phase)
+        ]
         timings.sort(key=lambda t: t.phase_ms(phase) or 0.0, reverse=True)
         limit = request.limit or 10
         return traces_pb2.SlowestResponse(requests=[timing_to_pb(t) for t in timings[:limit]])

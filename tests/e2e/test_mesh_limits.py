@@ -29,6 +29,9 @@ def narrow_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         worker_threads=2,
         worker_args=MESH_WORKER_ARGS,
         scheduler_args=["--max-num-seqs", "1", "--max-waiting", "1"],
+        # The scheduler's own limits are under test: the gateway's queue-time watermark would
+        # refuse first (one long request ahead is a queue of many seconds).
+        gateway_args=["--max-queue-ms", "0"],
         log_dir=str(tmp_path_factory.mktemp("narrow-mesh-logs")),
         drain_seconds=20,
     )

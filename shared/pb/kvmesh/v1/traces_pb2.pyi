@@ -120,12 +120,14 @@ class PhasePercentiles(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., count: _Optional[int] = ..., p50_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., max_ms: _Optional[float] = ...) -> None: ...
 
 class PhaseStats(_message.Message):
-    __slots__ = ("requests", "phases")
+    __slots__ = ("requests", "phases", "rejected")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
     requests: int
     phases: _containers.RepeatedCompositeFieldContainer[PhasePercentiles]
-    def __init__(self, requests: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[PhasePercentiles, _Mapping]]] = ...) -> None: ...
+    rejected: int
+    def __init__(self, requests: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[PhasePercentiles, _Mapping]]] = ..., rejected: _Optional[int] = ...) -> None: ...
 
 class SlowestRequest(_message.Message):
     __slots__ = ("window_s", "model", "limit", "phase")

@@ -64,7 +64,7 @@ class TracesServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetPhaseStats(self, request, context):
-        """Per-phase percentiles over the requests that started within a window.
+        """Per-phase percentiles over the accepted requests that started within a window.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
