@@ -354,3 +354,26 @@ async def test_kvmesh_trace_draws_the_waterfall_and_the_summary(mesh: Mesh, tmp_
     }
     missing = kvmesh_trace("no-such-request")
     assert missing.returncode == 2 and "TRACE_NOT_FOUND" in missing.stderr
+
+
+async def test_a_cancelled_request_is_traced_as_cancelled(mesh: Mesh) -> None:
+    async with (
+        grpc.aio.insecure_channel(mesh.gateway_address) as channel,
+        grpc.aio.insecure_channel(mesh.collector_address) as collector,
+    ):
+        request = text_request("Write a long story.", max_tokens=400, ignore_eos=True)
+        request.request_id = f"cancel-{time.monotonic_ns()}"
+        call = inference_pb2_grpc.InferenceStub(channel).Generate(request)
+        async for event in call:
+            if event.WhichOneof("event") == "delta" and event.delta.token_ids:
+                break
+        call.cancel()
+        trace = await wait_for_trace(traces_pb2_grpc.TracesStub(collector), request.request_id)
+    by_name = {span.name: span for span in trace.spans}
+    root, scheduled = by_name["kvmesh.Generate"], by_name["scheduler.request"]
+    assert root.attributes["kvmesh.outcome"] == "cancelled"
+    assert root.attributes["gen_ai.response.finish_reasons"] == "client_disconnected"
+    assert scheduled.attributes["kvmesh.outcome"] == "cancelled"
+    causes = [e.name for e in scheduled.events]
+    assert "cancelled" in causes
+    assert trace.timing.outcome == "cancelled"
