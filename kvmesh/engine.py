@@ -74,6 +74,8 @@ class Engine:
         self, prompt: PromptInput, sampling: SamplingParams, request_id: str | None, priority: int
     ) -> tuple[str, list[int]]:
         token_ids = to_token_ids(prompt, self.tokenizer, self.worker.architecture.vocab_size)
+        if sampling.response_format is not None:  # compiled (and checked) before it queues
+            self.worker.grammars().matcher(sampling.response_format)
         request_id = request_id or f"req-{next(self._ids)}"
         self.scheduler.add_request(request_id, token_ids, sampling, priority)
         return request_id, token_ids

@@ -19,6 +19,7 @@ _DETAILS_KEY = "grpc-status-details-bin"
 STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.INVALID_SAMPLING_PARAMS: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.INVALID_SCHEMA: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.PROMPT_TOO_LONG: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.EMPTY_PROMPT: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.TOKENIZER_UNAVAILABLE: grpc.StatusCode.FAILED_PRECONDITION,

@@ -12,6 +12,23 @@ def _invalid(message: str) -> KvmeshError:
 
 
 @dataclass(frozen=True)
+class ResponseFormat:
+    """A constraint on the output: a JSON schema, any JSON object, a regex or a Lark grammar.
+    Whether `spec` is valid is the engine-worker's to say (it compiles it: INVALID_SCHEMA)."""
+
+    kind: str  # one of KINDS
+    spec: str = ""  # the schema (JSON text), regex or grammar; empty for json_object
+
+    KINDS = ("json_schema", "json_object", "regex", "lark")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise KvmeshError(Reason.INVALID_SCHEMA, f"response format must be one of {self.KINDS}")
+        if self.kind != "json_object" and not self.spec:
+            raise KvmeshError(Reason.INVALID_SCHEMA, f"a {self.kind} response format needs a spec")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Defaults follow vLLM's.
 
@@ -31,6 +48,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import llguidance
 import torch
 
 from services.engine_worker.attention import (
@@ -25,6 +26,7 @@ class RequestState:
     num_computed_tokens: int
     sampling: SamplingParams
     prompt_len: int
+    matcher: llguidance.LLMatcher | None = None  # a response format's state, if it has one
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from services.engine_worker.batch import RequestState
+from services.engine_worker.grammar import allowed_tokens
 from shared.sampling import SamplingParams
 from shared.step import SampledToken, TokenLogprobs
 
@@ -24,7 +25,16 @@ def token_generator(seed: int, output_index: int) -> torch.Generator:
 def sample(
     logits: torch.Tensor, states: Sequence[RequestState], rng: torch.Generator
 ) -> list[SampledToken]:
-    """logits: (S, vocab) float32, one row per state."""
+    """logits: (S, vocab) float32, one row per state. Logprobs come from the model's own
+    distribution; a response format only narrows what may be sampled."""
+    raw = logits
+    constrained = [row for row, s in enumerate(states) if s.matcher is not None]
+    if constrained:
+        logits = logits.clone()
+        for row in constrained:
+            matcher = states[row].matcher
+            assert matcher is not None
+            logits[row].masked_fill_(~allowed_tokens(matcher, logits.shape[-1]), float("-inf"))
     plain_greedy = [
         i for i, s in enumerate(states) if s.sampling.greedy and not s.sampling.has_penalties
     ]
@@ -41,8 +51,10 @@ def sample(
     for row, state in enumerate(states):
         logprobs = None
         if state.sampling.logprobs is not None:
-            logprobs = _logprobs(logits[row], chosen[row], state.sampling.logprobs)
+            logprobs = _logprobs(raw[row], chosen[row], state.sampling.logprobs)
         results.append(SampledToken(state.request_id, chosen[row], logprobs))
+        if state.matcher is not None:
+            state.matcher.consume_token(chosen[row])
     return results
 
 

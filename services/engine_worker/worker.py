@@ -14,10 +14,12 @@ import torch
 from services.engine_worker.artifacts import artifact_files, open_artifact
 from services.engine_worker.backends import BACKENDS, resolve_backend
 from services.engine_worker.batch import RequestState, build_batch
+from services.engine_worker.grammar import GrammarCompiler
 from services.engine_worker.kv_cache import KVCache, KVCacheShape
 from services.engine_worker.manifest import ModelManifest, sha256_file
 from services.engine_worker.sampler import sample
 from services.engine_worker.weights import ModelWeights
+from services.tokenizer.loader import load_tokenizer
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, Reason
 from shared.model_paths import resolve_model_path
@@ -50,6 +52,7 @@ class Worker:
         load_seconds = time.perf_counter() - started
         self.requests: dict[str, RequestState] = {}
         self._rng = torch.Generator().manual_seed(0)
+        self._grammars: GrammarCompiler | None = None
         warmup_started = time.perf_counter()
         self.warm_up()
         self.manifest = ModelManifest(
@@ -96,6 +99,18 @@ class Worker:
         decode = RequestState("warmup-decode", tokens[:2], [0], 1, params, 1)
         self._run([(decode, 1), (prefill, len(tokens))])
 
+    def grammars(self) -> GrammarCompiler:
+        """Built on first use: loads the tokenizer llguidance needs (a fraction of a second)."""
+        if self._grammars is None:
+            tokenizer = load_tokenizer(self.model_path)
+            if tokenizer is None:
+                raise KvmeshError(
+                    Reason.TOKENIZER_UNAVAILABLE, "response formats need the model's tokenizer"
+                )
+            arch = self.architecture
+            self._grammars = GrammarCompiler(tokenizer, arch.vocab_size, arch.eos_token_ids)
+        return self._grammars
+
     def execute(self, plan: StepPlan) -> StepResult:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
@@ -109,6 +124,9 @@ class Worker:
                 new.sampling,
                 new.prompt_len,
             )
+            if new.sampling.response_format is not None:
+                state.matcher = self.grammars().matcher(new.sampling.response_format)
+                state.matcher.consume_tokens(state.token_ids[new.prompt_len :])  # recompute
             self.requests[new.request_id] = state
             scheduled.append((state, new.num_scheduled_tokens))
         for running in plan.running_requests:

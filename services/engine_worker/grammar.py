@@ -1,0 +1,86 @@
+"""Constrained decoding with llguidance: response formats compiled into token matchers.
+
+A `GrammarCompiler` holds the model's tokenizer as llguidance sees it and one pristine
+matcher per response format (LRU), so a format compiles once and each request gets a cheap
+copy. Before sampling, a constrained row's logits keep only the tokens its matcher allows
+(the end token once the output is complete); after sampling, the matcher consumes the token.
+A recomputed request (after preemption) replays its output so far into a fresh copy.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import llguidance
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+from services.tokenizer.loader import TextTokenizer
+from shared.errors import KvmeshError, Reason
+from shared.sampling import ResponseFormat
+
+MAX_CACHED_FORMATS = 256
+ANY_JSON_OBJECT = json.dumps({"type": "object"})
+# Compact JSON: free whitespace lets a sampling model wander in newlines up to max_tokens.
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
+
+
+def _invalid(response_format: ResponseFormat, problem: str) -> KvmeshError:
+    return KvmeshError(Reason.INVALID_SCHEMA, f"invalid {response_format.kind}: {problem}")
+
+
+def grammar_of(response_format: ResponseFormat) -> str:
+    """The llguidance grammar of a response format; INVALID_SCHEMA naming what is wrong."""
+    kind, spec = response_format.kind, response_format.spec
+    try:
+        if kind in ("json_schema", "json_object"):
+            schema = ANY_JSON_OBJECT if kind == "json_object" else spec
+            try:
+                json.loads(schema)
+            except json.JSONDecodeError as error:
+                raise _invalid(response_format, f"not JSON: {error}") from None
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec)
+        return llguidance.LLMatcher.grammar_from_lark(spec)
+    except ValueError as error:
+        raise _invalid(response_format, str(error)) from None
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer: TextTokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.LLTokenizer(
+            tokenizer.tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids)
+        )
+        self._compiled: collections.OrderedDict[ResponseFormat, llguidance.LLMatcher] = (
+            collections.OrderedDict()
+        )
+
+    def matcher(self, response_format: ResponseFormat) -> llguidance.LLMatcher:
+        """A fresh matcher at the start of the output."""
+        pristine = self._compiled.get(response_format)
+        if pristine is None:
+            pristine = llguidance.LLMatcher(self.tokenizer, grammar_of(response_format))
+            if pristine.is_error():
+                raise _invalid(response_format, pristine.get_error())
+            self._compiled[response_format] = pristine
+            if len(self._compiled) > MAX_CACHED_FORMATS:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(response_format)
+        return pristine.deep_copy()
+
+
+def allowed_tokens(matcher: llguidance.LLMatcher, vocab_size: int) -> torch.Tensor:
+    """(vocab,) bool: the tokens the matcher allows next."""
+    bits = np.unpackbits(
+        np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little"
+    )
+    return torch.from_numpy(bits[:vocab_size].astype(bool))
