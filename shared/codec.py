@@ -7,7 +7,7 @@ scheduler <-> worker. The wire messages mirror the frozen dataclasses field for 
 from __future__ import annotations
 
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2
-from shared.sampling import SamplingParams
+from shared.sampling import ResponseFormat, SamplingParams
 from shared.step import (
     NewRequestPlan,
     RunningRequestPlan,
@@ -37,7 +37,14 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs if has("logprobs") else None,
+        response_format=response_format_from_pb(message.response_format)
+        if has("response_format")
+        else None,
     )
+
+
+def response_format_from_pb(message: common_pb2.ResponseFormat) -> ResponseFormat:
+    return ResponseFormat(message.kind, message.spec)
 
 
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -58,6 +65,9 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         message.seed = params.seed
     if params.logprobs is not None:
         message.logprobs = params.logprobs
+    if params.response_format is not None:
+        message.response_format.kind = params.response_format.kind
+        message.response_format.spec = params.response_format.spec
     return message
 
 

@@ -5,12 +5,14 @@ matcher per response format (LRU), so a format compiles once and each request ge
 copy. Before sampling, a constrained row's logits keep only the tokens its matcher allows
 (the end token once the output is complete); after sampling, the matcher consumes the token.
 A recomputed request (after preemption) replays its output so far into a fresh copy.
+Compiles run on a thread of their own (PrepareFormat) while steps copy from the cache.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -62,19 +64,26 @@ class GrammarCompiler:
         self._compiled: collections.OrderedDict[ResponseFormat, llguidance.LLMatcher] = (
             collections.OrderedDict()
         )
+        self._lock = threading.Lock()  # the cache, between the compile and the step threads
+
+    def compiled(self, response_format: ResponseFormat) -> bool:
+        with self._lock:
+            return response_format in self._compiled
 
     def matcher(self, response_format: ResponseFormat) -> llguidance.LLMatcher:
-        """A fresh matcher at the start of the output."""
-        pristine = self._compiled.get(response_format)
-        if pristine is None:
-            pristine = llguidance.LLMatcher(self.tokenizer, grammar_of(response_format))
-            if pristine.is_error():
-                raise _invalid(response_format, pristine.get_error())
+        """A fresh matcher at the start of the output (compiled here if not cached)."""
+        with self._lock:
+            pristine = self._compiled.get(response_format)
+            if pristine is not None:
+                self._compiled.move_to_end(response_format)
+                return pristine.deep_copy()
+        pristine = llguidance.LLMatcher(self.tokenizer, grammar_of(response_format))
+        if pristine.is_error():
+            raise _invalid(response_format, pristine.get_error())
+        with self._lock:
             self._compiled[response_format] = pristine
             if len(self._compiled) > MAX_CACHED_FORMATS:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(response_format)
         return pristine.deep_copy()
 
 

@@ -20,7 +20,7 @@ from prometheus_client import Counter, Histogram
 
 from services.engine_worker.worker import Worker
 from shared import grpc_errors
-from shared.codec import plan_from_pb, result_to_pb
+from shared.codec import plan_from_pb, response_format_from_pb, result_to_pb
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, Reason
 from shared.metrics import TOKEN_SECONDS
@@ -166,6 +166,24 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
         except KvmeshError as error:
             await grpc_errors.abort(context, error)
             raise
+
+    async def PrepareFormat(
+        self, request: common_pb2.ResponseFormat, context: grpc.aio.ServicerContext
+    ) -> engine_worker_pb2.PrepareFormatResponse:
+        try:
+            worker = self._ready_worker()
+            response_format = response_format_from_pb(request)
+            grammars = await asyncio.to_thread(worker.grammars)
+            if grammars.compiled(response_format):
+                return engine_worker_pb2.PrepareFormatResponse()
+            started = time.perf_counter()
+            # Its own thread: the torch thread keeps stepping the batch meanwhile.
+            await asyncio.to_thread(grammars.matcher, response_format)
+        except KvmeshError as error:
+            await grpc_errors.abort(context, error)
+            raise
+        seconds = time.perf_counter() - started
+        return engine_worker_pb2.PrepareFormatResponse(compile_seconds=seconds)
 
     async def Warmup(
         self, request: engine_worker_pb2.WarmupRequest, context: grpc.aio.ServicerContext

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
 import time
 
 import torch
@@ -53,6 +54,7 @@ class Worker:
         self.requests: dict[str, RequestState] = {}
         self._rng = torch.Generator().manual_seed(0)
         self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()  # built once, from whichever thread asks first
         warmup_started = time.perf_counter()
         self.warm_up()
         self.manifest = ModelManifest(
@@ -101,6 +103,10 @@ class Worker:
 
     def grammars(self) -> GrammarCompiler:
         """Built on first use: loads the tokenizer llguidance needs (a fraction of a second)."""
+        with self._grammars_lock:
+            return self._load_grammars()
+
+    def _load_grammars(self) -> GrammarCompiler:
         if self._grammars is None:
             tokenizer = load_tokenizer(self.model_path)
             if tokenizer is None:

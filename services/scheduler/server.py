@@ -297,6 +297,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> AsyncIterator[scheduler_pb2.SubmitEvent]:
         bind_request(request.request_id)
         try:
+            if request.sampling.HasField("response_format"):
+                remaining = context.time_remaining()
+                await self.link.prepare_format(request.sampling.response_format, remaining)
             tracked = self._admit(request, context)
         except KvmeshError as error:
             log.info("refused", extra={"reason": error.reason.value, "error": error.message})

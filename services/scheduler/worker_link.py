@@ -14,12 +14,14 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
 from shared.service import CHANNEL_OPTIONS
 
 log = logging.getLogger("kvmesh.scheduler.worker_link")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+PREPARE_TIMEOUT_S = 30.0  # a grammar compile; schemas take milliseconds
 
 
 class WorkerLost(Exception):
@@ -52,6 +54,24 @@ class WorkerLink:
                 log.info("worker not ready", extra={"worker": self.address, "error": str(error)})
                 await self.close()
                 await asyncio.sleep(0.5)
+
+    async def prepare_format(
+        self, response_format: common_pb2.ResponseFormat, timeout: float | None
+    ) -> None:
+        """The worker compiles the format before the request queues (never on a step);
+        INVALID_SCHEMA when it cannot."""
+        if self._channel is None or self.lost:
+            raise KvmeshError(
+                Reason.MODEL_NOT_READY,
+                "no engine-worker attached yet",
+                retryable=True,
+                retry_after_ms=1000,
+            )
+        stub = engine_worker_pb2_grpc.EngineWorkerStub(self._channel)
+        try:
+            await stub.PrepareFormat(response_format, timeout=timeout or PREPARE_TIMEOUT_S)
+        except grpc.RpcError as error:
+            raise grpc_errors.from_rpc_error(error) from None
 
     async def _wait_serving(self) -> None:
         assert self._channel is not None

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\x86\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.kvmesh.v1.TopLogprob\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"0\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"f\n\x05\x45rror\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\x12\x11\n\tgrpc_code\x18\x05 \x01(\x05\"\x86\x04\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x17\n\x0f\x61rtifact_digest\x18\x03 \x01(\t\x12\x41\n\x0f\x61rtifact_sha256\x18\x04 \x03(\x0b\x32(.kvmesh.v1.ModelInfo.ArtifactSha256Entry\x12\x15\n\rartifact_path\x18\x05 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x06 \x01(\t\x12\x16\n\x0enum_parameters\x18\x07 \x01(\x04\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cquantization\x18\t \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12\x15\n\rkv_block_size\x18\x0c \x01(\r\x12\x11\n\tkv_blocks\x18\r \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0e \x01(\x04\x12\x1a\n\x12kv_bytes_per_token\x18\x0f \x01(\x04\x12\x14\n\x0cload_seconds\x18\x10 \x01(\x01\x12\x16\n\x0ewarmup_seconds\x18\x11 \x01(\x01\x12\x12\n\nvocab_size\x18\x12 \x01(\r\x12\x15\n\reos_token_ids\x18\x13 \x03(\r\x1a\x35\n\x13\x41rtifactSha256Entry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\",\n\x0eResponseFormat\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\xba\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x06\x88\x01\x01\x12\x32\n\x0fresponse_format\x18\r \x01(\x0b\x32\x19.kvmesh.v1.ResponseFormatB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.kvmesh.v1.TopLogprob\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"0\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"f\n\x05\x45rror\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\x12\x11\n\tgrpc_code\x18\x05 \x01(\x05\"\x86\x04\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x17\n\x0f\x61rtifact_digest\x18\x03 \x01(\t\x12\x41\n\x0f\x61rtifact_sha256\x18\x04 \x03(\x0b\x32(.kvmesh.v1.ModelInfo.ArtifactSha256Entry\x12\x15\n\rartifact_path\x18\x05 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x06 \x01(\t\x12\x16\n\x0enum_parameters\x18\x07 \x01(\x04\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cquantization\x18\t \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12\x15\n\rkv_block_size\x18\x0c \x01(\r\x12\x11\n\tkv_blocks\x18\r \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0e \x01(\x04\x12\x1a\n\x12kv_bytes_per_token\x18\x0f \x01(\x04\x12\x14\n\x0cload_seconds\x18\x10 \x01(\x01\x12\x16\n\x0ewarmup_seconds\x18\x11 \x01(\x01\x12\x12\n\nvocab_size\x18\x12 \x01(\r\x12\x15\n\reos_token_ids\x18\x13 \x03(\r\x1a\x35\n\x13\x41rtifactSha256Entry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,22 +33,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MODELINFO_ARTIFACTSHA256ENTRY']._loaded_options = None
   _globals['_MODELINFO_ARTIFACTSHA256ENTRY']._serialized_options = b'8\001'
-  _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=428
-  _globals['_TOPLOGPROB']._serialized_start=430
-  _globals['_TOPLOGPROB']._serialized_end=477
-  _globals['_TOKENLOGPROBS']._serialized_start=479
-  _globals['_TOKENLOGPROBS']._serialized_end=565
-  _globals['_CHATMESSAGE']._serialized_start=567
-  _globals['_CHATMESSAGE']._serialized_end=611
-  _globals['_CHAT']._serialized_start=613
-  _globals['_CHAT']._serialized_end=661
-  _globals['_TOKENIDS']._serialized_start=663
-  _globals['_TOKENIDS']._serialized_end=686
-  _globals['_ERROR']._serialized_start=688
-  _globals['_ERROR']._serialized_end=790
-  _globals['_MODELINFO']._serialized_start=793
-  _globals['_MODELINFO']._serialized_end=1311
-  _globals['_MODELINFO_ARTIFACTSHA256ENTRY']._serialized_start=1258
-  _globals['_MODELINFO_ARTIFACTSHA256ENTRY']._serialized_end=1311
+  _globals['_RESPONSEFORMAT']._serialized_start=37
+  _globals['_RESPONSEFORMAT']._serialized_end=81
+  _globals['_SAMPLINGPARAMS']._serialized_start=84
+  _globals['_SAMPLINGPARAMS']._serialized_end=526
+  _globals['_TOPLOGPROB']._serialized_start=528
+  _globals['_TOPLOGPROB']._serialized_end=575
+  _globals['_TOKENLOGPROBS']._serialized_start=577
+  _globals['_TOKENLOGPROBS']._serialized_end=663
+  _globals['_CHATMESSAGE']._serialized_start=665
+  _globals['_CHATMESSAGE']._serialized_end=709
+  _globals['_CHAT']._serialized_start=711
+  _globals['_CHAT']._serialized_end=759
+  _globals['_TOKENIDS']._serialized_start=761
+  _globals['_TOKENIDS']._serialized_end=784
+  _globals['_ERROR']._serialized_start=786
+  _globals['_ERROR']._serialized_end=888
+  _globals['_MODELINFO']._serialized_start=891
+  _globals['_MODELINFO']._serialized_end=1409
+  _globals['_MODELINFO_ARTIFACTSHA256ENTRY']._serialized_start=1356
+  _globals['_MODELINFO_ARTIFACTSHA256ENTRY']._serialized_end=1409
 # @@protoc_insertion_point(module_scope)

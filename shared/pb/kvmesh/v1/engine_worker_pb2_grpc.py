@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from shared.pb.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 from shared.pb.kvmesh.v1 import engine_worker_pb2 as kvmesh_dot_v1_dot_engine__worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -50,6 +51,11 @@ class EngineWorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_engine__worker__pb2.WarmupRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_engine__worker__pb2.WarmupResponse.FromString,
                 _registered_method=True)
+        self.PrepareFormat = channel.unary_unary(
+                '/kvmesh.v1.EngineWorker/PrepareFormat',
+                request_serializer=kvmesh_dot_v1_dot_common__pb2.ResponseFormat.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_engine__worker__pb2.PrepareFormatResponse.FromString,
+                _registered_method=True)
 
 
 class EngineWorkerServicer:
@@ -78,6 +84,14 @@ class EngineWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareFormat(self, request, context):
+        """Compiles a response format off the step thread and caches it, so the step that first
+        samples a constrained request never waits on a compile; INVALID_SCHEMA when it is bad.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +109,11 @@ def add_EngineWorkerServicer_to_server(servicer, server):
                     servicer.Warmup,
                     request_deserializer=kvmesh_dot_v1_dot_engine__worker__pb2.WarmupRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_engine__worker__pb2.WarmupResponse.SerializeToString,
+            ),
+            'PrepareFormat': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareFormat,
+                    request_deserializer=kvmesh_dot_v1_dot_common__pb2.ResponseFormat.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_engine__worker__pb2.PrepareFormatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +198,33 @@ class EngineWorker:
             '/kvmesh.v1.EngineWorker/Warmup',
             kvmesh_dot_v1_dot_engine__worker__pb2.WarmupRequest.SerializeToString,
             kvmesh_dot_v1_dot_engine__worker__pb2.WarmupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareFormat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.EngineWorker/PrepareFormat',
+            kvmesh_dot_v1_dot_common__pb2.ResponseFormat.SerializeToString,
+            kvmesh_dot_v1_dot_engine__worker__pb2.PrepareFormatResponse.FromString,
             options,
             channel_credentials,
             insecure,
