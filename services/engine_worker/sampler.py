@@ -34,7 +34,11 @@ def sample(
         for row in constrained:
             matcher = states[row].matcher
             assert matcher is not None
-            logits[row].masked_fill_(~allowed_tokens(matcher, logits.shape[-1]), float("-inf"))
+            allowed = allowed_tokens(matcher, logits.shape[-1])
+            # A finished format (ignore_eos ran past its end) allows nothing: sample freely
+            # rather than from an all -inf row.
+            if allowed.any():
+                logits[row].masked_fill_(~allowed, float("-inf"))
     plain_greedy = [
         i for i, s in enumerate(states) if s.sampling.greedy and not s.sampling.has_penalties
     ]

@@ -175,6 +175,16 @@ def test_a_free_request_in_the_same_batch_is_untouched(engine: Engine) -> None:
     assert alone.text != mixed[0].text and mixed[0].text.startswith("{")
 
 
+def test_ignore_eos_runs_past_a_finished_format(engine: Engine) -> None:
+    regex = ResponseFormat("regex", "(yes|no)")
+    params = SamplingParams(
+        max_tokens=8, temperature=1.0, seed=3, ignore_eos=True, response_format=regex
+    )
+    [completion] = engine.generate([PROMPT], params)
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 8
+    assert completion.text.startswith(("yes", "no"))
+
+
 @pytest.mark.parametrize(
     ("spec", "named"),
     [
