@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing clean
+.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,10 @@ bench-routing: $(STAMP)
 # Throughput with tracing on vs off, same load, same run; a few minutes.
 bench-tracing: $(STAMP)
 	$(BIN)/python -m loadtest.tracing_bench
+
+# TPOT of one batch decoded free and under a response format, same run; a few minutes.
+bench-structured: $(STAMP)
+	$(BIN)/python -m loadtest.structured_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
