@@ -14,12 +14,12 @@ from kvmesh.prompts import PromptInput, to_token_ids
 from services.engine_worker.worker import Worker
 from services.scheduler.scheduler import Scheduler
 from services.tokenizer.detokenizer import IncrementalDetokenizer
-from services.tokenizer.loader import TextTokenizer, load_tokenizer
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, Reason
 from shared.outputs import RequestOutput
 from shared.sampling import SamplingParams
 from shared.step import TokenLogprobs
+from shared.text_tokenizer import TextTokenizer, load_tokenizer
 
 
 @dataclass

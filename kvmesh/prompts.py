@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.tokenizer.loader import TextTokenizer
 from shared.errors import KvmeshError, Reason
+from shared.text_tokenizer import TextTokenizer
 
 PromptInput = str | list[int] | dict[str, Any]
 

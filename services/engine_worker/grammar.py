@@ -23,9 +23,9 @@ import torch
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-from services.tokenizer.loader import TextTokenizer
 from shared.errors import KvmeshError, Reason
 from shared.sampling import ResponseFormat
+from shared.text_tokenizer import TextTokenizer
 
 MAX_CACHED_FORMATS = 256
 ANY_JSON_OBJECT = json.dumps({"type": "object"})

@@ -20,12 +20,12 @@ from services.engine_worker.kv_cache import KVCache, KVCacheShape
 from services.engine_worker.manifest import ModelManifest, sha256_file
 from services.engine_worker.sampler import sample
 from services.engine_worker.weights import ModelWeights
-from services.tokenizer.loader import load_tokenizer
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, Reason
 from shared.model_paths import resolve_model_path
 from shared.sampling import SamplingParams
 from shared.step import SampledToken, StepPlan, StepResult
+from shared.text_tokenizer import load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -6,13 +6,13 @@ import argparse
 import asyncio
 import logging
 
-from services.tokenizer.loader import load_tokenizer
 from services.tokenizer.server import TokenizerService
 from shared.flags import env_default
 from shared.logs import configure_logging
 from shared.model_paths import resolve_model_path
 from shared.pb.kvmesh.v1 import tokenizer_pb2_grpc
 from shared.service import ServiceRuntime, add_common_flags, start_observability
+from shared.text_tokenizer import load_tokenizer
 
 SERVICE_NAME = "kvmesh.v1.Tokenizer"
 

@@ -12,13 +12,13 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Histogram
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer
-from services.tokenizer.loader import TextTokenizer
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.metrics import TOKEN_SECONDS
 from shared.pb.kvmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from shared.service import ServiceRuntime
 from shared.telemetry import context_from_metadata
+from shared.text_tokenizer import TextTokenizer
 
 log = logging.getLogger("kvmesh.tokenizer")
 tracer = trace.get_tracer("kvmesh.tokenizer")

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer
-from services.tokenizer.loader import TextTokenizer, load_tokenizer
+from shared.text_tokenizer import TextTokenizer, load_tokenizer
 
 TEXTS = [
     "Hello world, 12345 and 3.14159!",

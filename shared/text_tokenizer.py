@@ -1,4 +1,8 @@
-"""Text tokenizers as HF `tokenizers` objects, from tokenizer.json or from GGUF metadata."""
+"""Text tokenizers as HF `tokenizers` objects, from tokenizer.json or from GGUF metadata.
+
+In shared/: the tokenizer service, the engine-worker (response formats need the vocabulary)
+and the in-process engine all load the same one.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from services.tokenizer.chat_template import render_chat_template
+from shared.chat_template import render_chat_template
 from shared.errors import KvmeshError, Reason
 
 _GGUF_CONTROL_TOKEN = 3  # llama.cpp token type: special tokens matched whole in text
