@@ -67,6 +67,7 @@ class RequestTrace:
         self._parent = trace.set_span_in_context(self.span)
         self._queue: trace.Span | None = tracer.start_span("queue", context=self._parent)
         self.scheduled_at: float | None = None  # first in a step's plan
+        self.first_token_at: float | None = None
         self._decode: trace.Span | None = None
         self._decode_steps = 0
         self._decode_batch_total = 0
@@ -85,9 +86,10 @@ class RequestTrace:
         self._decode_steps += 1
         self._decode_batch_total += batch_size
 
-    def first_token(self) -> None:
+    def first_token(self, now: float) -> None:
+        self.first_token_at = now
         if self.scheduled_at is not None:
-            PREFILL_SECONDS.observe(time.monotonic() - self.scheduled_at, exemplar(self.trace_id))
+            PREFILL_SECONDS.observe(now - self.scheduled_at, exemplar(self.trace_id))
         self._decode = tracer.start_span("decode", context=self._parent)
 
     def preempted(self) -> None:

@@ -53,16 +53,10 @@ class Tracked:
     """A request with an open Submit stream."""
 
     request_id: str
-    arrival: float
-    trace: RequestTrace
+    trace: RequestTrace  # also its arrival, first step and first token times
     events: asyncio.Queue[scheduler_pb2.SubmitEvent] = field(default_factory=asyncio.Queue)
     output_tokens: int = 0
-    first_token: float | None = None
     timer: asyncio.TimerHandle | None = None
-
-    @property
-    def first_step(self) -> float | None:
-        return self.trace.scheduled_at
 
 
 @dataclass
@@ -165,9 +159,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 continue
             if output.new_token_ids:
                 tracked.output_tokens += len(output.new_token_ids)
-                if tracked.first_token is None:
-                    tracked.first_token = now
-                    tracked.trace.first_token()
+                if tracked.trace.first_token_at is None:
+                    tracked.trace.first_token(now)
                 tokens = scheduler_pb2.SubmitTokens(
                     token_ids=output.new_token_ids,
                     logprobs=[logprobs_to_pb(lp) for lp in output.logprobs],
@@ -181,12 +174,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> None:
         if reason != FinishReason.ABORT:
             self.queue_estimate.finished(tracked.output_tokens)
-        first_step = tracked.first_step or now
-        first_token = tracked.first_token or now
+        trace = tracked.trace
+        first_step = trace.scheduled_at or now
+        first_token = trace.first_token_at or now
         finished = scheduler_pb2.SubmitFinished(
             finish_reason=_FINISH_REASONS[reason],
             cached_tokens=cached_tokens,
-            queue_ms=(first_step - tracked.arrival) * 1e3,
+            queue_ms=(first_step - trace.arrival) * 1e3,
             prefill_ms=(first_token - first_step) * 1e3,
             decode_ms=(now - first_token) * 1e3,
         )
@@ -223,7 +217,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         tracked = self.tracked.get(request_id)
         if tracked is None or self.scheduler is None:
             return
-        started = tracked.first_step is not None
+        started = tracked.trace.scheduled_at is not None
         if not self._abort(request_id):
             return
         tracked.trace.cancelled("deadline")
@@ -283,7 +277,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             len(request.token_ids),
             request.tenant,
         )
-        tracked = Tracked(request.request_id, time.monotonic(), trace)
+        tracked = Tracked(request.request_id, trace)
         if remaining is not None:
             loop = asyncio.get_running_loop()
             tracked.timer = loop.call_later(

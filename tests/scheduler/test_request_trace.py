@@ -4,6 +4,8 @@ chunk sent to the worker for its span."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -46,8 +48,8 @@ def test_spans_events_and_prefill_chunks_of_a_run_with_preemption(
             chunk_tokens[chunk.request_id] += chunk.chunk_tokens
         for output in scheduler.update(plan, worker.execute(plan)):
             trace = traces[output.request_id]
-            if output.new_token_ids and trace._decode is None:
-                trace.first_token()
+            if output.new_token_ids and trace.first_token_at is None:
+                trace.first_token(time.monotonic())
             if output.finish_reason is not None:
                 trace.ended("completed", output.finish_reason.value, params.max_tokens)
     assert scheduler.num_preemptions > 0
