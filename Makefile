@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured clean
+.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ setup: $(STAMP)
 # The whole mesh (redis, trace-collector, tokenizer, engine-worker, scheduler, gateway) on
 # loopback, one answer streamed through the public gRPC API, then every process stopped.
 demo: $(STAMP)
-	$(BIN)/kvmesh up --port 0 --prompt "Explain in two sentences why the sky is blue."
+	$(BIN)/kvmesh up --port 0 --http-port 0 --prompt "Explain in two sentences why the sky is blue."
 
 up: $(STAMP)
 	$(BIN)/kvmesh up
@@ -56,6 +56,10 @@ bench-tracing: $(STAMP)
 # TPOT of one batch decoded free and under a response format, same run; a few minutes.
 bench-structured: $(STAMP)
 	$(BIN)/python -m loadtest.structured_bench
+
+# gRPC streams vs the OpenAI HTTP front (SSE), same load, same mesh, same run; a few minutes.
+bench-http: $(STAMP)
+	$(BIN)/python -m loadtest.http_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

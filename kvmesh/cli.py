@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -12,7 +13,8 @@ from kvmesh.mesh_cli import add_remote_flags, add_up_parser, run_chat, run_remot
 from kvmesh.trace_cli import add_trace_parser, run_trace
 from shared.errors import KvmeshError
 from shared.flags import add_engine_flags, engine_config
-from shared.sampling import SamplingParams
+from shared.pb.kvmesh.v1 import common_pb2
+from shared.sampling import ResponseFormat, SamplingParams
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -26,7 +28,37 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         ignore_eos=args.ignore_eos,
         repetition_penalty=args.repetition_penalty,
         logprobs=args.logprobs,
+        response_format=_response_format(args),
     )
+
+
+def _response_format(args: argparse.Namespace) -> ResponseFormat | None:
+    """--json-schema / --json-object / --regex / --grammar; a schema or grammar may be given
+    inline or as a file path."""
+    if args.json_object:
+        return ResponseFormat("json_object")
+    for kind, value in (("json_schema", args.json_schema), ("regex", args.regex)):
+        if value is not None:
+            return ResponseFormat(kind, _inline_or_file(value) if kind != "regex" else value)
+    if args.grammar is not None:
+        return ResponseFormat("lark", _inline_or_file(args.grammar))
+    return None
+
+
+def _inline_or_file(value: str) -> str:
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as handle:
+            return handle.read()
+    return value
+
+
+def _add_response_format_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("response format (output constrained token by token)")
+    exclusive = group.add_mutually_exclusive_group()
+    exclusive.add_argument("--json-schema", help="a JSON schema, inline or a file path")
+    exclusive.add_argument("--json-object", action="store_true", help="any JSON object")
+    exclusive.add_argument("--regex", help="a regular expression the whole output matches")
+    exclusive.add_argument("--grammar", help="a Lark grammar, inline or a file path")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int)
     generate.add_argument("--logprobs", type=int, help="return the top N logprobs per token")
     generate.add_argument("--ignore-eos", action="store_true")
+    _add_response_format_flags(generate)
     add_engine_flags(generate)
     add_remote_flags(generate)
     chat = commands.add_parser("chat", help="a conversation with a running mesh (--addr)")
@@ -82,7 +115,13 @@ def _remote_sampling(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "ignore_eos": getattr(args, "ignore_eos", None),
         "logprobs": getattr(args, "logprobs", None),
+        "response_format": _response_format_pb(args),
     }
+
+
+def _response_format_pb(args: argparse.Namespace) -> common_pb2.ResponseFormat | None:
+    found = _response_format(args) if hasattr(args, "json_schema") else None
+    return None if found is None else common_pb2.ResponseFormat(kind=found.kind, spec=found.spec)
 
 
 def _run_generate(args: argparse.Namespace) -> int:

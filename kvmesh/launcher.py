@@ -36,6 +36,7 @@ class MeshConfig:
     redis_url: str | None = None  # None: start our own redis-server
     host: str = "127.0.0.1"
     gateway_port: int = 0  # 0: any free port
+    http_port: int | None = 0  # the gateway's OpenAI HTTP front; 0: any free port; None: off
     worker_threads: int | None = None  # torch threads per engine-worker; None: cores / workers
     worker_args: list[str] = field(default_factory=list)  # e.g. ["--kv-memory", "256MiB"]
     scheduler_args: list[str] = field(default_factory=list)  # e.g. ["--max-num-seqs", "8"]
@@ -67,6 +68,7 @@ class Mesh:
         self.services: list[ServiceProcess] = []
         self.redis_url = config.redis_url
         self.gateway_address = ""
+        self.http_url = ""  # e.g. http://127.0.0.1:8000/v1, an OpenAI client's base_url
         self.scheduler_addresses: list[str] = []
         self.worker_addresses: list[str] = []
         self.tokenizer_address = ""
@@ -115,6 +117,11 @@ class Mesh:
         for service in self.services:
             if service.address is not None:
                 self._wait_ready(service, deadline)
+        http: list[str] = ["--http-port", "0"]
+        if config.http_port is not None:
+            http_port = config.http_port or free_port(config.host)
+            http = ["--http-port", str(http_port)]
+            self.http_url = f"http://{config.host}:{http_port}/v1"
         self.gateway_address = self._spawn(
             "gateway",
             "services.gateway",
@@ -125,6 +132,7 @@ class Mesh:
                 ",".join(self.scheduler_addresses),
                 "--redis",
                 self.redis_url,
+                *http,
                 *config.gateway_args,
             ],
             port=config.gateway_port or None,

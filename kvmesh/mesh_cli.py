@@ -28,6 +28,12 @@ def add_up_parser(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--redis", help="use this Redis (redis://HOST:PORT) instead of starting one")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=50051, help="gateway port; 0 picks a free one")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="the gateway's OpenAI-compatible HTTP port; 0 picks a free one, -1: off",
+    )
     up.add_argument("--log-dir", help="service logs (JSON lines); default: a temporary directory")
     add_worker_flags(up)  # forwarded to every engine-worker
     add_scheduler_flags(up)  # forwarded to every scheduler
@@ -53,6 +59,7 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
         redis_url=args.redis,
         host=args.host,
         gateway_port=args.port,
+        http_port=None if args.http_port < 0 else args.http_port,
         worker_threads=args.threads,
         worker_args=worker_flag_args(args),
         scheduler_args=scheduler_flag_args(args),
@@ -71,7 +78,9 @@ def run_up(args: argparse.Namespace) -> int:
         mesh.start()
         print(
             f"kvmesh: ready in {time.perf_counter() - started:.1f}s; "
-            f"gateway at {mesh.gateway_address}; traces: kvmesh trace --collector "
+            f"gateway at {mesh.gateway_address}"
+            + (f", OpenAI HTTP at {mesh.http_url}" if mesh.http_url else "")
+            + "; traces: kvmesh trace --collector "
             f"{mesh.collector_address} REQUEST_ID",
             file=sys.stderr,
         )

@@ -24,6 +24,8 @@ class Reason(str, Enum):
     UNAUTHENTICATED = "UNAUTHENTICATED"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     WORKER_LOST = "WORKER_LOST"
+    # A finished output that fails its response format's own check: a bug, never sent as valid.
+    INVALID_OUTPUT = "INVALID_OUTPUT"
     INTERNAL = "INTERNAL"  # a bug: never expected, always logged with a traceback
 
 

@@ -33,6 +33,7 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Reason.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
     Reason.WORKER_LOST: grpc.StatusCode.UNAVAILABLE,
+    Reason.INVALID_OUTPUT: grpc.StatusCode.INTERNAL,
     Reason.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 

@@ -18,6 +18,21 @@ from shared.errors import KvmeshError, Reason
 _GGUF_CONTROL_TOKEN = 3  # llama.cpp token type: special tokens matched whole in text
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character that stands for each byte."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {byte: byte for byte in printable}
+    shifted = 0
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = 256 + shifted
+            shifted += 1
+    return {chr(char): byte for byte, char in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
 class TextTokenizer:
     def __init__(
         self,
@@ -47,6 +62,25 @@ class TextTokenizer:
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
+        """Each token's own bytes, as logprobs show a token alone: possibly part of a UTF-8
+        character, which decoding it alone would turn into U+FFFD."""
+        added = self.tokenizer.get_added_tokens_decoder()
+        pieces = []
+        for token_id in token_ids:
+            token = self.tokenizer.id_to_token(token_id)
+            if token is None:
+                pieces.append(b"")
+            elif token_id in added or not self._byte_level:
+                pieces.append(self.tokenizer.decode([token_id], skip_special_tokens=False).encode())
+            else:
+                pieces.append(bytes(_BYTE_OF_CHAR.get(char, 0x3F) for char in token))
+        return pieces
+
+    @property
+    def _byte_level(self) -> bool:
+        return isinstance(self.tokenizer.decoder, decoders.ByteLevel)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of a chat as the model expects it: the template writes any BOS itself."""

@@ -9,11 +9,12 @@ import os
 
 from services.gateway.backends import Backends
 from services.gateway.generate import GatewayPolicy
+from services.gateway.openai_http import OpenAIFront
 from services.gateway.rate_limits import RateLimiter
 from services.gateway.router import Router, Watermarks
 from services.gateway.server import InferenceService
 from services.gateway.tenants import ApiKeys
-from shared.flags import add_gateway_flags, env_default
+from shared.flags import add_gateway_flags, env_default, env_int
 from shared.logs import configure_logging
 from shared.pb.kvmesh.v1 import inference_pb2_grpc
 from shared.redis_link import RedisLink
@@ -60,14 +61,17 @@ async def serve(args: argparse.Namespace) -> None:
     if link is None:
         log.warning("no --redis: routing and admission use this gateway's local view only")
     policy = gateway_policy(args, link)
-    runtime.add_servicer(
-        inference_pb2_grpc.add_InferenceServicer_to_server,
-        InferenceService(runtime, backends, policy),
-    )
+    service = InferenceService(runtime, backends, policy)
+    generate = service.generate  # one handler for gRPC and HTTP: one admission, one in-flight
+    runtime.add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server, service)
     await runtime.start()
+    front = OpenAIFront(generate, backends)
+    if args.http_port:
+        await front.start(args.host, args.http_port)
     backends.start(runtime.set_ready)
 
     async def close() -> None:
+        await front.close()
         await backends.close()
         await policy.rate_limiter.close()
 
@@ -93,6 +97,12 @@ def main() -> None:
         "--redis",
         default=env_default("redis", None),
         help="shared load, prefix-cache and rate-limit state, e.g. redis://host:6379/0",
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=env_int("http-port", 8000),
+        help="OpenAI-compatible HTTP front (/v1/chat/completions, ...); 0: off",
     )
     add_gateway_flags(parser)
     args = parser.parse_args()

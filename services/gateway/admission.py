@@ -11,6 +11,7 @@ import random
 
 import grpc
 
+from services.gateway.call_context import CallContext
 from shared import grpc_errors
 from shared.codec import sampling_from_pb, sampling_to_pb
 from shared.errors import KvmeshError, Reason
@@ -42,7 +43,7 @@ def check_stop_strings(stops: list[str]) -> None:
             )
 
 
-def time_remaining(context: grpc.aio.ServicerContext, timeout_ms: int) -> float | None:
+def time_remaining(context: CallContext, timeout_ms: int) -> float | None:
     """Seconds left: the sooner of the client's gRPC deadline and the request's timeout_ms."""
     remaining = context.time_remaining()
     if timeout_ms:

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -28,6 +28,8 @@ from services.gateway.admission import (
     time_remaining,
 )
 from services.gateway.backends import Backends, Routed, SchedulerBackend
+from services.gateway.call_context import CallContext
+from services.gateway.output_check import check_output
 from services.gateway.rate_limits import Grant, RateLimiter
 from services.gateway.request_record import (
     FINISH_REASONS,
@@ -76,8 +78,11 @@ class GenerateHandler:
         self._releases: set[asyncio.Task[None]] = set()
 
     async def __call__(
-        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Event]:
+        self, request: inference_pb2.GenerateRequest, context: CallContext
+    ) -> AsyncGenerator[Event, None]:
+        """The request's events. A refusal raises KvmeshError before the first event; once
+        `accepted` is out, every failure is a `failed` event and exactly one terminal event
+        ends the stream. Closing the iterator early cancels the request upstream."""
         received = time.monotonic()
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         bind_request(request_id)
@@ -92,8 +97,7 @@ class GenerateHandler:
         except KvmeshError as error:
             log.info("refused", extra={"reason": error.reason.value, "error": error.message})
             telemetry.rejected(error)
-            await grpc_errors.abort(context, error)
-            return
+            raise  # before the first event: the front turns it into a status
         except BaseException:
             telemetry.ended("cancelled", "client_disconnected", 0, 0)
             raise
@@ -160,7 +164,7 @@ class GenerateHandler:
         self,
         request: inference_pb2.GenerateRequest,
         request_id: str,
-        context: grpc.aio.ServicerContext,
+        context: CallContext,
         received: float,
         telemetry: RequestTelemetry,
     ) -> Admitted:
@@ -191,7 +195,7 @@ class GenerateHandler:
         self,
         request: inference_pb2.GenerateRequest,
         request_id: str,
-        context: grpc.aio.ServicerContext,
+        context: CallContext,
         received: float,
         tenant: Tenant,
         sampling: common_pb2.SamplingParams,
@@ -302,6 +306,8 @@ class GenerateHandler:
     ) -> AsyncIterator[Event]:
         submit = admitted.submit
         stops = StopStringMatcher(list(request.stop))
+        response_format = admitted.sampling.response_format
+        output: list[str] | None = [] if response_format.kind else None  # checked at the end
         try:
             while True:
                 event = await submit.read()
@@ -310,14 +316,17 @@ class GenerateHandler:
                     ids = list(event.tokens.token_ids)
                     progress.completion_tokens += len(ids)
                     admitted.routed.started()
-                    released = stops.push(await text.push(ids))
+                    logprobs = event.tokens.logprobs
+                    released = stops.push(await text.push(ids, logprobs=logprobs))
+                    if output is not None:
+                        output.append(released)
                     first = progress.first_token_at is None
                     progress.first_token_at = progress.first_token_at or time.monotonic()
                     yield Event(
                         delta=inference_pb2.Delta(
                             text=released,
                             token_ids=ids,
-                            logprobs=event.tokens.logprobs,
+                            logprobs=logprobs,
                             first_token=first,
                         )
                     )
@@ -340,6 +349,12 @@ class GenerateHandler:
                         released += stops.flush()
                     if released:
                         yield Event(delta=inference_pb2.Delta(text=released))
+                    if (
+                        output is not None
+                        and stops.matched is None
+                        and (finished.finish_reason == scheduler_pb2.SCHEDULER_FINISH_REASON_STOP)
+                    ):  # ended by the grammar, not cut short by a length or a stop string
+                        check_output(response_format, "".join(output) + released)
                     yield Event(usage=progress.usage())
                     if finished.finish_reason == scheduler_pb2.SCHEDULER_FINISH_REASON_ABORT:
                         yield Event(

@@ -37,8 +37,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateEvent]:
-        async for event in self.generate(request, context):
-            yield event
+        try:
+            async for event in self.generate(request, context):
+                yield event
+        except KvmeshError as error:  # refused before the stream started
+            await grpc_errors.abort(context, error)
 
     async def Abort(
         self, request: inference_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import grpc
 
 from shared import grpc_errors
-from shared.pb.kvmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from shared.pb.kvmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 
 class TextStream:
@@ -22,11 +23,24 @@ class TextStream:
         self._call: grpc.aio.StreamStreamCall = tokenizer.Detokenize(metadata=metadata)
         self.wait_s = 0.0  # time spent waiting on the tokenizer, for the trace
 
-    async def push(self, token_ids: list[int], *, finish: bool = False) -> str:
+    async def push(
+        self,
+        token_ids: list[int],
+        *,
+        finish: bool = False,
+        logprobs: Sequence[common_pb2.TokenLogprobs] = (),
+    ) -> str:
+        """The text these tokens completed. With `logprobs`, also fills in each entry's (and
+        each alternative's) `token_bytes` from the same round trip."""
         started = time.monotonic()
+        piece_ids = [
+            i for entry in logprobs for i in (entry.token_id, *(t.token_id for t in entry.top))
+        ]
         try:
             await self._call.write(
-                tokenizer_pb2.DetokenizeRequest(token_ids=token_ids, finish=finish)
+                tokenizer_pb2.DetokenizeRequest(
+                    token_ids=token_ids, finish=finish, piece_ids=piece_ids
+                )
             )
             reply = await self._call.read()
         except (grpc.RpcError, asyncio.InvalidStateError):
@@ -42,7 +56,14 @@ class TextStream:
             ) from None
         finally:
             self.wait_s += time.monotonic() - started
-        return "" if reply is grpc.aio.EOF else reply.text
+        if reply is grpc.aio.EOF:
+            return ""
+        pieces = iter(reply.pieces)
+        for entry in logprobs:
+            entry.token_bytes = next(pieces, b"")
+            for top in entry.top:
+                top.token_bytes = next(pieces, b"")
+        return reply.text
 
     def cancel(self) -> None:
         self._call.cancel()

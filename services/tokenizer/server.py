@@ -104,11 +104,16 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
                     text = detokenizer.push(message.token_ids) if detokenizer else ""
                     if message.finish and detokenizer:
                         text += detokenizer.flush()
+                    pieces = (
+                        self.tokenizer.token_bytes(list(message.piece_ids))
+                        if self.tokenizer and message.piece_ids
+                        else []
+                    )
                     num_tokens += len(message.token_ids)
                     busy_s += time.perf_counter() - started
                     if message.finish:
                         end_span()  # the work is done; the reply's send is the caller's wait
-                    yield tokenizer_pb2.DetokenizeResponse(text=text)
+                    yield tokenizer_pb2.DetokenizeResponse(text=text, pieces=pieces)
                     if message.finish:
                         return
             finally:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 
@@ -61,11 +62,35 @@ def test_generate_prompt_streams_an_answer() -> None:
     assert "Paris" in result.stdout
 
 
+def test_generate_under_a_json_schema_prints_valid_json(tmp_path: Path) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string"}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(schema))
+    result = kvmesh(
+        "generate",
+        "Name the capital of France as JSON.",
+        "--json-schema",
+        str(schema_file),
+        "--max-tokens",
+        "60",
+        "--threads",
+        "2",
+    )
+    assert result.returncode == 0, result.stderr
+    jsonschema.validate(json.loads(result.stdout), schema)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["generate", "hi", "--model", "/nonexistent/model.gguf"], "MODEL_NOT_FOUND"),
         (["generate", "hi", "--temperature", "-1"], "INVALID_SAMPLING_PARAMS"),
+        (["generate", "hi", "--json-schema", '{"type": "objekt"}'], "INVALID_SCHEMA"),
     ],
 )
 def test_bad_input_gives_a_stable_reason_and_exit_code(args: list[str], message: str) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import openai
 import pytest
 
 from kvmesh.launcher import Mesh
@@ -377,3 +378,26 @@ async def test_a_cancelled_request_is_traced_as_cancelled(mesh: Mesh) -> None:
     causes = [e.name for e in scheduled.events]
     assert "cancelled" in causes
     assert trace.timing.outcome == "cancelled"
+
+
+async def test_an_http_request_is_traced_like_a_grpc_one(mesh: Mesh) -> None:
+    """The OpenAI front shares the gRPC path: the same spans, the client's traceparent."""
+    trace_id, request_id = "5ce0e9a56015fec5aadfa328ae398115", f"http-{time.monotonic_ns()}"
+    async with openai.AsyncOpenAI(base_url=mesh.http_url, api_key="-", max_retries=0) as client:
+        answer = await client.completions.create(
+            model="",
+            prompt="The sea is",
+            max_tokens=6,
+            extra_body={"ignore_eos": True},
+            extra_headers={
+                "traceparent": f"00-{trace_id}-{CLIENT_SPAN_ID}-01",
+                "X-Request-Id": request_id,
+            },
+        )
+    assert answer.id == f"cmpl-{request_id}"
+    async with grpc.aio.insecure_channel(mesh.collector_address) as collector:
+        trace = await wait_for_trace(traces_pb2_grpc.TracesStub(collector), request_id)
+    assert trace.trace_id == trace_id
+    root = next(s for s in trace.spans if s.name == "kvmesh.Generate")
+    assert root.parent_span_id == CLIENT_SPAN_ID
+    assert dict(root.attributes)["gen_ai.usage.output_tokens"] == "6"

@@ -74,3 +74,23 @@ def test_hf_directory_tokenizer_and_jinja_chat_template(tokenizer: TextTokenizer
     assert loaded.encode(TEXTS[0]) == tokenizer.encode(TEXTS[0])
     rendered = loaded.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert rendered == "[user] Hi<|im_end|>"
+
+
+def test_token_bytes_are_each_tokens_own_bytes(tokenizer: TextTokenizer) -> None:
+    """What logprobs show per token: concatenated they are the text, even where a token holds
+    part of a UTF-8 character (which decoding it alone would turn into U+FFFD)."""
+    split_characters = 0
+    for text in TEXTS:
+        pieces = tokenizer.token_bytes(tokenizer.encode(text))
+        assert b"".join(pieces) == text.encode(), text
+        split_characters += sum(1 for piece in pieces if _partial_utf8(piece))
+    assert split_characters > 0  # the emoji and CJK texts do split characters
+    assert tokenizer.token_bytes([1, 2]) == [b"<|im_start|>", b"<|im_end|>"]
+
+
+def _partial_utf8(piece: bytes) -> bool:
+    try:
+        piece.decode()
+    except UnicodeDecodeError:
+        return True
+    return False

@@ -22,18 +22,22 @@ class EncodeResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
-    __slots__ = ("token_ids", "finish")
+    __slots__ = ("token_ids", "finish", "piece_ids")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
+    PIECE_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[bool] = ...) -> None: ...
+    piece_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[bool] = ..., piece_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DetokenizeResponse(_message.Message):
-    __slots__ = ("text",)
+    __slots__ = ("text", "pieces")
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
     text: str
-    def __init__(self, text: _Optional[str] = ...) -> None: ...
+    pieces: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, text: _Optional[str] = ..., pieces: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class TokenizerInfoRequest(_message.Message):
     __slots__ = ()

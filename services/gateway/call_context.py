@@ -1,0 +1,34 @@
+"""What a Generate handler reads of its caller, whether gRPC or the OpenAI HTTP front.
+
+A gRPC `ServicerContext` already has both methods; `HttpCall` gives an HTTP request the same
+shape, so both fronts share one admission, auth, tracing and relay path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class CallContext(Protocol):
+    def invocation_metadata(self) -> Sequence[tuple[str, str | bytes]] | None: ...
+
+    def time_remaining(self) -> float | None: ...
+
+
+class HttpCall:
+    """An HTTP request as a call: its headers as metadata (lower-case names, as gRPC has
+    them: `authorization`, `traceparent`) and an optional deadline."""
+
+    def __init__(self, headers: Sequence[tuple[str, str]], timeout_s: float | None = None):
+        self._metadata = tuple((name.lower(), value) for name, value in headers)
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str | bytes]]:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - time.monotonic())

@@ -1,0 +1,130 @@
+"""The HTTP front's errors on a gateway with API keys and room for one request: the statuses,
+OpenAI error objects and retry headers the official client acts on. Runs on the tiny random
+Llama (token-id prompts): this is about the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from kvmesh.launcher import Mesh, MeshConfig
+
+KEYS = """
+[tenants.acme]
+keys = ["sk-acme"]
+
+[tenants.limited]
+keys = ["sk-limited"]
+requests_per_second = 0.5
+"""
+PROMPT = [5, 17, 42, 99, 7]
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    keys = tmp_path_factory.mktemp("keys") / "keys.toml"
+    keys.write_text(KEYS)
+    config = MeshConfig(
+        model=tiny_llama_dir,
+        worker_threads=1,
+        worker_args=["--kv-memory", "16MiB"],
+        gateway_args=["--api-keys-file", str(keys), "--max-in-flight", "1"],
+        log_dir=str(tmp_path_factory.mktemp("openai-errors-logs")),
+        drain_seconds=2,
+    )
+    with Mesh(config) as running:
+        yield running
+
+
+def client(mesh: Mesh, key: str = "sk-acme") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=mesh.http_url, api_key=key, max_retries=0)
+
+
+async def complete(mesh: Mesh, key: str = "sk-acme", **extra: object) -> object:
+    async with client(mesh, key) as c:
+        return await c.completions.create(
+            model="", prompt=PROMPT, max_tokens=4, temperature=0, **extra
+        )
+
+
+async def test_a_missing_or_wrong_key_is_401(mesh: Mesh) -> None:
+    with pytest.raises(openai.AuthenticationError) as raised:
+        await complete(mesh, "sk-wrong")
+    assert raised.value.status_code == 401 and raised.value.code == "UNAUTHENTICATED"
+    # No key at all (the official client insists on one): a plain request.
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode()
+    keyless = urllib.request.Request(f"{mesh.http_url}/completions", body, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(keyless, timeout=10)
+    assert refused.value.code == 401
+    assert json.load(refused.value)["error"]["code"] == "UNAUTHENTICATED"
+    async with client(mesh, "sk-wrong") as c:
+        with pytest.raises(openai.AuthenticationError):
+            await c.models.list()
+    answer = await complete(mesh)
+    assert answer.usage.completion_tokens == 4  # type: ignore[attr-defined]
+
+
+async def test_a_tenant_over_its_rate_gets_429_with_retry_after(mesh: Mesh) -> None:
+    await complete(mesh, "sk-limited")
+    with pytest.raises(openai.RateLimitError) as raised:
+        await complete(mesh, "sk-limited")
+    error = raised.value
+    assert error.status_code == 429 and error.code == "RATE_LIMITED"
+    assert error.body["retryable"] is True  # type: ignore[index]
+    assert 1 <= int(error.response.headers["Retry-After"]) <= 2
+    assert 0 < int(error.response.headers["retry-after-ms"]) <= 2000
+
+
+async def test_a_full_gateway_is_503_with_retry_after(mesh: Mesh) -> None:
+    async with client(mesh) as holder:
+        stream = await holder.completions.create(
+            model="",
+            prompt=PROMPT,
+            max_tokens=100_000,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        async for _chunk in stream:
+            break  # the gateway's only slot is taken
+        with pytest.raises(openai.APIStatusError) as raised:
+            await complete(mesh)
+        await stream.close()
+    error = raised.value
+    assert error.status_code == 503 and error.code == "OVERLOADED"
+    assert int(error.response.headers["Retry-After"]) >= 1
+    # The holder hung up: its slot comes back (the gateway notices within moments).
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            await complete(mesh)
+            break
+        except openai.APIStatusError as refused:
+            assert refused.status_code == 503 and time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+
+
+async def test_a_deadline_that_passes_is_504(mesh: Mesh) -> None:
+    with pytest.raises(openai.APIStatusError) as raised:
+        await complete(
+            mesh, extra_body={"timeout_ms": 1, "ignore_eos": True, "max_tokens": 100_000}
+        )
+    assert raised.value.status_code == 504 and raised.value.code == "DEADLINE_EXCEEDED"
+
+
+def test_health_and_metrics_need_no_key(mesh: Mesh) -> None:
+    root = mesh.http_url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{root}/health", timeout=10) as response:
+        assert response.status == 200 and json.load(response) == {"status": "serving"}
+    with urllib.request.urlopen(f"{root}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    assert "kvmesh_time_to_first_token_seconds_bucket" in text
+    assert 'kvmesh_requests_total{' in text

@@ -1,0 +1,186 @@
+"""OpenAI bodies -> GenerateRequest, and events -> OpenAI chunks: the shapes, without a mesh."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.openai_protocol import (
+    ResponseBuilder,
+    parse_body,
+    parse_chat,
+    parse_completion,
+)
+from shared.errors import KvmeshError, Reason
+from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def context_of(model: str) -> int:
+    return {"": 2048, "small": 512}[model]
+
+
+def test_chat_fields_become_the_grpc_request() -> None:
+    parsed = parse_chat(
+        {
+            "model": "small",
+            "messages": [
+                {"role": "system", "content": None},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+            ],
+            "temperature": 0,
+            "top_p": 0.5,
+            "seed": 3,
+            "stop": "END",
+            "max_completion_tokens": 9,
+            "logprobs": True,
+            "top_logprobs": 4,
+            "top_k": 7,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "response_format": {"type": "json_object"},
+        },
+        context_of,
+    )
+    request, sampling = parsed.generate, parsed.generate.sampling
+    assert [(m.role, m.content) for m in request.chat.messages] == [("system", ""), ("user", "ab")]
+    assert (request.model, list(request.stop)) == ("small", ["END"])
+    assert (sampling.temperature, sampling.top_p, sampling.seed, sampling.top_k) == (0, 0.5, 3, 7)
+    assert (sampling.max_tokens, sampling.logprobs) == (9, 4)
+    assert sampling.response_format.kind == "json_object"
+    assert parsed.stream and parsed.include_usage and parsed.logprobs and parsed.chat
+
+
+def test_chat_without_a_limit_may_fill_the_context() -> None:
+    assert parse_chat({"messages": HI}, context_of).generate.sampling.max_tokens == 2048
+    assert (
+        parse_chat({"model": "small", "messages": HI}, context_of).generate.sampling.max_tokens
+        == 512
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "field"),
+    [("text", "text"), (["text"], "text"), ([1, 2, 3], "token_ids"), ([[1, 2]], "token_ids")],
+)
+def test_completion_prompts(prompt: object, field: str) -> None:
+    parsed = parse_completion({"prompt": prompt, "logprobs": 2})
+    assert parsed.generate.WhichOneof("input") == field
+    assert parsed.generate.sampling.logprobs == 2 and not parsed.generate.sampling.HasField(
+        "max_tokens"
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "reason", "words"),
+    [
+        ({"messages": HI, "n": 3}, Reason.INVALID_ARGUMENT, "'n'"),
+        ({"messages": HI, "max_tokens": -1}, Reason.INVALID_ARGUMENT, "'max_tokens'"),
+        ({"messages": HI, "temperature": True}, Reason.INVALID_ARGUMENT, "'temperature'"),
+        ({"messages": HI, "top_logprobs": 2}, Reason.INVALID_ARGUMENT, "needs 'logprobs'"),
+        (
+            {"messages": HI, "stream_options": {"include_usage": True}},
+            Reason.INVALID_ARGUMENT,
+            "stream",
+        ),
+        ({"messages": [{"content": "x"}]}, Reason.INVALID_ARGUMENT, "'role'"),
+        ({"messages": HI, "response_format": {"type": "yaml"}}, Reason.INVALID_SCHEMA, "yaml"),
+        (
+            {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {}}},
+            Reason.INVALID_SCHEMA,
+            "schema",
+        ),
+    ],
+)
+def test_bad_bodies_name_the_field(body: dict, reason: Reason, words: str) -> None:
+    with pytest.raises(KvmeshError) as raised:
+        parse_chat(body, context_of)
+    assert raised.value.reason is reason and words in raised.value.message
+
+
+def test_bodies_that_are_not_objects() -> None:
+    for raw in (b"{", b"[1]", b"\xff"):
+        with pytest.raises(KvmeshError):
+            parse_body(raw)
+    with pytest.raises(KvmeshError, match="prompt"):
+        parse_completion({"prompt": [["a"], ["b"]]})
+
+
+def test_kvmesh_formats_beside_openais() -> None:
+    regex = parse_completion({"prompt": "x", "response_format": {"type": "regex", "regex": "a+"}})
+    assert (
+        regex.generate.sampling.response_format.kind,
+        regex.generate.sampling.response_format.spec,
+    ) == ("regex", "a+")
+    text = parse_completion({"prompt": "x", "response_format": {"type": "text"}})
+    assert not text.generate.sampling.HasField("response_format")
+
+
+def builder(body: dict, chat: bool = True) -> ResponseBuilder:
+    parsed = parse_chat(body, context_of) if chat else parse_completion(body)
+    built = ResponseBuilder(parsed)
+    built.accepted(
+        inference_pb2.Accepted(request_id="r1", model="m"), common_pb2.ModelInfo(version="v1")
+    )
+    return built
+
+
+def completed(reason: int) -> inference_pb2.GenerateEvent:
+    return inference_pb2.GenerateEvent(completed=inference_pb2.Completed(finish_reason=reason))
+
+
+def test_chat_stream_chunks() -> None:
+    stream = builder({"messages": HI, "stream": True, "stream_options": {"include_usage": True}})
+    first = stream.delta_chunk(inference_pb2.Delta(text="Hel"))
+    assert first is not None and first["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": "Hel",
+    }
+    assert first["usage"] is None and first["id"] == "chatcmpl-r1"
+    assert first["system_fingerprint"] == "kvmesh-v1"
+    assert stream.delta_chunk(inference_pb2.Delta(text="", token_ids=[5])) is None  # held back
+    stream.usage = inference_pb2.Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1)
+    last, usage = stream.finish_chunks(completed(inference_pb2.FINISH_REASON_STOP_STRING))
+    assert last["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
+    json.dumps(usage)  # plain JSON throughout
+
+
+def test_whole_completion_with_logprobs() -> None:
+    whole = builder({"prompt": "x", "logprobs": 1}, chat=False)
+    entry = common_pb2.TokenLogprobs(
+        token_id=1,
+        logprob=-0.5,
+        token_bytes=b"ab",
+        top=[common_pb2.TopLogprob(token_id=1, logprob=-0.5, token_bytes=b"ab")],
+    )
+    whole.collect(inference_pb2.Delta(text="ab", logprobs=[entry]))
+    whole.collect(
+        inference_pb2.Delta(
+            text="c", logprobs=[common_pb2.TokenLogprobs(logprob=-1, token_bytes=b"c")]
+        )
+    )
+    answer = whole.response(completed(inference_pb2.FINISH_REASON_LENGTH))
+    choice = answer["choices"][0]
+    assert answer["object"] == "text_completion" and choice["text"] == "abc"
+    assert choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["ab", "c"]
+    assert choice["logprobs"]["text_offset"] == [0, 2]
+    assert choice["logprobs"]["top_logprobs"][0] == {"ab": -0.5}
+    cancelled = inference_pb2.GenerateEvent(cancelled=inference_pb2.Cancelled(reason="abort"))
+    assert whole.response(cancelled)["choices"][0]["finish_reason"] == "abort"
