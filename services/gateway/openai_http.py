@@ -107,10 +107,9 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
     except web.HTTPException as error:
         if error.status < 400:
             raise
-        reason = Reason.MODEL_NOT_FOUND if error.status == 404 else Reason.INVALID_ARGUMENT
-        response = error_response(
-            KvmeshError(reason, f"{request.method} {request.path}: {error.reason}")
-        )
+        # Not a kvmesh reason's status: a path or method the API does not have.
+        problem = f"{request.method} {request.path}: {error.reason}"
+        response = error_response(KvmeshError(Reason.INVALID_ARGUMENT, problem))
         response.set_status(error.status)
         return response
 

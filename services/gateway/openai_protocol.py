@@ -264,8 +264,8 @@ class ResponseBuilder:
     text: list[str] = field(default_factory=list)
     logprob_entries: list[common_pb2.TokenLogprobs] = field(default_factory=list)
     usage: inference_pb2.Usage | None = None
-    _text_offset: int = 0
-    _sent_role: bool = False
+    _text_offset: int = 0  # characters of completion logprob tokens so far (text_offset)
+    _started: bool = False  # a chunk went out (a chat stream's first one carries the role)
 
     @property
     def object(self) -> str:
@@ -282,7 +282,7 @@ class ResponseBuilder:
     def delta_chunk(self, delta: inference_pb2.Delta) -> dict[str, Any] | None:
         """The chunk for one delta; None when it has nothing to show (text held back)."""
         logprobs = self._logprobs(list(delta.logprobs)) if self.request.logprobs else None
-        if not delta.text and not logprobs and self._sent_role:
+        if not delta.text and not logprobs and self._started:
             return None
         return self._chunk(self._choice(delta.text, logprobs, None))
 
@@ -324,13 +324,13 @@ class ResponseBuilder:
         if not self.request.chat:
             choice["text"] = text
         elif self.request.stream:
-            delta: dict[str, str] = {} if self._sent_role else {"role": "assistant"}
+            delta: dict[str, str] = {} if self._started else {"role": "assistant"}
             if text or not finish:
                 delta["content"] = text
             choice["delta"] = delta
         else:
             choice["message"] = {"role": "assistant", "content": text}
-        self._sent_role = True
+        self._started = True
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish
         return choice

@@ -280,4 +280,4 @@ async def test_unknown_models_and_paths_are_404(mesh: Mesh, client) -> None:
         await client.models.retrieve("no-such-model")
     assert (await client.models.retrieve(await model_name(client))).owned_by == "kvmesh"
     response, raw = await asyncio.to_thread(raw_post, mesh.http_url, "/embeddings", {})
-    assert response.status == 404 and json.loads(raw)["error"]["code"] == "MODEL_NOT_FOUND"
+    assert response.status == 404 and json.loads(raw)["error"]["code"] == "INVALID_ARGUMENT"
