@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http clean
+.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http check-kernels test-gpu bench-kernels bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,24 @@ bench-structured: $(STAMP)
 # gRPC streams vs the OpenAI HTTP front (SSE), same load, same mesh, same run; a few minutes.
 bench-http: $(STAMP)
 	$(BIN)/python -m loadtest.http_bench
+
+# Every CUDA kernel compiled for sm_90 with nvcc (no GPU needed; `make test` does it too).
+check-kernels: $(STAMP)
+	$(BIN)/python -m services.engine_worker.kernels.compile_check --arch sm_90
+
+# On a machine with an NVIDIA GPU and CuPy (GPU_PYTHON: an interpreter that has both and the
+# project's dependencies): kernels against torch, the cupy backend against the torch backend.
+GPU_PYTHON ?= $(BIN)/python
+test-gpu:
+	$(GPU_PYTHON) -m pytest -q tests/gpu
+
+# Paged decode attention's achieved bandwidth against the GPU's peak.
+bench-kernels:
+	$(GPU_PYTHON) -m loadtest.kernel_bench
+
+# Decode tokens/s at batch 1/32/128: cupy backend, torch backend on the GPU, transformers.
+bench-gpu:
+	$(GPU_PYTHON) -m loadtest.gpu_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

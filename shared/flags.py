@@ -33,7 +33,10 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)",
     )
     group.add_argument(
-        "--backend", default=env_default("backend", "auto"), help="compute backend: auto or torch"
+        "--backend",
+        default=env_default("backend", "auto"),
+        choices=["auto", "torch", "cupy"],
+        help="compute backend; auto: cupy when CuPy sees a GPU, else torch",
     )
     group.add_argument(
         "--dtype",

@@ -166,10 +166,10 @@ def _decode(
         per_sample_weights=weights.reshape(-1),
     )
     scores = scores.view(pairs, kv_heads, group, block).add_(index.pair_bias)
-    row_max = torch.full((batch, kv_heads, group), float("-inf"), dtype=q.dtype)
+    row_max = torch.full((batch, kv_heads, group), float("-inf"), dtype=q.dtype, device=q.device)
     row_max.scatter_reduce_(0, index.pair_request_heads, scores.amax(dim=-1), reduce="amax")
     probs = torch.exp_(scores.sub_(row_max.index_select(0, index.pair_request).unsqueeze(-1)))
-    denom = torch.zeros((batch, kv_heads, group), dtype=q.dtype)
+    denom = torch.zeros((batch, kv_heads, group), dtype=q.dtype, device=q.device)
     denom.index_add_(0, index.pair_request, probs.sum(dim=-1))
     weighted = F.embedding_bag(
         index.value_rows,

@@ -1,20 +1,42 @@
-"""Compute backends by name, imported lazily so a machine pays only for the one it runs."""
+"""Compute backends by name, imported lazily so a machine pays only for the one it runs.
+
+Each module provides `Runner(arch, weights, kv_shape, max_model_len, dtype, config)` with
+`step(scheduled, rng) -> (states that sampled, their tokens)` and `kv_cache_bytes`.
+"""
 
 from __future__ import annotations
 
 from shared.errors import KvmeshError, Reason
 
-# name -> module that provides `CausalLM`; the torch path is the reference implementation.
-BACKENDS = {"torch": "services.engine_worker.model"}
+# name -> module providing `Runner`; torch is the reference implementation (CPU).
+BACKENDS = {
+    "torch": "services.engine_worker.torch_runner",
+    "cupy": "services.engine_worker.cupy_runner",  # CUDA C kernels through CuPy, cuBLAS GEMMs
+}
+
+
+def cuda_devices() -> int:
+    """GPUs CuPy can see; 0 when CuPy is missing or the driver has none."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no cupy, no driver, no device: all mean "no GPU here"
+        return 0
 
 
 def resolve_backend(name: str) -> str:
-    """'auto' picks the best available backend; today that is always torch."""
+    """'auto' takes cupy only when CuPy sees a GPU, else torch."""
     if name == "auto":
-        return "torch"
+        return "cupy" if cuda_devices() > 0 else "torch"
     if name not in BACKENDS:
         raise KvmeshError(
             Reason.INVALID_ARGUMENT,
-            f"unknown backend {name!r}; available: {', '.join(sorted(BACKENDS))}",
+            f"unknown backend {name!r}; available: auto, {', '.join(sorted(BACKENDS))}",
+        )
+    if name == "cupy" and cuda_devices() == 0:
+        raise KvmeshError(
+            Reason.INVALID_ARGUMENT,
+            "backend 'cupy' needs CuPy and an NVIDIA GPU; none is visible (use torch)",
         )
     return name

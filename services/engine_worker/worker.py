@@ -14,11 +14,10 @@ import torch
 
 from services.engine_worker.artifacts import artifact_files, open_artifact
 from services.engine_worker.backends import BACKENDS, resolve_backend
-from services.engine_worker.batch import RequestState, build_batch
+from services.engine_worker.batch import RequestState
 from services.engine_worker.grammar import GrammarCompiler
-from services.engine_worker.kv_cache import KVCache, KVCacheShape
+from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.manifest import ModelManifest, sha256_file
-from services.engine_worker.sampler import sample
 from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, Reason
@@ -47,9 +46,11 @@ class Worker:
             arch, config.cache.block_size, config.cache.kv_memory_bytes, self.dtype
         )
         weights = ModelWeights.build(arch, artifact.load, self.dtype)
-        model_module = importlib.import_module(BACKENDS[self.backend])
-        self.model = model_module.CausalLM(arch, weights, self.max_model_len, self.dtype)
-        self.kv_cache = KVCache(kv_shape, self.dtype)
+        runner_module = importlib.import_module(BACKENDS[self.backend])
+        self.runner = runner_module.Runner(
+            arch, weights, kv_shape, self.max_model_len, self.dtype, config
+        )
+        self.kv_shape = kv_shape
         load_seconds = time.perf_counter() - started
         self.requests: dict[str, RequestState] = {}
         self._rng = torch.Generator().manual_seed(0)
@@ -67,10 +68,10 @@ class Worker:
             quantization=artifact.quantization,
             backend=self.backend,
             max_model_len=self.max_model_len,
-            kv_bytes_per_token=arch.kv_bytes_per_token(self.kv_cache.pool.element_size()),
+            kv_bytes_per_token=arch.kv_bytes_per_token(self.dtype.itemsize),
             kv_block_size=kv_shape.block_size,
             kv_blocks=kv_shape.num_blocks,
-            kv_cache_bytes=self.kv_cache.num_bytes,
+            kv_cache_bytes=self.runner.kv_cache_bytes,
             load_seconds=round(load_seconds, 3),
             warmup_seconds=round(time.perf_counter() - warmup_started, 3),
         )
@@ -89,12 +90,12 @@ class Worker:
 
     @property
     def num_kv_blocks(self) -> int:
-        return self.kv_cache.shape.num_blocks
+        return self.kv_shape.num_blocks
 
     def warm_up(self) -> None:
         """One mixed prefill + decode step on scratch blocks, so the first request pays no
         first-call costs. Nothing it writes is ever read: no block table points at it."""
-        block = self.kv_cache.shape.block_size
+        block = self.kv_shape.block_size
         tokens = list(range(min(block + 1, self.architecture.vocab_size)))
         params = SamplingParams(max_tokens=1, temperature=0.0)
         prefill = RequestState("warmup-prefill", tokens, [0, 1], 0, params, len(tokens))
@@ -144,20 +145,9 @@ class Worker:
         return StepResult(plan.step_id, tuple(self._run(scheduled)))
 
     def _run(self, scheduled: list[tuple[RequestState, int]]) -> list[SampledToken]:
-        arch = self.architecture
-        batch = build_batch(
-            scheduled,
-            self.kv_cache.shape.block_size,
-            arch.num_kv_heads,
-            arch.num_heads,
-            arch.head_dim,
-        )
-        logits = self.model.forward(
-            batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.sample_rows
-        )
+        states, sampled = self.runner.step(scheduled, self._rng)
         for state, num_new in scheduled:
             state.num_computed_tokens += num_new
-        sampled = sample(logits, batch.sampling_states, self._rng)
-        for state, token in zip(batch.sampling_states, sampled, strict=True):
+        for state, token in zip(states, sampled, strict=True):
             state.token_ids.append(token.token_id)
         return sampled

@@ -1,0 +1,89 @@
+"""The torch backend's step: ragged batch -> CausalLM forward on the KV pool -> sampler.
+
+The reference implementation: every other backend is checked against it. It runs on the CPU;
+KVMESH_TORCH_DEVICE=cuda runs the same torch code on a GPU, for benchmarks that compare the
+cupy backend with plain torch on the same device (sampling stays on the CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from services.engine_worker.architecture import ModelArchitecture
+from services.engine_worker.batch import RequestState, build_batch
+from services.engine_worker.kv_cache import KVCache, KVCacheShape
+from services.engine_worker.model import CausalLM
+from services.engine_worker.sampler import sample
+from services.engine_worker.weights import ModelWeights
+from shared.config import EngineConfig
+from shared.step import SampledToken
+
+
+class Runner:
+    def __init__(
+        self,
+        arch: ModelArchitecture,
+        weights: ModelWeights,
+        kv_shape: KVCacheShape,
+        max_model_len: int,
+        dtype: torch.dtype,
+        config: EngineConfig,
+    ) -> None:
+        self.arch = arch
+        self.device = torch.device(os.environ.get("KVMESH_TORCH_DEVICE", "cpu"))
+        if self.device.type != "cpu":
+            weights = _moved(weights, self.device)
+        self.model = CausalLM(arch, weights, max_model_len, dtype)
+        self.model.cos, self.model.sin = (
+            t.to(self.device) for t in (self.model.cos, self.model.sin)
+        )
+        self.kv_cache = KVCache(kv_shape, dtype, str(self.device))
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.num_bytes
+
+    def step(
+        self, scheduled: list[tuple[RequestState, int]], rng: torch.Generator
+    ) -> tuple[tuple[RequestState, ...], list[SampledToken]]:
+        """Runs the scheduled tokens; returns the requests that sampled, and their tokens."""
+        arch = self.arch
+        batch = build_batch(
+            scheduled,
+            self.kv_cache.shape.block_size,
+            arch.num_kv_heads,
+            arch.num_heads,
+            arch.head_dim,
+        )
+        if self.device.type != "cpu":  # the tensors only: the request states stay as they are
+            batch = dataclasses.replace(
+                batch,
+                input_ids=batch.input_ids.to(self.device),
+                positions=batch.positions.to(self.device),
+                meta=_moved(batch.meta, self.device),
+                sample_rows=batch.sample_rows.to(self.device),
+            )
+        logits = self.model.forward(
+            batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.sample_rows
+        )
+        return batch.sampling_states, sample(logits.cpu(), batch.sampling_states, rng)
+
+
+def _moved(value, device: torch.device):
+    """Every tensor inside (nested frozen dataclasses and tuples) on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_moved(item, device) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            f.name: _moved(getattr(value, f.name), device)
+            for f in dataclasses.fields(value)
+            if isinstance(getattr(value, f.name), (torch.Tensor, tuple))
+            or dataclasses.is_dataclass(getattr(value, f.name))
+        }
+        return dataclasses.replace(value, **changes)
+    return value

@@ -1,0 +1,63 @@
+"""The cupy backend's host-side batch: the same tokens, positions and KV slots as the torch
+batch, and the block tables and offsets the kernels read. Pure numpy: runs without a GPU."""
+
+from __future__ import annotations
+
+import numpy
+import torch
+
+from services.engine_worker.batch import RequestState, build_batch
+from services.engine_worker.gpu_batch import build_gpu_batch
+from shared.sampling import SamplingParams
+
+BLOCK = 4
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+def state(name: str, tokens: int, computed: int, blocks: list[int]) -> RequestState:
+    return RequestState(name, list(range(100, 100 + tokens)), blocks, computed, GREEDY, tokens)
+
+
+def scheduled() -> list[tuple[RequestState, int]]:
+    return [
+        (state("decode-a", 6, 5, [7, 3]), 1),  # position 5: block 3, offset 1
+        (state("prefill-fresh", 5, 0, [1, 2]), 5),  # whole prompt
+        (state("decode-b", 1, 0, [9]), 1),
+        (state("prefill-cached", 10, 8, [4, 5, 6]), 2),  # 8 cached, 2 new: samples
+        (state("prefill-chunk", 12, 0, [10, 11, 12]), 6),  # first chunk: does not sample
+    ]
+
+
+def test_the_same_tokens_positions_and_samples_as_the_torch_batch() -> None:
+    gpu = build_gpu_batch(scheduled(), BLOCK)
+    cpu = build_batch(scheduled(), BLOCK, kv_heads=1, num_heads=1, head_dim=1)
+    assert gpu.input_ids.tolist() == cpu.input_ids.tolist()
+    assert gpu.positions.tolist() == cpu.positions.tolist()
+    assert gpu.sample_rows.tolist() == cpu.sample_rows.tolist()
+    assert [s.request_id for s in gpu.sampling_states] == [
+        s.request_id for s in cpu.sampling_states
+    ]
+    # With one head of dimension 1, the torch V write rows are exactly the slots.
+    assert gpu.slots.tolist() == cpu.meta.value_write.tolist()
+
+
+def test_decode_and_prefill_tables() -> None:
+    gpu = build_gpu_batch(scheduled(), BLOCK)
+    assert gpu.num_decodes == 2 and not gpu.decode_only
+    assert gpu.decode_context_lens.tolist() == [6, 1]
+    assert gpu.decode_block_tables.tolist() == [[7, 3], [9, 0]]  # padded with block 0
+    assert gpu.prefill_query_starts.tolist() == [2, 7, 9, 15]
+    assert gpu.prefill_context_lens.tolist() == [5, 10, 6]
+    assert gpu.prefill_block_tables.tolist() == [[1, 2, 0], [4, 5, 6], [10, 11, 0]]
+    assert gpu.max_query_len == 6
+    assert gpu.slots.dtype == numpy.int64 and gpu.input_ids.dtype == numpy.int32
+
+
+def test_a_decode_only_step_and_a_fixed_table_width() -> None:
+    decodes = [(state("a", 6, 5, [7, 3]), 1), (state("b", 2, 1, [9]), 1)]
+    gpu = build_gpu_batch(decodes, BLOCK, decode_width=8)
+    assert gpu.decode_only and gpu.decode_block_tables.shape == (2, 8)
+    assert gpu.prefill_query_starts.tolist() == [2]
+    assert torch.equal(
+        torch.from_numpy(gpu.decode_context_lens), torch.tensor([6, 2], dtype=torch.int32)
+    )

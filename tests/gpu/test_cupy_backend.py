@@ -1,0 +1,80 @@
+"""The cupy backend end to end on the default model: greedy output equals the torch backend's
+(the CPU reference) token for token, up to float near-ties, with batching, chunked prefill and
+prefix caching on and off; CUDA graphs change nothing; the GPU greedy sampler picks what the
+torch sampler picks."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.engine import Engine
+from shared.config import CacheConfig, EngineConfig, SchedulerConfig
+from shared.sampling import SamplingParams
+from tests.engine_worker.parity import TOP, Greedy, compare
+from tests.engine_worker.test_parity_transformers import CONFIGS, mixed_prompts
+
+
+def run(
+    backend: str,
+    dtype: str,
+    prompts: list[list[int]],
+    chunk: int | None,
+    prefix: bool,
+    logprobs: int | None = TOP,
+) -> tuple[list[Greedy], Engine]:
+    engine = Engine(
+        EngineConfig(
+            backend=backend,
+            dtype=dtype,
+            cache=CacheConfig(kv_memory_bytes=64 << 20, enable_prefix_caching=prefix),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=256, max_num_seqs=4, prefill_chunk_size=chunk
+            ),
+        )
+    )
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=logprobs)
+    completions = engine.generate(prompts, params)
+    return [
+        Greedy(c.token_ids, [[t for t, _ in lp.top] for lp in c.logprobs]) for c in completions
+    ], engine
+
+
+@pytest.fixture(scope="module")
+def torch_reference() -> tuple[list[list[int]], list[Greedy]]:
+    prompts = mixed_prompts(100, 49000)
+    return prompts, run("torch", "float32", prompts, None, False)[0]
+
+
+@pytest.mark.parametrize("chunk, prefix", CONFIGS)
+def test_fp32_greedy_matches_the_torch_backend(torch_reference, chunk, prefix) -> None:
+    prompts, reference = torch_reference
+    ours, engine = run("cupy", "float32", prompts, chunk, prefix)
+    verdicts = [compare(o, r) for o, r in zip(ours, reference, strict=True)]
+    assert all(v in ("match", "near_tie") for v in verdicts), verdicts
+    assert verdicts.count("match") >= 15, verdicts
+    load = engine.scheduler.load()
+    assert load.num_free_blocks == load.num_blocks
+    assert (load.prefix_hit_tokens > 0) == prefix
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_stays_with_the_reference_until_a_near_tie(torch_reference, dtype) -> None:
+    prompts, reference = torch_reference
+    ours, _ = run("cupy", dtype, prompts, 16, True)
+    verdicts = [compare(o, r) for o, r in zip(ours, reference, strict=True)]
+    assert all(v in ("match", "near_tie") for v in verdicts), verdicts
+    assert verdicts.count("match") >= 10, verdicts
+
+
+def test_cuda_graphs_and_the_gpu_sampler_change_no_token(monkeypatch, torch_reference) -> None:
+    prompts, _ = torch_reference
+    graphed, _ = run("cupy", "float32", prompts, 16, True, logprobs=None)  # GPU argmax
+    monkeypatch.setenv("KVMESH_CUDA_GRAPHS", "0")
+    eager, _ = run("cupy", "float32", prompts, 16, True, logprobs=TOP)  # torch sampler
+    assert [g.tokens for g in graphed] == [e.tokens for e in eager]
+
+
+def test_auto_picks_cupy_on_a_gpu() -> None:
+    engine = Engine(EngineConfig(backend="auto", cache=CacheConfig(kv_memory_bytes=16 << 20)))
+    assert engine.worker.backend == "cupy"
+    assert engine.worker.manifest.backend == "cupy"
