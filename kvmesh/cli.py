@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from kvmesh.bench_cli import add_bench_parser, run_bench_command
 from kvmesh.mesh_cli import add_remote_flags, add_up_parser, run_chat, run_remote_generate, run_up
 from kvmesh.trace_cli import add_trace_parser, run_trace
 from shared.errors import KvmeshError
@@ -100,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     manifest = commands.add_parser("manifest", help="load a model and print its manifest as JSON")
     add_engine_flags(manifest)
     add_trace_parser(commands)
+    add_bench_parser(commands)
     return parser
 
 
@@ -187,6 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_up(args)
         if args.command == "trace":
             return run_trace(args)
+        if args.command == "bench":
+            return run_bench_command(args)
         from kvmesh.engine import Engine
 
         print(json.dumps(Engine(engine_config(args)).manifest, indent=2))
