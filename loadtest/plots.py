@@ -9,7 +9,7 @@ from typing import Any
 from loadtest.driver import RunResult
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")  # no display: files only

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ class Lengths:
     kind: str
     params: dict[str, Any]
 
-    def sampler(self, rng: random.Random):  # type: ignore[no-untyped-def]
+    def sampler(self, rng: random.Random) -> Callable[[int], int]:
         p, kind = self.params, self.kind
         if kind == "fixed":
             return lambda index: int(p["value"])

@@ -127,4 +127,4 @@ def test_health_and_metrics_need_no_key(mesh: Mesh) -> None:
     with urllib.request.urlopen(f"{root}/metrics", timeout=10) as response:
         text = response.read().decode()
     assert "kvmesh_time_to_first_token_seconds_bucket" in text
-    assert 'kvmesh_requests_total{' in text
+    assert "kvmesh_requests_total{" in text
