@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http check-kernels test-gpu bench-kernels bench-gpu clean
+.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http check-kernels test-gpu bench-kernels bench-gpu bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,18 @@ bench-kernels:
 # Decode tokens/s at batch 1/32/128: cupy backend, torch backend on the GPU, transformers.
 bench-gpu:
 	$(GPU_PYTHON) -m loadtest.gpu_bench
+
+# kvmesh (mesh and in-process) against transformers and llama.cpp's server (Q4_1 and F32) on
+# the same model and workload, in one run; slow (half an hour). llama-cpp-python builds
+# llama.cpp from source (~10 minutes) into its own venv, once.
+PEERS_VENV := .venv-peers
+$(PEERS_VENV)/.built:
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q "llama-cpp-python[server]==0.3.36"
+	touch $@
+
+bench-peers: $(STAMP) $(PEERS_VENV)/.built
+	$(BIN)/python -m loadtest.peers --llama-python $(PEERS_VENV)/bin/python $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 
 from kvmesh.bench_cli import add_bench_parser, run_bench_command
+from kvmesh.convert import add_convert_parser, run_convert
 from kvmesh.mesh_cli import add_remote_flags, add_up_parser, run_chat, run_remote_generate, run_up
 from kvmesh.trace_cli import add_trace_parser, run_trace
 from shared.errors import KvmeshError
@@ -102,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     add_engine_flags(manifest)
     add_trace_parser(commands)
     add_bench_parser(commands)
+    add_convert_parser(commands)
     return parser
 
 
@@ -191,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_trace(args)
         if args.command == "bench":
             return run_bench_command(args)
+        if args.command == "convert":
+            return run_convert(args)
         from kvmesh.engine import Engine
 
         print(json.dumps(Engine(engine_config(args)).manifest, indent=2))

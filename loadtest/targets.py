@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -136,7 +137,16 @@ def _grpc_reason(error: grpc.aio.AioRpcError) -> str:
 class OpenAITarget:
     """`POST {base_url}/completions` with `stream: true` and the prompt as token ids."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, model: str = "") -> None:
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        model: str = "",
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        """`detokenize`: send prompts as text, for servers that take no token ids (the
+        server then counts its own prompt tokens, close to but not always the same)."""
+        self.detokenize = detokenize
         self.base_url = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
@@ -161,7 +171,7 @@ class OpenAITarget:
         assert self._session is not None
         body: dict[str, Any] = {
             "model": self.model,
-            "prompt": spec.prompt,
+            "prompt": self.detokenize(spec.prompt) if self.detokenize else spec.prompt,
             "max_tokens": spec.max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -169,6 +179,8 @@ class OpenAITarget:
         }
         if spec.deadline_ms:
             body["timeout_ms"] = spec.deadline_ms  # kvmesh's extension; others ignore it
+        if spec.sampling.get("ignore_eos"):
+            body["min_tokens"] = spec.max_tokens  # the same effect where ignore_eos is unknown
         timer = Timer(RequestRecord(spec.index, len(spec.prompt)))
         try:
             async with self._session.post(
