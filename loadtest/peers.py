@@ -140,9 +140,9 @@ class Collector:
         )
 
 
-def requests_for(specs: list[RequestSpec], shape: LoadShape) -> list[RequestSpec]:
-    """Half the workload per load point, and at least one request per concurrent stream."""
-    return specs[: max(len(specs) // 2, shape.concurrency or 0)]
+def requests_for(specs: list[RequestSpec], shape: LoadShape, requests: int) -> list[RequestSpec]:
+    """The first `requests` of the workload, and at least one per concurrent stream."""
+    return specs[: max(requests, shape.concurrency or 0)]
 
 
 @contextlib.asynccontextmanager
@@ -178,8 +178,7 @@ async def peer_target(peer: str, args: argparse.Namespace, f32_path: str) -> Asy
 
 async def run_peers(args: argparse.Namespace) -> BenchResult:
     workload = Workload.load(args.workload)
-    specs = workload.build(49152, 2 * max([args.requests, *args.concurrency]), max_context=2048)
-    specs = specs[: max(args.requests, max(args.concurrency))]
+    specs = workload.build(49152, max(args.requests, *args.concurrency), max_context=2048)
     slo = Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     closed = [LoadShape(concurrency=c) for c in args.concurrency]
     opened = [LoadShape(rate=r, seed=1) for r in args.rates]
@@ -193,7 +192,7 @@ async def run_peers(args: argparse.Namespace) -> BenchResult:
                 result = await asyncio.to_thread(
                     run_transformers,
                     default_model_path(),
-                    requests_for(specs, shape),
+                    requests_for(specs, shape, args.requests),
                     shape.concurrency or 1,
                     args.threads,
                 )
@@ -201,7 +200,9 @@ async def run_peers(args: argparse.Namespace) -> BenchResult:
             continue
         async with peer_target(peer, args, f32_path) as target:
             for shape in closed + opened:
-                collector.add(peer, await run_load(target, requests_for(specs, shape), shape))
+                collector.add(
+                    peer, await run_load(target, requests_for(specs, shape, args.requests), shape)
+                )
     return BenchResult(collector.summaries, collector.runs)
 
 

@@ -1,0 +1,43 @@
+"""`kvmesh convert`: the default Q4_1/Q8_0 GGUF rewritten as an F32 GGUF (llama.cpp's layout) and
+as an HF safetensors directory; each loads through the real loader and answers token for token
+as the original (the same weights, dequantized once)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+
+from kvmesh.cli import main
+from kvmesh.engine import Engine
+from shared.config import CacheConfig, EngineConfig
+from shared.sampling import SamplingParams
+
+PROMPTS = [
+    {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
+    {"token_ids": [504, 3575, 282, 4649, 314, 7, 1003, 20]},
+]
+
+
+def greedy(model: str | None) -> tuple[list[list[int]], dict]:
+    engine = Engine(EngineConfig(model=model, cache=CacheConfig(kv_memory_bytes=64 << 20)))
+    completions = engine.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
+    return [c.token_ids for c in completions], engine.manifest
+
+
+def test_f32_gguf_and_safetensors_answer_as_the_original(tmp_path: Path) -> None:
+    f32, directory = tmp_path / "model-f32.gguf", tmp_path / "hf"
+    assert main(["convert", str(f32)]) == 0
+    assert main(["convert", str(directory)]) == 0
+    reader = gguf.GGUFReader(str(f32))
+    assert {t.tensor_type for t in reader.tensors} == {gguf.GGMLQuantizationType.F32}
+    assert reader.fields["tokenizer.chat_template"].contents()  # metadata carried over
+    config = json.loads((directory / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]
+    original, manifest = greedy(None)
+    assert "Q4_1" in manifest["quantization"]
+    for converted in (str(f32), str(directory)):
+        tokens, converted_manifest = greedy(converted)
+        assert converted_manifest["quantization"] in ("F32", "none")
+        assert tokens == original
