@@ -104,9 +104,11 @@ class GrpcTarget:
         )
         timer = Timer(RequestRecord(spec.index, len(spec.prompt)))
         call = self._stub.Generate(request, metadata=self.metadata)
+        accepted = False
         try:
             async for event in call:
                 kind = event.WhichOneof("event")
+                accepted = accepted or kind == "accepted"
                 if kind == "delta" and event.delta.token_ids:
                     timer.tokens(len(event.delta.token_ids))
                     if (
@@ -124,7 +126,7 @@ class GrpcTarget:
                 elif kind == "failed":
                     return timer.end("failed", event.failed.error.reason)
         except grpc.aio.AioRpcError as error:
-            outcome = "refused" if timer.record.ttft_s is None else "failed"
+            outcome = "failed" if accepted else "refused"  # refused: before acceptance
             return timer.end(outcome, _grpc_reason(error))
         return timer.end("failed", "stream ended without a terminal event")
 
