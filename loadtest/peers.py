@@ -212,13 +212,13 @@ def main() -> None:
     )
     parser.add_argument("--workload", default="sharegpt")
     parser.add_argument(
-        "--requests", type=int, default=32, help="per load point (at least the concurrency)"
+        "--requests", type=int, default=16, help="per load point (at least the concurrency)"
     )
     parser.add_argument(
         "--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8, 32, 64]
     )
     parser.add_argument(
-        "--rates", type=lambda t: [float(x) for x in t.split(",") if x], default=[0.25, 0.5, 1.0]
+        "--rates", type=lambda t: [float(x) for x in t.split(",") if x], default=[0.5, 1.0, 2.0]
     )
     parser.add_argument("--peers", type=lambda t: t.split(","), default=list(PEERS))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
