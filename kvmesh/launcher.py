@@ -53,6 +53,8 @@ class ServiceProcess:
     address: str | None  # gRPC address; None for redis
     process: subprocess.Popen[bytes]
     log_path: str
+    command: list[str]
+    env: dict[str, str]
     metrics_url: str | None = None  # its Prometheus endpoint
 
     def log_tail(self, lines: int = 20) -> str:
@@ -211,7 +213,7 @@ class Mesh:
                 env={**os.environ, **env},
                 start_new_session=True,  # Ctrl-C reaches us only; we stop them in order
             )
-        self.services.append(ServiceProcess(name, address, process, log_path))
+        self.services.append(ServiceProcess(name, address, process, log_path, command, env))
 
     def _wait_ready(self, service: ServiceProcess, deadline: float) -> None:
         assert service.address is not None
@@ -239,6 +241,25 @@ class Mesh:
 
     def service(self, name: str) -> ServiceProcess:
         return next(s for s in self.services if s.name == name)
+
+    def restart(self, name: str, wait_ready: bool = True) -> ServiceProcess:
+        """Start a service again, same command, same port, after it died or was stopped
+        (SIGKILL first if it still runs): what an orchestrator does for a crashed container."""
+        service = self.service(name)
+        if service.process.poll() is None:
+            service.process.kill()
+        service.process.wait()
+        with open(service.log_path, "ab") as log_file:
+            service.process = subprocess.Popen(
+                service.command,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **service.env},
+                start_new_session=True,
+            )
+        if wait_ready and service.address is not None:
+            self._wait_ready(service, time.monotonic() + self.config.ready_timeout_s)
+        return service
 
     def stop(self, timeout_s: float | None = None) -> None:
         """SIGTERM in reverse start order (gateway first), each given time to drain; SIGKILL

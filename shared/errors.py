@@ -12,8 +12,10 @@ class Reason(str, Enum):
     INVALID_SAMPLING_PARAMS = "INVALID_SAMPLING_PARAMS"
     INVALID_SCHEMA = "INVALID_SCHEMA"  # a response format's schema, regex or grammar
     PROMPT_TOO_LONG = "PROMPT_TOO_LONG"
+    REQUEST_TOO_LARGE = "REQUEST_TOO_LARGE"  # the message's bytes, before any parsing of text
     EMPTY_PROMPT = "EMPTY_PROMPT"
-    TOKENIZER_UNAVAILABLE = "TOKENIZER_UNAVAILABLE"
+    TOKENIZER_UNAVAILABLE = "TOKENIZER_UNAVAILABLE"  # the model has none: send token ids
+    TOKENIZER_LOST = "TOKENIZER_LOST"  # the tokenizer service stopped responding
     INVALID_MODEL = "INVALID_MODEL"
     MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
     TRACE_NOT_FOUND = "TRACE_NOT_FOUND"  # not received yet, evicted, or never traced
@@ -23,7 +25,8 @@ class Reason(str, Enum):
     RATE_LIMITED = "RATE_LIMITED"  # the tenant's own limits, not the mesh's capacity
     UNAUTHENTICATED = "UNAUTHENTICATED"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-    WORKER_LOST = "WORKER_LOST"
+    WORKER_LOST = "WORKER_LOST"  # the scheduler or engine-worker serving it stopped responding
+    CLIENT_STALLED = "CLIENT_STALLED"  # the client stopped reading its stream
     # A finished output that fails its response format's own check: a bug, never sent as valid.
     INVALID_OUTPUT = "INVALID_OUTPUT"
     INTERNAL = "INTERNAL"  # a bug: never expected, always logged with a traceback

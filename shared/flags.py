@@ -119,6 +119,39 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
         help="streams this gateway holds at once; beyond: OVERLOADED",
     )
     group.add_argument(
+        "--max-streams-per-tenant",
+        type=int,
+        default=env_int("max-streams-per-tenant", 0),
+        help="open streams per tenant across every gateway, for tenants without their own "
+        "max_concurrent (and the anonymous one); beyond: RATE_LIMITED (0: no limit)",
+    )
+    group.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=env_int("max-request-bytes", 4 << 20),
+        help="largest request message (gRPC) or body (HTTP); beyond: REQUEST_TOO_LARGE",
+    )
+    group.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=env_int("max-prompt-tokens", 0),
+        help="longest prompt; beyond: PROMPT_TOO_LONG (0: the model's context length)",
+    )
+    group.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=env_int("max-total-tokens", 0),
+        help="prompt + max_tokens per request; beyond: PROMPT_TOO_LONG (0: no limit; the "
+        "context length ends the output)",
+    )
+    group.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        default=float(env_default("stall-timeout-s", "30") or 0),
+        help="cancel a request whose client has not taken an event for this long (flow "
+        "control holds the rest back; 0: never)",
+    )
+    group.add_argument(
         "--api-keys-file",
         default=env_default("api-keys-file", None),
         help="TOML file of tenants, their API keys and limits (or KVMESH_API_KEYS=tenant=key,...)",
@@ -135,6 +168,11 @@ def gateway_flag_args(args: argparse.Namespace) -> list[str]:
     forwarded = ["--routing", args.routing, "--max-queue-ms", str(args.max_queue_ms)]
     forwarded += ["--max-queue-tokens", str(args.max_queue_tokens)]
     forwarded += ["--max-in-flight", str(args.max_in_flight)]
+    forwarded += ["--max-streams-per-tenant", str(args.max_streams_per_tenant)]
+    forwarded += ["--max-request-bytes", str(args.max_request_bytes)]
+    forwarded += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
+    forwarded += ["--max-total-tokens", str(args.max_total_tokens)]
+    forwarded += ["--stall-timeout-s", str(args.stall_timeout_s)]
     forwarded += ["--trace-content"] if args.trace_content else []
     return forwarded + (["--api-keys-file", args.api_keys_file] if args.api_keys_file else [])
 

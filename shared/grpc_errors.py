@@ -21,8 +21,10 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.INVALID_SAMPLING_PARAMS: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.INVALID_SCHEMA: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.PROMPT_TOO_LONG: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.REQUEST_TOO_LARGE: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.EMPTY_PROMPT: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.TOKENIZER_UNAVAILABLE: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.TOKENIZER_LOST: grpc.StatusCode.UNAVAILABLE,
     Reason.INVALID_MODEL: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.MODEL_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Reason.TRACE_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
@@ -33,6 +35,7 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Reason.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
     Reason.WORKER_LOST: grpc.StatusCode.UNAVAILABLE,
+    Reason.CLIENT_STALLED: grpc.StatusCode.CANCELLED,
     Reason.INVALID_OUTPUT: grpc.StatusCode.INTERNAL,
     Reason.INTERNAL: grpc.StatusCode.INTERNAL,
 }

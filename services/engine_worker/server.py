@@ -144,19 +144,22 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
             return
         self._driven = True
         log.info("scheduler attached", extra={"peer": context.peer()})
-        try:
-            async for message in request_iterator:
-                plan = plan_from_pb(message)
-                started, started_ns = time.perf_counter(), time.time_ns()
-                result = await self._in_torch_thread(worker.execute, plan)
-                seconds = time.perf_counter() - started
-                record_step(message, seconds, started_ns, self.runtime.address)
-                yield result_to_pb(result, seconds * 1e3)
-        finally:
-            # Queued behind a step still running in the torch thread, never beside it.
-            self._torch_thread.submit(worker.requests.clear)  # the next scheduler starts empty
-            self._driven = False
-            log.info("scheduler detached")
+        # Counted as in flight: a SIGTERM drain waits until the scheduler, seeing this worker
+        # NOT_SERVING, has finished its requests and let go of the stream.
+        with self.runtime.in_flight():
+            try:
+                async for message in request_iterator:
+                    plan = plan_from_pb(message)
+                    started, started_ns = time.perf_counter(), time.time_ns()
+                    result = await self._in_torch_thread(worker.execute, plan)
+                    seconds = time.perf_counter() - started
+                    record_step(message, seconds, started_ns, self.runtime.address)
+                    yield result_to_pb(result, seconds * 1e3)
+            finally:
+                # Queued behind a step still running in the torch thread, never beside it.
+                self._torch_thread.submit(worker.requests.clear)  # the next scheduler: empty
+                self._driven = False
+                log.info("scheduler detached")
 
     async def GetInfo(
         self, request: engine_worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext

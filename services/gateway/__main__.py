@@ -9,6 +9,7 @@ import os
 
 from services.gateway.backends import Backends
 from services.gateway.generate import GatewayPolicy
+from services.gateway.limits import RequestLimits
 from services.gateway.openai_http import OpenAIFront
 from services.gateway.rate_limits import RateLimiter
 from services.gateway.router import Router, Watermarks
@@ -36,6 +37,7 @@ def api_keys(args: argparse.Namespace) -> ApiKeys:
 
 def gateway_policy(args: argparse.Namespace, link: RedisLink | None) -> GatewayPolicy:
     keys = api_keys(args)
+    keys.default_max_concurrent(args.max_streams_per_tenant)
     if keys.enabled:
         names = ", ".join(sorted(t.name for t in keys.tenants))
         log.info("auth on: requests need an API key", extra={"tenants": names})
@@ -50,6 +52,8 @@ def gateway_policy(args: argparse.Namespace, link: RedisLink | None) -> GatewayP
         router=Router(link, args.routing, watermarks),
         rate_limiter=RateLimiter(link),
         max_in_flight=args.max_in_flight,
+        limits=RequestLimits(args.max_request_bytes, args.max_prompt_tokens, args.max_total_tokens),
+        stall_timeout_s=args.stall_timeout_s,
         trace_content=args.trace_content,
     )
 

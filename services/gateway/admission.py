@@ -12,7 +12,7 @@ import random
 import grpc
 
 from services.gateway.call_context import CallContext
-from shared import grpc_errors
+from services.gateway.text_stream import tokenizer_failure
 from shared.codec import sampling_from_pb, sampling_to_pb
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, tokenizer_pb2, tokenizer_pb2_grpc
@@ -89,5 +89,5 @@ async def _encode(
     try:
         reply = await tokenizer.Encode(request, timeout=timeout, metadata=metadata)
     except grpc.RpcError as error:
-        raise grpc_errors.from_rpc_error(error) from None
+        raise tokenizer_failure(error) from None
     return list(reply.token_ids)

@@ -109,14 +109,42 @@ class Backends:
             tokenizer_address, options=CHANNEL_OPTIONS
         )
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.tokenizer_channel)
+        self.tokenizer_ready = False
         self.schedulers = [SchedulerBackend(a) for a in scheduler_addresses]
         self._watchers: list[asyncio.Task[None]] = []
 
     def start(self, on_change: Callable[[bool], Awaitable[None]]) -> None:
         async def changed() -> None:
-            await on_change(any(s.ready for s in self.schedulers))
+            await on_change(self.tokenizer_ready and any(s.ready for s in self.schedulers))
 
         self._watchers = [asyncio.create_task(s.watch(changed)) for s in self.schedulers]
+        self._watchers.append(asyncio.create_task(self._watch_tokenizer(changed)))
+
+    async def _watch_tokenizer(self, on_change: Callable[[], Awaitable[None]]) -> None:
+        """Every request needs the tokenizer (text in, text out): without it, refuse at once
+        rather than accept a stream that cannot show a token."""
+        health = health_pb2_grpc.HealthStub(self.tokenizer_channel)
+        request = health_pb2.HealthCheckRequest(service="")
+        while True:
+            try:
+                async for reply in health.Watch(request, wait_for_ready=True):
+                    self.tokenizer_ready = reply.status == _SERVING
+                    await on_change()
+            except grpc.RpcError as error:
+                log.info("tokenizer unreachable", extra={"error": str(error.code())})
+            if self.tokenizer_ready:
+                self.tokenizer_ready = False
+                await on_change()
+            await asyncio.sleep(0.2)
+
+    def require_tokenizer(self) -> None:
+        if not self.tokenizer_ready:
+            raise KvmeshError(
+                Reason.TOKENIZER_LOST,
+                "the tokenizer service is not serving",
+                retryable=True,
+                retry_after_ms=1000,
+            )
 
     def serving(self, model_name: str) -> list[SchedulerBackend]:
         """The ready schedulers serving `model_name` (empty name: any), or a clear error."""
@@ -139,6 +167,10 @@ class Backends:
     def pick(self, model_name: str) -> SchedulerBackend:
         """Any scheduler serving the model, for questions about the model (not requests)."""
         return self.serving(model_name)[0]
+
+    def model_info(self, name: str) -> common_pb2.ModelInfo | None:
+        """A served model's info by name; None once no ready scheduler serves it."""
+        return next((m for m in self.models() if m.name == name), None)
 
     def models(self) -> list[common_pb2.ModelInfo]:
         seen: dict[str, common_pb2.ModelInfo] = {}

@@ -29,6 +29,7 @@ from services.gateway.admission import (
 )
 from services.gateway.backends import Backends, Routed, SchedulerBackend
 from services.gateway.call_context import CallContext
+from services.gateway.limits import RequestLimits
 from services.gateway.output_check import check_output
 from services.gateway.rate_limits import Grant, RateLimiter
 from services.gateway.request_record import (
@@ -41,6 +42,7 @@ from services.gateway.request_record import (
 )
 from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.router import Router
+from services.gateway.stall import ClientStalled
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.tenants import ApiKeys, Tenant
 from services.gateway.text_stream import TextStream
@@ -56,6 +58,18 @@ TERMINAL = ("completed", "cancelled", "failed")
 
 
 @dataclass
+class ActiveRequest:
+    backend: SchedulerBackend
+    upstream_id: str  # its id at the scheduler and worker
+
+
+def upstream_request_id(request_id: str, tenant: Tenant, client_named: bool) -> str:
+    """A client's own request id is scoped by its tenant upstream: two tenants may pick the
+    same id without either learning of the other (generated ids are unique already)."""
+    return f"{tenant.name}/{request_id}" if client_named else request_id
+
+
+@dataclass
 class GatewayPolicy:
     """Who may send what, and where it goes."""
 
@@ -63,6 +77,8 @@ class GatewayPolicy:
     router: Router = field(default_factory=lambda: Router(None))
     rate_limiter: RateLimiter = field(default_factory=lambda: RateLimiter(None))
     max_in_flight: int = 4096  # this gateway's own bound on open streams
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    stall_timeout_s: float = 30.0  # a client that takes no event this long is cancelled
     trace_content: bool = False  # prompt and completion text in spans (off: never)
 
 
@@ -73,7 +89,8 @@ class GenerateHandler:
         self.runtime = runtime
         self.backends = backends
         self.policy = policy or GatewayPolicy()
-        self.active: dict[str, SchedulerBackend] = {}
+        # Open requests by (tenant, request id): a tenant sees and aborts only its own.
+        self.active: dict[tuple[str, str], ActiveRequest] = {}
         self._num_admitting = 0
         self._releases: set[asyncio.Task[None]] = set()
 
@@ -102,7 +119,8 @@ class GenerateHandler:
             telemetry.ended("cancelled", "client_disconnected", 0, 0)
             raise
         backend, submit = admitted.backend, admitted.submit
-        self.active[request_id] = backend
+        active_key = (admitted.tenant.name, request_id)
+        self.active[active_key] = ActiveRequest(backend, admitted.upstream_id)
         prompt_tokens = len(admitted.token_ids)
         route = admitted.routed.route
         log.info(
@@ -151,10 +169,14 @@ class GenerateHandler:
                     sending = time.monotonic()
                     yield event
                     telemetry.blocked_sending(time.monotonic() - sending)
+            except ClientStalled:  # thrown in by the front whose write stayed blocked
+                outcome, reason = "cancelled", "client_stalled"
+                log.info("client stalled: cancelled")
+                raise
             finally:
                 submit.cancel()  # a no-op when it ended; else the scheduler aborts the request
                 text.cancel()
-                self.active.pop(request_id, None)
+                self.active.pop(active_key, None)
                 admitted.routed.ended()
                 self._release(admitted.grant, prompt_tokens + progress.completion_tokens)
                 telemetry.detokenize_ended(text.wait_s)
@@ -171,7 +193,8 @@ class GenerateHandler:
         with telemetry.phase("admission"):
             self.runtime.refuse_if_draining()
             tenant = self.policy.api_keys.authenticate(context.invocation_metadata())
-            if request_id in self.active:
+            self.policy.limits.check_size(request.ByteSize())
+            if (tenant.name, request_id) in self.active:
                 raise KvmeshError(Reason.INVALID_ARGUMENT, f"request id {request_id!r} is in use")
             if len(self.active) + self._num_admitting >= self.policy.max_in_flight:
                 raise KvmeshError(
@@ -183,6 +206,7 @@ class GenerateHandler:
             check_stop_strings(list(request.stop))
             sampling = resolve_sampling(request.sampling)
             candidates = self.backends.serving(request.model)
+            self.backends.require_tokenizer()
         self._num_admitting += 1
         try:
             return await self._check_and_submit(
@@ -211,6 +235,7 @@ class GenerateHandler:
                 request, self.backends.tokenizer, model, remaining, telemetry.phase_metadata(span)
             )
             span.set_attribute("gen_ai.usage.input_tokens", len(token_ids))
+        self.policy.limits.check_tokens(len(token_ids), sampling.max_tokens)
         limiter = self.policy.rate_limiter
         with telemetry.phase("rate_limit"):
             grant = await limiter.admit(tenant, request_id, len(token_ids) + sampling.max_tokens)
@@ -219,13 +244,14 @@ class GenerateHandler:
                 route = await self.policy.router.route(candidates, token_ids, tenant.cache_salt)
                 span.set_attributes(route.span_attributes())
             routed = Routed(route)
+            upstream_id = upstream_request_id(request_id, tenant, bool(request.request_id))
             try:
                 if remaining is not None:
                     remaining -= time.monotonic() - received
                 submit, position = await self._submit(
                     route.backend,
                     request,
-                    request_id,
+                    upstream_id,
                     token_ids,
                     sampling,
                     tenant,
@@ -252,7 +278,7 @@ class GenerateHandler:
                 **route.span_attributes(),
             }
         )
-        return Admitted(routed, tenant, grant, sampling, token_ids, submit, position)
+        return Admitted(routed, tenant, grant, sampling, token_ids, submit, position, upstream_id)
 
     async def _submit(
         self,
@@ -379,7 +405,10 @@ class GenerateHandler:
                 else:
                     raise KvmeshError(Reason.WORKER_LOST, "the scheduler ended the stream early")
         except (grpc.RpcError, KvmeshError) as error:
-            failure = error if isinstance(error, KvmeshError) else upstream_failure(error)
+            failure = upstream_failure(
+                error if isinstance(error, KvmeshError) else grpc_errors.from_rpc_error(error),
+                emitted=progress.first_token_at is not None,
+            )
             log.warning("failed", extra={"reason": failure.reason.value, "error": failure.message})
             yield Event(usage=progress.usage())
             yield Event(failed=inference_pb2.Failed(error=grpc_errors.to_pb(failure)))

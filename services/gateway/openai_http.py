@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -35,6 +35,7 @@ from services.gateway.openai_protocol import (
     parse_chat,
     parse_completion,
 )
+from services.gateway.stall import ClientStalled, write_or_stall
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import inference_pb2
@@ -51,6 +52,8 @@ HTTP_STATUS = {
     Reason.OVERLOADED: 503,  # the mesh's capacity: OpenAI's "engine overloaded"
     Reason.MODEL_NOT_READY: 503,
     Reason.WORKER_LOST: 503,
+    Reason.TOKENIZER_LOST: 503,
+    Reason.REQUEST_TOO_LARGE: 413,
     Reason.DEADLINE_EXCEEDED: 504,
     Reason.INVALID_OUTPUT: 500,
     Reason.INTERNAL: 500,
@@ -104,6 +107,8 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
         return await handler(request)
     except KvmeshError as error:
         return error_response(error)
+    except web.HTTPRequestEntityTooLarge as error:
+        return error_response(KvmeshError(Reason.REQUEST_TOO_LARGE, error.text or "too large"))
     except web.HTTPException as error:
         if error.status < 400:
             raise
@@ -122,7 +127,8 @@ class OpenAIFront:
         self._runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[openai_errors], client_max_size=16 * 1024 * 1024)
+        max_bytes = self.generate.policy.limits.max_request_bytes
+        app = web.Application(middlewares=[openai_errors], client_max_size=max_bytes)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.list_models)
@@ -164,8 +170,7 @@ class OpenAIFront:
         async with contextlib.aclosing(events):  # closing cancels the request upstream
             first = await events.__anext__()  # a refusal raises here, before any byte is sent
             builder = ResponseBuilder(parsed)
-            backend = self.generate.active.get(first.accepted.request_id)
-            builder.accepted(first.accepted, backend.model if backend else None)
+            builder.accepted(first.accepted, self.backends.model_info(first.accepted.model))
             headers = {"X-Request-Id": first.accepted.request_id}
             if parsed.stream:
                 return await self._stream(request, events, builder, headers)
@@ -176,7 +181,7 @@ class OpenAIFront:
     async def _stream(
         self,
         request: web.Request,
-        events: AsyncIterator[Event],
+        events: AsyncGenerator[Event, None],
         builder: ResponseBuilder,
         headers: dict[str, str],
     ) -> web.StreamResponse:
@@ -186,25 +191,35 @@ class OpenAIFront:
             await self._write_events(response, events, builder)
         except ConnectionResetError:  # the client left between two chunks: nothing to send
             log.info("client closed the stream")
+        except ClientStalled as stalled:
+            with contextlib.suppress(ClientStalled):
+                await events.athrow(stalled)  # (events is the request's own generator)
+            if request.transport is not None:  # no way to say more to a client not reading
+                request.transport.close()
         return response
 
     async def _write_events(
         self, response: web.StreamResponse, events: AsyncIterator[Event], builder: ResponseBuilder
     ) -> None:
+        stall_s = self.generate.policy.stall_timeout_s
+
+        async def send(payload: bytes) -> None:
+            await write_or_stall(response.write(payload), stall_s)
+
         async for event in events:
             kind = event.WhichOneof("event")
             if kind == "delta":
                 chunk = builder.delta_chunk(event.delta)
                 if chunk is not None:
-                    await response.write(sse(chunk))
+                    await send(sse(chunk))
             elif kind == "usage":
                 builder.usage = event.usage
             elif kind == "failed":
-                await response.write(sse(error_object(grpc_errors.from_pb(event.failed.error))))
+                await send(sse(error_object(grpc_errors.from_pb(event.failed.error))))
             elif kind in ("completed", "cancelled"):
                 for chunk in builder.finish_chunks(event):
-                    await response.write(sse(chunk))
-        await response.write(SSE_DONE)
+                    await send(sse(chunk))
+        await send(SSE_DONE)
         await response.write_eof()
 
     async def _whole(self, events: AsyncIterator[Event], builder: ResponseBuilder) -> web.Response:

@@ -10,7 +10,6 @@ import grpc
 from services.gateway.backends import Routed, SchedulerBackend
 from services.gateway.rate_limits import Grant
 from services.gateway.tenants import Tenant
-from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, scheduler_pb2
 
@@ -31,6 +30,7 @@ class Admitted:
     token_ids: list[int]
     submit: grpc.aio.UnaryStreamCall  # the scheduler's token stream; cancelling aborts
     queue_position: int
+    upstream_id: str  # the request's id at the scheduler (tenant-scoped when client-named)
 
     @property
     def backend(self) -> SchedulerBackend:
@@ -104,14 +104,17 @@ def terminal_reason(event: inference_pb2.GenerateEvent) -> str:
     return event.failed.error.reason or "internal"
 
 
-def upstream_failure(error: grpc.RpcError) -> KvmeshError:
-    """A stream that broke after acceptance: a peer died, unless it said otherwise."""
-    failure = grpc_errors.from_rpc_error(error)
+def upstream_failure(failure: KvmeshError, emitted: bool) -> KvmeshError:
+    """A stream that broke after acceptance. A peer that died sends no kvmesh reason (its
+    status reads MODEL_NOT_READY or INTERNAL): that is WORKER_LOST. A lost peer's failure is
+    retryable only while the client has seen no token: a resent request would repeat them."""
     if failure.reason in (Reason.MODEL_NOT_READY, Reason.INTERNAL):
-        return KvmeshError(
+        failure = KvmeshError(
             Reason.WORKER_LOST,
             f"a service on the request's path stopped responding: {failure.message}",
             retryable=True,
             retry_after_ms=1000,
         )
+    if emitted and failure.reason in (Reason.WORKER_LOST, Reason.TOKENIZER_LOST):
+        failure.retryable, failure.retry_after_ms = False, 0
     return failure

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
 
 import grpc
 
 from services.gateway.admission import prompt_token_ids
 from services.gateway.backends import Backends
 from services.gateway.generate import GatewayPolicy, GenerateHandler
+from services.gateway.stall import ClientStalled, stalled_error, write_or_stall
 from shared import grpc_errors
 from shared.errors import KvmeshError
 from shared.pb.kvmesh.v1 import (
@@ -36,23 +37,38 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[inference_pb2.GenerateEvent]:
+    ) -> None:
+        # Explicit writes, not a generator: a write blocked by flow control past the stall
+        # timeout can then be given up, and the call still ends with a status.
+        stall_s = self.policy.stall_timeout_s
+        events = self.generate(request, context)
         try:
-            async for event in self.generate(request, context):
-                yield event
-        except KvmeshError as error:  # refused before the stream started
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    try:
+                        await write_or_stall(context.write(event), stall_s)
+                    except ClientStalled as stalled:
+                        with contextlib.suppress(ClientStalled):
+                            await events.athrow(stalled)
+                        raise stalled_error(stall_s) from None
+        except KvmeshError as error:  # refused before the stream started, or stalled
             await grpc_errors.abort(context, error)
 
     async def Abort(
         self, request: inference_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.AbortResponse:
-        await self._authenticate(context)
-        backend = self.generate.active.get(request.request_id)
-        if backend is None:
+        try:
+            tenant = self.policy.api_keys.authenticate(context.invocation_metadata())
+        except KvmeshError as error:
+            await grpc_errors.abort(context, error)
+            raise
+        # Another tenant's request is as unknown as one that never existed.
+        active = self.generate.active.get((tenant.name, request.request_id))
+        if active is None:
             return inference_pb2.AbortResponse(found=False)
         try:
-            reply = await backend.stub.Abort(
-                scheduler_pb2.SchedulerAbortRequest(request_id=request.request_id), timeout=5
+            reply = await active.backend.stub.Abort(
+                scheduler_pb2.SchedulerAbortRequest(request_id=active.upstream_id), timeout=5
             )
         except grpc.RpcError as error:
             await grpc_errors.abort(context, grpc_errors.from_rpc_error(error))

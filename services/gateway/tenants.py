@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import tomllib
 
@@ -54,6 +54,19 @@ class ApiKeys:
     def __init__(self, entries: Iterable[tuple[str, Tenant]] = ()) -> None:
         self._entries = [(_digest(key), tenant) for key, tenant in entries]
         self.anonymous = Tenant(ANONYMOUS)
+
+    def default_max_concurrent(self, limit: int) -> None:
+        """Every tenant without its own `max_concurrent` (and anonymous) gets `limit`."""
+        if limit <= 0:
+            return
+
+        def bounded(tenant: Tenant) -> Tenant:
+            if tenant.limits.max_concurrent:
+                return tenant
+            return replace(tenant, limits=replace(tenant.limits, max_concurrent=limit))
+
+        self._entries = [(digest, bounded(tenant)) for digest, tenant in self._entries]
+        self.anonymous = bounded(self.anonymous)
 
     @property
     def enabled(self) -> bool:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import grpc
 
 from shared import grpc_errors
+from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 
@@ -46,7 +47,7 @@ class TextStream:
         except (grpc.RpcError, asyncio.InvalidStateError):
             # A write after the server ended the call raises InvalidStateError: read its status.
             call = self._call
-            raise grpc_errors.from_rpc_error(
+            raise tokenizer_failure(
                 grpc.aio.AioRpcError(
                     await call.code(),
                     await call.initial_metadata(),
@@ -67,3 +68,18 @@ class TextStream:
 
     def cancel(self) -> None:
         self._call.cancel()
+
+
+def tokenizer_failure(error: grpc.RpcError) -> KvmeshError:
+    """The tokenizer's own error, or TOKENIZER_LOST when it is unreachable or died."""
+    failure = grpc_errors.from_rpc_error(error)
+    if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and (
+        grpc_errors.rich_status_of(error) is None
+    ):
+        return KvmeshError(
+            Reason.TOKENIZER_LOST,
+            f"the tokenizer service is unreachable: {failure.message}",
+            retryable=True,
+            retry_after_ms=1000,
+        )
+    return failure

@@ -51,9 +51,10 @@ class SchedulerMetrics(Collector):
                 "KV blocks free (cached ones included)",
                 report.num_free_blocks,
             ),
-            "kvmesh_kv_blocks_used": (
-                "KV blocks held by requests",
-                report.num_blocks - report.num_free_blocks,
+            "kvmesh_kv_blocks_used": ("KV blocks held by requests", report.num_blocks_referenced),
+            "kvmesh_scheduler_open_streams": (
+                "Submit streams without a terminal event yet",
+                report.num_open_streams,
             ),
             "kvmesh_queue_time_estimate_seconds": (
                 "Estimated wait of a request arriving now",

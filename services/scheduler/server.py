@@ -26,7 +26,12 @@ from services.scheduler.request_trace import (
     trace_plan,
 )
 from services.scheduler.scheduler import Scheduler
-from services.scheduler.worker_link import WorkerLink, WorkerLost, worker_lost_error
+from services.scheduler.worker_link import (
+    WorkerDrained,
+    WorkerLink,
+    WorkerLost,
+    worker_lost_error,
+)
 from shared import grpc_errors
 from shared.codec import logprobs_to_pb, plan_to_pb, result_from_pb, sampling_from_pb
 from shared.config import CacheConfig, SchedulerConfig
@@ -113,7 +118,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await self._step_until_lost(self.scheduler)
             except WorkerLost as lost:
                 await self.runtime.set_ready(False)
-                self._fail_all(worker_lost_error(str(lost)))
+                self._fail_all(str(lost))
+                self.scheduler = None
+                await self.link.close()
+            except WorkerDrained:
+                log.info("worker drained: released it; waiting for a worker to serve again")
                 self.scheduler = None
                 await self.link.close()
 
@@ -121,6 +130,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         while True:
             if self.link.lost:
                 raise WorkerLost(self.link.address)
+            if self.link.draining:
+                await self.runtime.set_ready(False)  # the gateway routes elsewhere
+                if not scheduler.has_unfinished():
+                    raise WorkerDrained(self.link.address)
             self._wake.clear()  # before schedule(): a submission from here on wakes us again
             full = bool(scheduler.waiting) or len(scheduler.running) >= self.config.max_num_seqs
             self.queue_estimate.observe(
@@ -198,10 +211,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             tracked.timer.cancel()
         self.tracked.pop(tracked.request_id, None)
 
-    def _fail_all(self, error: KvmeshError) -> None:
-        failed = scheduler_pb2.SubmitEvent(failed=grpc_errors.to_pb(error))
+    def _fail_all(self, detail: str) -> None:
+        """Every open request fails with WORKER_LOST; only those that emitted no token are
+        safe for a client to resend as they are."""
         for tracked in list(self.tracked.values()):
-            self._close(tracked, failed)
+            error = worker_lost_error(detail, emitted_tokens=tracked.output_tokens > 0)
+            self._close(tracked, scheduler_pb2.SubmitEvent(failed=grpc_errors.to_pb(error)))
 
     # ---- aborts and deadlines --------------------------------------------------------------
 
@@ -241,10 +256,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> Tracked:
         remaining = context.time_remaining()
         self.runtime.refuse_if_draining()
-        if self.scheduler is None or self.link.lost:
+        if self.scheduler is None or self.link.lost or self.link.draining:
             raise KvmeshError(
                 Reason.MODEL_NOT_READY,
-                "no engine-worker attached yet",
+                "no serving engine-worker attached (not yet, lost or draining)",
                 retryable=True,
                 retry_after_ms=1000,
             )
@@ -350,8 +365,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             num_aborted=self.counters.aborted,
             num_expired_waiting=self.counters.expired_waiting,
             num_expired_running=self.counters.expired_running,
-            worker_ready=self.scheduler is not None and not self.link.lost,
+            worker_ready=self.scheduler is not None and not (self.link.lost or self.link.draining),
             max_waiting=self.max_waiting,
+            num_open_streams=len(self.tracked),
         )
         if self.scheduler is not None:
             load = self.scheduler.load()
@@ -367,6 +383,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             report.num_running = load.num_running
             report.num_free_blocks = load.num_free_blocks
             report.num_blocks = load.num_blocks
+            report.num_blocks_referenced = load.num_blocks - load.num_free_blocks
             report.num_preemptions = load.num_preemptions
             report.prefix_hit_tokens = load.prefix_hit_tokens
         if include_recent_frees:

@@ -3,6 +3,8 @@
 `connect()` waits until the worker is ready and opens the long-lived Step stream; `step()` is
 one message out and one back. A watcher on the worker's health notices a lost worker even while
 no step is in flight, so readiness drops at once and a pending step fails instead of hanging.
+A worker that turns NOT_SERVING while still reachable is draining (SIGTERM): the scheduler takes
+no new requests, finishes the ones it has, then lets go of the Step stream so the worker exits.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ class WorkerLost(Exception):
     pass
 
 
+class WorkerDrained(Exception):
+    """The draining worker has nothing left of ours: time to let go of it."""
+
+
 class WorkerLink:
     def __init__(self, address: str, on_lost: Callable[[], None]) -> None:
         self.address = address
@@ -36,6 +42,7 @@ class WorkerLink:
         self._call: grpc.aio.StreamStreamCall | None = None
         self._watcher: asyncio.Task[None] | None = None
         self.lost = False
+        self.draining = False  # reachable but NOT_SERVING: finish what runs, take nothing new
 
     async def connect(self) -> common_pb2.ModelInfo:
         """Blocks until the worker serves; retries forever (a worker may take minutes to load)."""
@@ -46,7 +53,7 @@ class WorkerLink:
                 await self._wait_serving()
                 info = await stub.GetInfo(engine_worker_pb2.WorkerInfoRequest(), timeout=10)
                 self._call = stub.Step()
-                self.lost = False
+                self.lost = self.draining = False
                 self._watcher = asyncio.create_task(self._watch())
                 log.info("worker attached", extra={"worker": self.address})
                 return info.model
@@ -86,8 +93,10 @@ class WorkerLink:
         health = health_pb2_grpc.HealthStub(self._channel)
         try:
             async for reply in health.Watch(health_pb2.HealthCheckRequest(service="")):
-                if reply.status != _SERVING:
-                    break
+                if reply.status != _SERVING and not self.draining:
+                    log.warning("worker draining", extra={"worker": self.address})
+                    self.draining = True
+                    self._on_lost()  # wakes the step loop: it may have nothing left to do
         except grpc.RpcError:
             pass
         except asyncio.CancelledError:
@@ -126,10 +135,12 @@ class WorkerLink:
             self._channel = None
 
 
-def worker_lost_error(detail: str) -> KvmeshError:
+def worker_lost_error(detail: str, *, emitted_tokens: bool) -> KvmeshError:
+    """Retryable only before the first token: a resent request that already streamed tokens
+    would show its client those tokens twice (or, sampled, different ones)."""
     return KvmeshError(
         Reason.WORKER_LOST,
         f"the engine-worker stopped responding ({detail})",
-        retryable=True,
-        retry_after_ms=1000,
+        retryable=not emitted_tokens,
+        retry_after_ms=0 if emitted_tokens else 1000,
     )

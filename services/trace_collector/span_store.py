@@ -41,7 +41,8 @@ class StoredSpan:
 class StoredTrace:
     trace_id: str
     spans: list[StoredSpan] = field(default_factory=list)
-    request_id: str = ""
+    request_id: str = ""  # the client's id (the gateway's spans), else the first seen
+    request_ids: set[str] = field(default_factory=set)  # every id it goes by on any hop
     num_bytes: int = 0
 
     def named(self, name: str) -> Iterator[StoredSpan]:
@@ -107,8 +108,11 @@ class SpanStore:
         self.num_bytes += size
         self.num_spans += 1
         request_id = record.attributes.get("kvmesh.request_id")
-        if isinstance(request_id, str) and not stored.request_id:
-            stored.request_id = request_id
+        if isinstance(request_id, str) and request_id:
+            # A tenant's own id goes upstream scoped by the tenant: both names find the trace.
+            if not stored.request_id or service == "gateway":
+                stored.request_id = request_id
+            stored.request_ids.add(request_id)
             self._by_request[request_id] = trace_id  # a reused id finds its newest trace
 
     def _evict(self) -> None:
@@ -117,8 +121,9 @@ class SpanStore:
             self.num_bytes -= oldest.num_bytes
             self.num_spans -= len(oldest.spans)
             self.evicted_spans += len(oldest.spans)
-            if self._by_request.get(oldest.request_id) == oldest.trace_id:
-                del self._by_request[oldest.request_id]
+            for request_id in oldest.request_ids:
+                if self._by_request.get(request_id) == oldest.trace_id:
+                    del self._by_request[request_id]
 
     def trace(self, trace_id: str) -> StoredTrace | None:
         return self._traces.get(trace_id.lower())

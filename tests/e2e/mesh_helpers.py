@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from dataclasses import dataclass
 
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from kvmesh.launcher import MeshConfig
+from kvmesh.launcher import Mesh, MeshConfig
 from shared.pb.kvmesh.v1 import (
     common_pb2,
     inference_pb2,
@@ -130,3 +131,38 @@ def tiny_mesh_config(model_dir: str, log_dir: str) -> MeshConfig:
         log_dir=log_dir,
         drain_seconds=2,
     )
+
+
+def metric_value(metrics_url: str, name: str) -> float:
+    """One unlabelled sample from a service's Prometheus endpoint."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not in {metrics_url}")
+
+
+async def assert_mesh_idle(mesh: Mesh, timeout: float = 30) -> None:
+    """The invariants once traffic stops: no request queued, running or with an open stream
+    anywhere, every KV block free or cached (no reference held)."""
+    for address in mesh.scheduler_addresses:
+        load = await settled_load(address, timeout)
+        deadline = time.monotonic() + timeout
+        while load.num_open_streams or load.num_blocks_referenced:
+            assert time.monotonic() < deadline, f"{address} leaked: {load}"
+            await asyncio.sleep(0.05)
+            load = await settled_load(address, timeout)
+    gateway = mesh.service("gateway")
+    assert gateway.metrics_url is not None
+    deadline = time.monotonic() + timeout
+    while metric_value(gateway.metrics_url, "kvmesh_gateway_requests_in_flight"):
+        assert time.monotonic() < deadline, "the gateway still holds streams"
+        await asyncio.sleep(0.05)
+
+
+def resident_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")

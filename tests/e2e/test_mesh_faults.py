@@ -1,8 +1,21 @@
-"""A worker that dies mid-stream, on a mesh of a tiny random model (no tokenizer: token ids)."""
+"""Services killed and restarted on a live mesh of two worker + scheduler pairs (a tiny random
+model, token ids in and out). What each failure does to in-flight and to new requests:
+
+- engine-worker: in-flight `failed` WORKER_LOST (UNAVAILABLE) within 2 s, retryable only if no
+  token was emitted; new ones go to the other pair; the restarted worker is reattached.
+- scheduler: in-flight `failed` WORKER_LOST, same retry rule; new ones go to the other pair.
+- tokenizer: in-flight `failed` TOKENIZER_LOST, same retry rule; new ones refused with
+  TOKENIZER_LOST (retryable) until it is back.
+- trace-collector: requests unaffected (spans are dropped and counted).
+- redis-server: requests unaffected, routing and limits local until it is back
+  (test_mesh_redis.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -11,8 +24,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.launcher import Mesh
-from shared.pb.kvmesh.v1 import inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from shared.pb.kvmesh.v1 import (
+    inference_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from tests.e2e.mesh_helpers import (
+    assert_mesh_idle,
     assert_one_terminal,
     collect,
     ids_request,
@@ -21,51 +39,193 @@ from tests.e2e.mesh_helpers import (
     tiny_mesh_config,
 )
 
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+
 
 @pytest.fixture(scope="module")
-def tiny_mesh(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    config = tiny_mesh_config(tiny_llama_dir, str(tmp_path_factory.mktemp("tiny-mesh-logs")))
+def pair_mesh(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    config = tiny_mesh_config(tiny_llama_dir, str(tmp_path_factory.mktemp("fault-mesh-logs")))
+    config.workers = 2
     with Mesh(config) as running:
         yield running
 
 
-async def wait_not_serving(address: str, timeout: float = 10) -> None:
+@pytest.fixture
+async def inference(pair_mesh: Mesh):
+    async with grpc.aio.insecure_channel(pair_mesh.gateway_address) as channel:
+        yield inference_pb2_grpc.InferenceStub(channel)
+
+
+async def health_status(address: str) -> int:
     async with grpc.aio.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        deadline = time.monotonic() + timeout
-        while True:
-            reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
-            if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                return
-            assert time.monotonic() < deadline, f"{address} still serving"
-            await asyncio.sleep(0.05)
-
-
-async def test_a_lost_worker_fails_streams_and_readiness_drops(tiny_mesh: Mesh) -> None:
-    async with grpc.aio.insecure_channel(tiny_mesh.gateway_address) as channel:
-        inference = inference_pb2_grpc.InferenceStub(channel)
-        ok = await collect(inference, ids_request([1, 2, 3], max_tokens=4, ignore_eos=True))
-        assert assert_one_terminal(ok) == "completed"
-        call = inference.Generate(ids_request([1, 2, 3], max_tokens=1000, ignore_eos=True))
-        assert (await call.read()).WhichOneof("event") == "accepted"
-        running = await call.read()
-        assert running.WhichOneof("event") == "delta", [str(e) for e in await read_rest(call)]
-        tiny_mesh.service("engine-worker-0").process.kill()
-        rest = await read_rest(call)
-        assert rest[-1].WhichOneof("event") == "failed"
-        error = rest[-1].failed.error
-        assert error.reason == "WORKER_LOST" and error.retryable and error.retry_after_ms > 0
-
-        await wait_not_serving(tiny_mesh.scheduler_addresses[0])
-        await wait_not_serving(tiny_mesh.gateway_address)
-        async with grpc.aio.insecure_channel(tiny_mesh.scheduler_addresses[0]) as sched:
-            load = await scheduler_pb2_grpc.SchedulerStub(sched).GetLoad(
-                scheduler_pb2.LoadRequest()
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=2
             )
-        assert not load.worker_ready and load.num_running == 0
+        except grpc.RpcError:
+            return health_pb2.HealthCheckResponse.UNKNOWN
+        return int(reply.status)
 
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await collect(inference, ids_request([1, 2, 3], max_tokens=4))
-        refusal = rich_error(refused.value)
-        assert (refusal.code, refusal.reason) == (grpc.StatusCode.UNAVAILABLE, "MODEL_NOT_READY")
-        assert refusal.retryable and refusal.retry_delay_ms
+
+async def wait_health(address: str, serving: bool, timeout: float = 60) -> None:
+    wanted = health_pb2.HealthCheckResponse.SERVING
+    deadline = time.monotonic() + timeout
+    while (await health_status(address) == wanted) != serving:
+        assert time.monotonic() < deadline, f"{address} never turned serving={serving}"
+        await asyncio.sleep(0.05)
+
+
+async def start_long(inference, prompt: list[int]) -> tuple[grpc.aio.UnaryStreamCall, str]:
+    """A request that streams for a long while; returns it (first delta read) and its scheduler."""
+    call = inference.Generate(ids_request(prompt, max_tokens=1500, ignore_eos=True))
+    accepted = await call.read()
+    assert accepted.WhichOneof("event") == "accepted"
+    assert (await call.read()).WhichOneof("event") == "delta"
+    return call, accepted.accepted.routing.scheduler
+
+
+def submit_directly(scheduler: str, request_id: str) -> grpc.aio.UnaryStreamCall:
+    channel = grpc.aio.insecure_channel(scheduler)
+    return scheduler_pb2_grpc.SchedulerStub(channel).Submit(
+        scheduler_pb2.SubmitRequest(
+            request_id=request_id,
+            token_ids=[5, 6, 7],
+            sampling=ids_request([], max_tokens=4, ignore_eos=True).sampling,
+        ),
+        timeout=60,
+    )
+
+
+async def routed_to(inference, count: int) -> set[str]:
+    """Where `count` concurrent short requests went; each must complete."""
+
+    async def one(index: int) -> str:
+        events = await collect(
+            inference, ids_request([9, index, 3], max_tokens=24, ignore_eos=True)
+        )
+        assert assert_one_terminal(events) == "completed"
+        return events[0].accepted.routing.scheduler
+
+    return set(await asyncio.gather(*(one(i) for i in range(count))))
+
+
+async def test_a_killed_worker_fails_its_streams_and_a_restart_restores_it(
+    pair_mesh: Mesh, inference
+) -> None:
+    running, home = await start_long(inference, [1, 2, 3])
+    index = pair_mesh.scheduler_addresses.index(home)
+    other = pair_mesh.scheduler_addresses[1 - index]
+    worker = pair_mesh.service(f"engine-worker-{index}").process
+    # Frozen first, so a second request is accepted and queued there without any token.
+    os.kill(worker.pid, signal.SIGSTOP)
+    queued = submit_directly(home, "queued-on-a-dying-worker")
+    assert (await queued.read()).WhichOneof("event") == "accepted"
+    killed_at = time.monotonic()
+    worker.kill()
+
+    rest = await read_rest(running)
+    assert time.monotonic() - killed_at < 2.0
+    assert rest[-1].WhichOneof("event") == "failed"
+    error = rest[-1].failed.error
+    assert (error.reason, error.grpc_code) == ("WORKER_LOST", UNAVAILABLE)
+    assert not error.retryable  # tokens went out: a blind resend would repeat them
+    queued_end = (await read_rest(queued))[-1]
+    assert queued_end.failed.reason == "WORKER_LOST" and queued_end.failed.retryable
+
+    await wait_health(home, serving=False)
+    async with grpc.aio.insecure_channel(home) as channel:
+        load = await scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(scheduler_pb2.LoadRequest())
+    assert not load.worker_ready and load.num_open_streams == 0
+    assert await health_status(pair_mesh.gateway_address) == health_pb2.HealthCheckResponse.SERVING
+    assert await routed_to(inference, 4) == {other}
+
+    pair_mesh.restart(f"engine-worker-{index}")  # nothing else is restarted
+    await wait_health(home, serving=True)
+    direct = [e async for e in submit_directly(home, "after-the-restart")]
+    assert direct[-1].WhichOneof("event") == "finished"
+    seen: set[str] = set()
+    for _ in range(10):  # the gateway routes there again
+        seen |= await routed_to(inference, 6)
+        if home in seen:
+            break
+    assert home in seen
+    await assert_mesh_idle(pair_mesh)
+
+
+async def test_a_killed_scheduler_fails_its_streams_and_others_take_new_ones(
+    pair_mesh: Mesh, inference
+) -> None:
+    running, home = await start_long(inference, [4, 5, 6])
+    index = pair_mesh.scheduler_addresses.index(home)
+    other = pair_mesh.scheduler_addresses[1 - index]
+    pair_mesh.service(f"scheduler-{index}").process.kill()
+    rest = await read_rest(running)
+    assert rest[-1].WhichOneof("event") == "failed"
+    error = rest[-1].failed.error
+    assert (error.reason, error.grpc_code, error.retryable) == ("WORKER_LOST", UNAVAILABLE, False)
+
+    deadline = time.monotonic() + 10
+    while (seen := await routed_to(inference, 4)) != {other}:  # once the gateway noticed
+        assert time.monotonic() < deadline, seen
+    pair_mesh.restart(f"scheduler-{index}")  # reattaches to its worker, which forgot the old one
+    seen = set()
+    for _ in range(10):
+        seen |= await routed_to(inference, 6)
+        if home in seen:
+            break
+    assert home in seen
+    await assert_mesh_idle(pair_mesh)
+
+
+async def test_a_killed_tokenizer_fails_streams_and_refuses_until_restarted(
+    pair_mesh: Mesh, inference
+) -> None:
+    running, _ = await start_long(inference, [7, 8, 9])
+    pair_mesh.service("tokenizer").process.kill()
+    rest = await read_rest(running)
+    assert rest[-1].WhichOneof("event") == "failed"
+    error = rest[-1].failed.error
+    assert (error.reason, error.grpc_code, error.retryable) == (
+        "TOKENIZER_LOST",
+        UNAVAILABLE,
+        False,
+    )
+
+    deadline = time.monotonic() + 10
+    while True:  # refused up front once the gateway's health watch noticed
+        try:
+            events = await collect(inference, ids_request([1, 2], max_tokens=2))
+        except grpc.aio.AioRpcError as refused:
+            error_seen = rich_error(refused)
+            assert (error_seen.code, error_seen.reason) == (
+                grpc.StatusCode.UNAVAILABLE,
+                "TOKENIZER_LOST",
+            )
+            assert error_seen.retryable and error_seen.retry_delay_ms
+            break
+        assert events[-1].failed.error.reason == "TOKENIZER_LOST"  # accepted just before
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+
+    pair_mesh.restart("tokenizer")
+    await wait_health(pair_mesh.gateway_address, serving=True)
+    events = await collect(inference, ids_request([1, 2], max_tokens=4, ignore_eos=True))
+    assert assert_one_terminal(events) == "completed"
+    await assert_mesh_idle(pair_mesh)
+
+
+async def test_a_killed_trace_collector_does_not_touch_requests(pair_mesh: Mesh, inference) -> None:
+    async def load(count: int) -> list[str]:
+        async def one(index: int) -> str:
+            request = ids_request([index, 2, 3], max_tokens=16, ignore_eos=True)
+            return assert_one_terminal(await collect(inference, request))
+
+        return await asyncio.gather(*(one(i) for i in range(count)))
+
+    background = asyncio.create_task(load(12))
+    pair_mesh.service("trace-collector").process.kill()
+    assert set(await background) == {"completed"}
+    assert set(await load(6)) == {"completed"}
+    pair_mesh.restart("trace-collector")
+    assert set(await load(6)) == {"completed"}
+    await assert_mesh_idle(pair_mesh)

@@ -102,7 +102,7 @@ class FreedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., freed_unix_ns: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_blocks", "num_preemptions", "prefix_hit_tokens", "num_expired_waiting", "num_expired_running", "num_aborted", "num_steps", "recent_frees", "worker_ready", "worker_compute_ms", "num_waiting_tokens", "queue_time_estimate_ms", "max_waiting", "slot_releases_s")
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_blocks", "num_preemptions", "prefix_hit_tokens", "num_expired_waiting", "num_expired_running", "num_aborted", "num_steps", "recent_frees", "worker_ready", "worker_compute_ms", "num_waiting_tokens", "queue_time_estimate_ms", "max_waiting", "slot_releases_s", "num_open_streams", "num_blocks_referenced")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,8 @@ class LoadReport(_message.Message):
     QUEUE_TIME_ESTIMATE_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
     SLOT_RELEASES_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_OPEN_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_REFERENCED_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_free_blocks: int
@@ -137,7 +139,9 @@ class LoadReport(_message.Message):
     queue_time_estimate_ms: float
     max_waiting: int
     slot_releases_s: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_expired_waiting: _Optional[int] = ..., num_expired_running: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., recent_frees: _Optional[_Iterable[_Union[FreedRequest, _Mapping]]] = ..., worker_ready: _Optional[bool] = ..., worker_compute_ms: _Optional[float] = ..., num_waiting_tokens: _Optional[int] = ..., queue_time_estimate_ms: _Optional[float] = ..., max_waiting: _Optional[int] = ..., slot_releases_s: _Optional[_Iterable[float]] = ...) -> None: ...
+    num_open_streams: int
+    num_blocks_referenced: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_expired_waiting: _Optional[int] = ..., num_expired_running: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., recent_frees: _Optional[_Iterable[_Union[FreedRequest, _Mapping]]] = ..., worker_ready: _Optional[bool] = ..., worker_compute_ms: _Optional[float] = ..., num_waiting_tokens: _Optional[int] = ..., queue_time_estimate_ms: _Optional[float] = ..., max_waiting: _Optional[int] = ..., slot_releases_s: _Optional[_Iterable[float]] = ..., num_open_streams: _Optional[int] = ..., num_blocks_referenced: _Optional[int] = ...) -> None: ...
 
 class SchedulerModelRequest(_message.Message):
     __slots__ = ()
