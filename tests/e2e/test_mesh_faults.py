@@ -9,6 +9,10 @@ model, token ids in and out). What each failure does to in-flight and to new req
 - trace-collector: requests unaffected (spans are dropped and counted).
 - redis-server: requests unaffected, routing and limits local until it is back
   (test_mesh_redis.py).
+
+SIGTERM instead drains: readiness off, nothing new taken, every accepted request finishes, then
+the process exits. A draining worker's scheduler stops taking requests, finishes its own, and
+lets go of the worker. A client that stops reading is cancelled after the stall timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.launcher import Mesh
 from shared.pb.kvmesh.v1 import (
+    inference_pb2,
     inference_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
@@ -46,6 +51,8 @@ UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 def pair_mesh(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     config = tiny_mesh_config(tiny_llama_dir, str(tmp_path_factory.mktemp("fault-mesh-logs")))
     config.workers = 2
+    config.drain_seconds = 30  # in-flight requests finish well within it
+    config.gateway_args = ["--stall-timeout-s", "1"]
     with Mesh(config) as running:
         yield running
 
@@ -228,4 +235,75 @@ async def test_a_killed_trace_collector_does_not_touch_requests(pair_mesh: Mesh,
     assert set(await load(6)) == {"completed"}
     pair_mesh.restart("trace-collector")
     assert set(await load(6)) == {"completed"}
+    await assert_mesh_idle(pair_mesh)
+
+
+async def short_streams(inference, count: int, max_tokens: int = 300) -> list[asyncio.Task]:
+    """`count` requests streaming at once, each past its first delta."""
+
+    async def one(index: int) -> list[inference_pb2.GenerateEvent]:
+        call = inference.Generate(
+            ids_request([index, 7, 7], max_tokens=max_tokens, ignore_eos=True)
+        )
+        first = [await call.read(), await call.read()]
+        started.release()
+        return first + await read_rest(call)
+
+    started = asyncio.Semaphore(0)
+    tasks = [asyncio.create_task(one(i)) for i in range(count)]
+    for _ in range(count):
+        await started.acquire()
+    return tasks
+
+
+@pytest.mark.parametrize("service", ["engine-worker", "scheduler", "tokenizer"])
+async def test_sigterm_drains_every_accepted_request(
+    pair_mesh: Mesh, inference, service: str
+) -> None:
+    streams = await short_streams(inference, 6)
+    name = "tokenizer" if service == "tokenizer" else f"{service}-0"
+    process = pair_mesh.service(name).process
+    process.send_signal(signal.SIGTERM)
+    for stream in streams:  # not one accepted request dropped
+        events = await stream
+        assert assert_one_terminal(events) == "completed", events[-1]
+        assert events[-1].completed.usage.completion_tokens == 300
+    exited = await asyncio.to_thread(process.wait, 30)
+    assert exited == 0
+    if service != "tokenizer":  # the other pair serves meanwhile
+        assert await routed_to(inference, 4) == {pair_mesh.scheduler_addresses[1]}
+    pair_mesh.restart(name)
+    await wait_health(pair_mesh.scheduler_addresses[0], serving=True)
+    await wait_health(pair_mesh.gateway_address, serving=True)
+    assert assert_one_terminal(await collect(inference, ids_request([2, 2], max_tokens=3))) == (
+        "completed"
+    )
+    await assert_mesh_idle(pair_mesh)
+
+
+async def test_a_client_that_stops_reading_is_cancelled_and_its_blocks_freed(
+    pair_mesh: Mesh,
+) -> None:
+    # No BDP probing: the receive window stays at 64 KiB, so the gateway's writes block soon.
+    options = [("grpc.http2.bdp_probe", 0)]
+    async with grpc.aio.insecure_channel(pair_mesh.gateway_address, options=options) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        request = ids_request([4, 4, 4], max_tokens=1500, ignore_eos=True, logprobs=20)
+        call = stub.Generate(request)
+        accepted = await call.read()
+        home = accepted.accepted.routing.scheduler
+        await asyncio.sleep(4)  # reading nothing: flow control, then the 1 s stall timeout
+        async with grpc.aio.insecure_channel(home) as sched:
+            load = await scheduler_pb2_grpc.SchedulerStub(sched).GetLoad(
+                scheduler_pb2.LoadRequest()
+            )
+        assert load.num_open_streams == 0 and load.num_blocks_referenced == 0
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await read_rest(call)  # what was buffered, then the status
+        error = rich_error(ended.value)
+        assert (error.code, error.reason, error.retryable) == (
+            grpc.StatusCode.CANCELLED,
+            "CLIENT_STALLED",
+            False,
+        )
     await assert_mesh_idle(pair_mesh)
