@@ -1,0 +1,206 @@
+"""Tenants kept apart, request limits enforced before any work, and no secrets or content in
+logs or spans. A tiny-model mesh with auth on; the content check runs on the real model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from kvmesh.launcher import Mesh
+from shared.pb.kvmesh.v1 import (
+    inference_pb2,
+    inference_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    traces_pb2,
+    traces_pb2_grpc,
+)
+from tests.e2e.mesh_helpers import (
+    assert_mesh_idle,
+    assert_one_terminal,
+    collect,
+    ids_request,
+    output_text,
+    read_rest,
+    rich_error,
+    text_request,
+    tiny_mesh_config,
+)
+
+KEYS = """
+[tenants.acme]
+keys = ["sk-acme-9f2c"]
+
+[tenants.beta]
+keys = ["sk-beta-41d7"]
+"""
+MAX_BYTES, MAX_PROMPT, MAX_TOTAL, MAX_STREAMS = 4096, 64, 600, 2
+
+
+def auth(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+ACME, BETA = auth("sk-acme-9f2c"), auth("sk-beta-41d7")
+
+
+@pytest.fixture(scope="module")
+def guarded_mesh(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    keys = tmp_path_factory.mktemp("keys") / "keys.toml"
+    keys.write_text(KEYS)
+    config = tiny_mesh_config(tiny_llama_dir, str(tmp_path_factory.mktemp("guarded-logs")))
+    config.gateway_args = [
+        "--api-keys-file",
+        str(keys),
+        "--max-request-bytes",
+        str(MAX_BYTES),
+        "--max-prompt-tokens",
+        str(MAX_PROMPT),
+        "--max-total-tokens",
+        str(MAX_TOTAL),
+        "--max-streams-per-tenant",
+        str(MAX_STREAMS),
+    ]
+    with Mesh(config) as running:
+        yield running
+
+
+@pytest.fixture
+async def inference(guarded_mesh: Mesh):
+    async with grpc.aio.insecure_channel(guarded_mesh.gateway_address) as channel:
+        yield inference_pb2_grpc.InferenceStub(channel)
+
+
+async def start(inference, metadata, request_id: str = "") -> grpc.aio.UnaryStreamCall:
+    request = ids_request([1, 2, 3], max_tokens=500, ignore_eos=True)
+    request.request_id = request_id
+    call = inference.Generate(request, metadata=metadata)
+    assert (await call.read()).WhichOneof("event") == "accepted"
+    assert (await call.read()).WhichOneof("event") == "delta"
+    return call
+
+
+async def test_a_tenant_can_neither_see_nor_abort_another_tenants_request(
+    guarded_mesh: Mesh, inference
+) -> None:
+    acme = await start(inference, ACME, "job-1")
+    beta = await start(inference, BETA, "job-1")  # the same id: no clash, nothing revealed
+    other = await inference.Abort(inference_pb2.AbortRequest(request_id="job-2"), metadata=BETA)
+    assert not other.found
+    own = await inference.Abort(inference_pb2.AbortRequest(request_id="job-1"), metadata=BETA)
+    assert own.found
+    assert (await read_rest(beta))[-1].WhichOneof("event") == "cancelled"
+    # acme's job-1 never noticed: it still streams, then its owner aborts it.
+    assert (await acme.read()).WhichOneof("event") == "delta"
+    mine = await inference.Abort(inference_pb2.AbortRequest(request_id="job-1"), metadata=ACME)
+    assert mine.found
+    assert (await read_rest(acme))[-1].WhichOneof("event") == "cancelled"
+    await assert_mesh_idle(guarded_mesh)
+
+
+@pytest.mark.parametrize(
+    ("request_", "reason", "says"),
+    [
+        (ids_request([150] * 3000, max_tokens=4), "REQUEST_TOO_LARGE", f"at most {MAX_BYTES}"),
+        (ids_request([7] * (MAX_PROMPT + 1), max_tokens=4), "PROMPT_TOO_LONG", "at most 64"),
+        (ids_request([7] * 10, max_tokens=MAX_TOTAL), "PROMPT_TOO_LONG", "lower max_tokens"),
+    ],
+    ids=["bytes", "prompt-tokens", "total-tokens"],
+)
+async def test_size_limits_refuse_before_any_work(
+    guarded_mesh: Mesh, inference, request_, reason: str, says: str
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await collect_as(inference, ACME, request_)
+    error = rich_error(refused.value)
+    assert (error.code, error.reason, error.retryable) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        reason,
+        False,
+    )
+    assert says in refused.value.details()
+
+
+def test_an_oversized_http_body_is_413_request_too_large(guarded_mesh: Mesh) -> None:
+    body = json.dumps({"model": "x", "prompt": "y" * (MAX_BYTES + 1)}).encode()
+    request = urllib.request.Request(
+        guarded_mesh.http_url + "/completions",
+        data=body,
+        headers={"Authorization": "Bearer sk-acme-9f2c", "Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 413
+    assert json.load(refused.value)["error"]["code"] == "REQUEST_TOO_LARGE"
+
+
+async def test_streams_per_tenant_are_bounded_across_the_mesh(
+    guarded_mesh: Mesh, inference
+) -> None:
+    held = [await start(inference, ACME) for _ in range(MAX_STREAMS)]
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await collect(inference, ids_request([1, 2], max_tokens=2), timeout=10)
+    assert rich_error(refused.value).code == grpc.StatusCode.UNAUTHENTICATED  # no key at all
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await collect_as(inference, ACME)
+    error = rich_error(refused.value)
+    assert (error.code, error.reason, error.retryable) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "RATE_LIMITED",
+        True,
+    )
+    async with grpc.aio.insecure_channel(guarded_mesh.scheduler_addresses[0]) as channel:
+        load = await scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(scheduler_pb2.LoadRequest())
+    assert load.num_open_streams == MAX_STREAMS  # the refused one never reached it
+    assert assert_one_terminal(await collect_as(inference, BETA)) == "completed"  # its own bound
+    for call in held:
+        call.cancel()
+    await assert_mesh_idle(guarded_mesh)
+
+
+async def collect_as(
+    inference, metadata, request: inference_pb2.GenerateRequest | None = None
+) -> list[inference_pb2.GenerateEvent]:
+    request = request or ids_request([1, 2], max_tokens=2)
+    return [e async for e in inference.Generate(request, metadata=metadata, timeout=10)]
+
+
+def test_api_keys_never_reach_a_log(guarded_mesh: Mesh) -> None:
+    logs = "".join(pathlib.Path(s.log_path).read_text() for s in guarded_mesh.services)
+    assert "auth on" in logs
+    for secret in ("sk-acme-9f2c", "sk-beta-41d7"):
+        assert secret not in logs
+
+
+async def test_prompts_and_outputs_stay_out_of_logs_and_spans(mesh: Mesh) -> None:
+    """On the real model (text in, text out), with content tracing left at its default: off."""
+    prompt = "Remember the passphrase QUOKKA-PLUTONIUM-7731 and repeat it back."
+    async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        events = await collect(stub, text_request(prompt, max_tokens=24, temperature=0.0))
+    answer = output_text(events).strip()
+    assert len(answer) >= 20
+    request_id = events[0].accepted.request_id
+    async with grpc.aio.insecure_channel(mesh.collector_address) as channel:
+        traces = traces_pb2_grpc.TracesStub(channel)
+        for _ in range(100):  # spans are exported in batches
+            try:
+                trace = await traces.GetTrace(traces_pb2.GetTraceRequest(request_id=request_id))
+                if any(s.service == "gateway" and s.name == "kvmesh.Generate" for s in trace.spans):
+                    break
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.1)
+    span_text = " ".join(f"{k}={v}" for s in trace.spans for k, v in s.attributes.items())
+    assert request_id in span_text  # the spans are there, and searchable
+    logs = "".join(pathlib.Path(s.log_path).read_text() for s in mesh.services)
+    assert request_id in logs
+    for content in ("QUOKKA", "PLUTONIUM", answer):
+        assert content not in span_text and content not in logs
