@@ -24,6 +24,7 @@ from shared.errors import KvmeshError, Reason
 from shared.flags import env_default, env_int
 from shared.metrics import serve_metrics
 from shared.telemetry import configure_tracing
+from shared.undecodable import UndecodableRequests
 
 LIVENESS = "liveness"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -85,7 +86,8 @@ class ServiceRuntime:
     def __init__(self, service_name: str, host: str, port: int) -> None:
         self.service_name = service_name  # full proto name, e.g. kvmesh.v1.Scheduler
         self.address = f"{host}:{port}"
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        # Every service refuses bytes that are not its request message with INVALID_ARGUMENT.
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[UndecodableRequests()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.draining = False

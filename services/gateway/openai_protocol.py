@@ -84,6 +84,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise _invalid(f"the body is not JSON: {error}") from None
+    except RecursionError:  # nesting deeper than the parser's stack
+        raise _invalid("the body's JSON is nested too deeply") from None
     if not isinstance(body, dict):
         raise _invalid("the body must be a JSON object")
     return body
