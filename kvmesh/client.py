@@ -9,6 +9,7 @@ import grpc
 
 from shared import grpc_errors
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from shared.tls import sync_channel
 
 
 def generate_request(
@@ -38,7 +39,7 @@ def generate_request(
 
 class MeshClient:
     def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address)
+        self.channel = sync_channel(address)  # TLS as configured by KVMESH_TLS_*
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
 
     def close(self) -> None:

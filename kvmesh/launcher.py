@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.errors import KvmeshError, Reason
+from shared.tls import sync_channel, tls_config
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -123,7 +124,8 @@ class Mesh:
         if config.http_port is not None:
             http_port = config.http_port or free_port(config.host)
             http = ["--http-port", str(http_port)]
-            self.http_url = f"http://{config.host}:{http_port}/v1"
+            scheme = "https" if tls_config() is not None else "http"
+            self.http_url = f"{scheme}://{config.host}:{http_port}/v1"
         self.gateway_address = self._spawn(
             "gateway",
             "services.gateway",
@@ -217,7 +219,7 @@ class Mesh:
 
     def _wait_ready(self, service: ServiceProcess, deadline: float) -> None:
         assert service.address is not None
-        with grpc.insecure_channel(service.address) as channel:
+        with sync_channel(service.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
                 if service.process.poll() is not None:

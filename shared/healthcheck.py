@@ -9,13 +9,15 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.tls import sync_channel
+
 
 def main(argv: list[str]) -> int:
     if not 1 <= len(argv) <= 2:
         print(__doc__, file=sys.stderr)
         return 2
     service = argv[1] if len(argv) == 2 else ""
-    with grpc.insecure_channel(argv[0]) as channel:
+    with sync_channel(argv[0]) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=3

@@ -24,6 +24,7 @@ from shared.errors import KvmeshError, Reason
 from shared.flags import env_default, env_int
 from shared.metrics import serve_metrics
 from shared.telemetry import configure_tracing
+from shared.tls import server_credentials, tls_config
 from shared.undecodable import UndecodableRequests
 
 LIVENESS = "liveness"
@@ -83,8 +84,9 @@ def start_observability(service_name: str, args: argparse.Namespace) -> None:
 
 
 class ServiceRuntime:
-    def __init__(self, service_name: str, host: str, port: int) -> None:
+    def __init__(self, service_name: str, host: str, port: int, public: bool = False) -> None:
         self.service_name = service_name  # full proto name, e.g. kvmesh.v1.Scheduler
+        self.public = public  # the gateway: TLS without client certificates unless asked
         self.address = f"{host}:{port}"
         # Every service refuses bytes that are not its request message with INVALID_ARGUMENT.
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[UndecodableRequests()])
@@ -104,12 +106,17 @@ class ServiceRuntime:
     async def start(self) -> None:
         names = (self.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
-        if self.server.add_insecure_port(self.address) == 0:
+        tls = tls_config()
+        if tls is not None:
+            bound = self.server.add_secure_port(self.address, server_credentials(tls, self.public))
+        else:
+            bound = self.server.add_insecure_port(self.address)
+        if bound == 0:
             raise OSError(f"cannot bind {self.address}")
         await self.server.start()
         await self.health.set(LIVENESS, _SERVING)
         await self.set_ready(False)
-        log.info("listening", extra={"address": self.address})
+        log.info("listening", extra={"address": self.address, "tls": tls is not None})
 
     async def set_ready(self, ready: bool) -> None:
         status = _SERVING if ready and not self.draining else _NOT_SERVING

@@ -24,6 +24,8 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import Counter
 
+from shared.tls import sync_channel
+
 log = logging.getLogger("kvmesh.telemetry")
 SPANS_DROPPED = Counter(
     "kvmesh_spans_dropped",
@@ -62,7 +64,7 @@ class BoundedSpanExporter(SpanProcessor):
         self._stopping = False
         self._exporting = threading.Lock()
         self._failing = False
-        self._channel = grpc.insecure_channel(endpoint)
+        self._channel = sync_channel(endpoint)
         self._stub = trace_service_pb2_grpc.TraceServiceStub(self._channel)
         self._thread = threading.Thread(target=self._run, name="span-export", daemon=True)
         self._thread.start()

@@ -59,7 +59,7 @@ def gateway_policy(args: argparse.Namespace, link: RedisLink | None) -> GatewayP
 
 
 async def serve(args: argparse.Namespace) -> None:
-    runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port)
+    runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port, public=True)
     backends = Backends(args.tokenizer, [a for a in args.scheduler.split(",") if a])
     link = RedisLink(args.redis, degraded=DEGRADED) if args.redis else None
     if link is None:

@@ -24,6 +24,7 @@ from shared.pb.kvmesh.v1 import (
     tokenizer_pb2_grpc,
 )
 from shared.service import CHANNEL_OPTIONS
+from shared.tls import aio_channel
 
 if TYPE_CHECKING:
     from services.gateway.router import RouteDecision
@@ -35,7 +36,7 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 class SchedulerBackend:
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = aio_channel(address, options=CHANNEL_OPTIONS)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.model: common_pb2.ModelInfo | None = None  # set while ready
         # Requests this gateway routed here: until they end; until the scheduler accepted them
@@ -105,9 +106,7 @@ class Routed:
 
 class Backends:
     def __init__(self, tokenizer_address: str, scheduler_addresses: list[str]) -> None:
-        self.tokenizer_channel = grpc.aio.insecure_channel(
-            tokenizer_address, options=CHANNEL_OPTIONS
-        )
+        self.tokenizer_channel = aio_channel(tokenizer_address, options=CHANNEL_OPTIONS)
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.tokenizer_channel)
         self.tokenizer_ready = False
         self.schedulers = [SchedulerBackend(a) for a in scheduler_addresses]

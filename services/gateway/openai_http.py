@@ -39,6 +39,7 @@ from services.gateway.stall import ClientStalled, write_or_stall
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import inference_pb2
+from shared.tls import http_ssl_context, tls_config
 
 log = logging.getLogger("kvmesh.gateway.http")
 Event = inference_pb2.GenerateEvent
@@ -141,8 +142,11 @@ class OpenAIFront:
         # handler_cancellation: a client that hangs up cancels its handler, and the request.
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
-        log.info("openai http", extra={"address": f"http://{host}:{port}/v1"})
+        tls = tls_config()
+        context = http_ssl_context(tls) if tls is not None else None
+        await web.TCPSite(self._runner, host, port, ssl_context=context).start()
+        scheme = "https" if tls is not None else "http"
+        log.info("openai http", extra={"address": f"{scheme}://{host}:{port}/v1"})
 
     async def close(self) -> None:
         if self._runner is not None:

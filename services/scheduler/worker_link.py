@@ -20,6 +20,7 @@ from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
 from shared.service import CHANNEL_OPTIONS
+from shared.tls import aio_channel
 
 log = logging.getLogger("kvmesh.scheduler.worker_link")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -47,7 +48,7 @@ class WorkerLink:
     async def connect(self) -> common_pb2.ModelInfo:
         """Blocks until the worker serves; retries forever (a worker may take minutes to load)."""
         while True:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._channel = aio_channel(self.address, options=CHANNEL_OPTIONS)
             stub = engine_worker_pb2_grpc.EngineWorkerStub(self._channel)
             try:
                 await self._wait_serving()

@@ -11,6 +11,8 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client import Counter
 
+from shared.tls import aio_channel
+
 log = logging.getLogger("kvmesh.trace_collector")
 FORWARD_DROPPED = Counter(
     "kvmesh_collector_forward_dropped_spans", "Spans not forwarded: queue full or send failed"
@@ -24,7 +26,7 @@ class OtlpForwarder:
         self._queue: asyncio.Queue[trace_service_pb2.ExportTraceServiceRequest] = asyncio.Queue(
             max_batches
         )
-        self._channel = grpc.aio.insecure_channel(endpoint)
+        self._channel = aio_channel(endpoint)
         self._stub = trace_service_pb2_grpc.TraceServiceStub(self._channel)
         self._failing = False
 
