@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http check-kernels test-gpu bench-kernels bench-gpu bench-peers clean
+.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http check-kernels test-gpu bench-kernels bench-gpu bench-peers soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,14 @@ bench-structured: $(STAMP)
 # gRPC streams vs the OpenAI HTTP front (SSE), same load, same mesh, same run; a few minutes.
 bench-http: $(STAMP)
 	$(BIN)/python -m loadtest.http_bench
+
+# A mixed workload (streams, cancels, deadlines, structured output, bad input) on the default
+# model for SOAK_SECONDS, its table and invariants, then a long fuzz of the public APIs.
+SOAK_SECONDS ?= 600
+FUZZ_EXAMPLES ?= 2000
+soak: $(STAMP)
+	$(BIN)/python -m loadtest.soak --duration $(SOAK_SECONDS)
+	KVMESH_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q tests/e2e/test_fuzz.py
 
 # Every CUDA kernel compiled for sm_90 with nvcc (no GPU needed; `make test` does it too).
 check-kernels: $(STAMP)
