@@ -263,8 +263,10 @@ class OpenAIFront:
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while this gateway takes requests (a scheduler ready, not draining), else 503."""
-        serving = not self.generate.runtime.draining and any(
-            s.ready for s in self.backends.schedulers
+        serving = (
+            not self.generate.runtime.draining
+            and self.backends.tokenizer_ready
+            and any(s.ready for s in self.backends.schedulers)
         )
         return web.json_response(
             {"status": "serving" if serving else "not_serving"}, status=200 if serving else 503

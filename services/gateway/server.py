@@ -10,6 +10,7 @@ from services.gateway.admission import prompt_token_ids
 from services.gateway.backends import Backends
 from services.gateway.generate import GatewayPolicy, GenerateHandler
 from services.gateway.stall import ClientStalled, stalled_error, write_or_stall
+from services.gateway.tenants import Tenant
 from shared import grpc_errors
 from shared.errors import KvmeshError
 from shared.pb.kvmesh.v1 import (
@@ -29,11 +30,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self.policy = policy or GatewayPolicy()
         self.generate = GenerateHandler(runtime, backends, self.policy)
 
-    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant:
         try:
-            self.policy.api_keys.authenticate(context.invocation_metadata())
+            return self.policy.api_keys.authenticate(context.invocation_metadata())
         except KvmeshError as error:
             await grpc_errors.abort(context, error)
+            raise
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -57,11 +59,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Abort(
         self, request: inference_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.AbortResponse:
-        try:
-            tenant = self.policy.api_keys.authenticate(context.invocation_metadata())
-        except KvmeshError as error:
-            await grpc_errors.abort(context, error)
-            raise
+        tenant = await self._authenticate(context)
         # Another tenant's request is as unknown as one that never existed.
         active = self.generate.active.get((tenant.name, request.request_id))
         if active is None:

@@ -127,11 +127,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await self.link.close()
 
     async def _step_until_lost(self, scheduler: Scheduler) -> None:
+        drain_announced = False
         while True:
             if self.link.lost:
                 raise WorkerLost(self.link.address)
             if self.link.draining:
-                await self.runtime.set_ready(False)  # the gateway routes elsewhere
+                if not drain_announced:
+                    await self.runtime.set_ready(False)  # the gateway routes elsewhere
+                    drain_announced = True
                 if not scheduler.has_unfinished():
                     raise WorkerDrained(self.link.address)
             self._wake.clear()  # before schedule(): a submission from here on wakes us again
