@@ -34,11 +34,13 @@ from services.gateway.output_check import check_output
 from services.gateway.rate_limits import Grant, RateLimiter
 from services.gateway.request_record import (
     FINISH_REASONS,
+    ActiveRequest,
     Admitted,
     Progress,
     completed_event,
     terminal_reason,
     upstream_failure,
+    upstream_request_id,
 )
 from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.router import Router
@@ -55,18 +57,6 @@ from shared.service import ServiceRuntime
 log = logging.getLogger("kvmesh.gateway")
 Event = inference_pb2.GenerateEvent
 TERMINAL = ("completed", "cancelled", "failed")
-
-
-@dataclass
-class ActiveRequest:
-    backend: SchedulerBackend
-    upstream_id: str  # its id at the scheduler and worker
-
-
-def upstream_request_id(request_id: str, tenant: Tenant, client_named: bool) -> str:
-    """A client's own request id is scoped by its tenant upstream: two tenants may pick the
-    same id without either learning of the other (generated ids are unique already)."""
-    return f"{tenant.name}/{request_id}" if client_named else request_id
 
 
 @dataclass

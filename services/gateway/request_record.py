@@ -20,6 +20,18 @@ FINISH_REASONS = {
 
 
 @dataclass
+class ActiveRequest:
+    backend: SchedulerBackend
+    upstream_id: str  # its id at the scheduler and worker
+
+
+def upstream_request_id(request_id: str, tenant: Tenant, client_named: bool) -> str:
+    """A client's own request id is scoped by its tenant upstream: two tenants may pick the
+    same id without either learning of the other (generated ids are unique already)."""
+    return f"{tenant.name}/{request_id}" if client_named else request_id
+
+
+@dataclass
 class Admitted:
     """A request the scheduler accepted: where it runs, for whom and with what."""
 

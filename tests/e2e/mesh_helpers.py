@@ -158,11 +158,3 @@ async def assert_mesh_idle(mesh: Mesh, timeout: float = 30) -> None:
     while metric_value(gateway.metrics_url, "kvmesh_gateway_requests_in_flight"):
         assert time.monotonic() < deadline, "the gateway still holds streams"
         await asyncio.sleep(0.05)
-
-
-def resident_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")

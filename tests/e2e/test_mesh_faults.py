@@ -116,6 +116,16 @@ async def routed_to(inference, count: int) -> set[str]:
     return set(await asyncio.gather(*(one(i) for i in range(count))))
 
 
+async def until_routed_to(inference, scheduler: str, rounds: int = 10) -> None:
+    """Rounds of concurrent requests until one of them lands on `scheduler`."""
+    seen: set[str] = set()
+    for _ in range(rounds):
+        seen |= await routed_to(inference, 6)
+        if scheduler in seen:
+            return
+    raise AssertionError(f"nothing routed to {scheduler} in {rounds} rounds: {seen}")
+
+
 async def test_a_killed_worker_fails_its_streams_and_a_restart_restores_it(
     pair_mesh: Mesh, inference
 ) -> None:
@@ -150,12 +160,7 @@ async def test_a_killed_worker_fails_its_streams_and_a_restart_restores_it(
     await wait_health(home, serving=True)
     direct = [e async for e in submit_directly(home, "after-the-restart")]
     assert direct[-1].WhichOneof("event") == "finished"
-    seen: set[str] = set()
-    for _ in range(10):  # the gateway routes there again
-        seen |= await routed_to(inference, 6)
-        if home in seen:
-            break
-    assert home in seen
+    await until_routed_to(inference, home)  # the gateway sends requests there again
     await assert_mesh_idle(pair_mesh)
 
 
@@ -172,15 +177,15 @@ async def test_a_killed_scheduler_fails_its_streams_and_others_take_new_ones(
     assert (error.reason, error.grpc_code, error.retryable) == ("WORKER_LOST", UNAVAILABLE, False)
 
     deadline = time.monotonic() + 10
-    while (seen := await routed_to(inference, 4)) != {other}:  # once the gateway noticed
-        assert time.monotonic() < deadline, seen
+    while True:  # every request goes to the other pair once the gateway noticed
+        try:
+            if await routed_to(inference, 4) == {other}:
+                break
+        except grpc.aio.AioRpcError as refused:  # sent there just before it noticed
+            assert refused.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() < deadline
     pair_mesh.restart(f"scheduler-{index}")  # reattaches to its worker, which forgot the old one
-    seen = set()
-    for _ in range(10):
-        seen |= await routed_to(inference, 6)
-        if home in seen:
-            break
-    assert home in seen
+    await until_routed_to(inference, home)
     await assert_mesh_idle(pair_mesh)
 
 
