@@ -56,11 +56,20 @@ def _number(body: dict[str, Any], name: str) -> float | None:
     return None if value is None else float(value)
 
 
-def _count(body: dict[str, Any], name: str) -> int | None:
+UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1  # the proto fields' ranges
+
+
+def _count(body: dict[str, Any], name: str, maximum: int = UINT32_MAX) -> int | None:
     value = _typed(body, name, (int,), "an integer")
-    if value is not None and value < 0:
-        raise _invalid(f"'{name}' must be >= 0")
+    if value is not None and not 0 <= value <= maximum:
+        raise _invalid(f"'{name}' must be in [0, {maximum}]")
     return value
+
+
+def _token_ids(values: Any) -> bool:
+    return isinstance(values, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX for t in values
+    )
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:
@@ -153,11 +162,7 @@ def _prompt(prompt: Any) -> inference_pb2.GenerateRequest:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return inference_pb2.GenerateRequest(text=prompt)
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
-    ):
+    if prompt and _token_ids(prompt):
         return inference_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=prompt))
     raise _invalid("'prompt' must be a string or a list of token ids (one prompt per call)")
 
@@ -179,13 +184,13 @@ def _common(
     repetition_penalty = _number(body, "repetition_penalty")
     if repetition_penalty is not None:
         sampling.repetition_penalty = repetition_penalty
-    for name in ("top_k", "seed"):
-        count = _count(body, name)
+    for name, maximum in (("top_k", UINT32_MAX), ("seed", UINT64_MAX)):
+        count = _count(body, name, maximum)
         if count is not None:
             setattr(sampling, name, count)
     sampling.ignore_eos = _flag(body, "ignore_eos")
     stop_ids = _typed(body, "stop_token_ids", (list,), "a list of token ids") or []
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
+    if not _token_ids(stop_ids):
         raise _invalid("'stop_token_ids' must be a list of token ids")
     sampling.stop_token_ids.extend(stop_ids)
     stop = body.get("stop")
@@ -194,7 +199,10 @@ def _common(
         raise _invalid("'stop' must be a string or a list of strings")
     generate.stop.extend(stops)
     _response_format(body.get("response_format"), sampling.response_format)
-    generate.priority = _typed(body, "priority", (int,), "an integer") or 0
+    priority = _typed(body, "priority", (int,), "an integer") or 0
+    if not -(2**31) <= priority < 2**31:
+        raise _invalid("'priority' must be a 32-bit integer")
+    generate.priority = priority
     generate.timeout_ms = _count(body, "timeout_ms") or 0
     options = _typed(body, "stream_options", (dict,), "an object") or {}
     stream = _flag(body, "stream")

@@ -3,8 +3,9 @@
 Whatever arrives, a refusal is fast, carries a kvmesh reason that is not INTERNAL, and nothing
 crashes, hangs or leaks: after the run every service still runs, the gateway serves, and no
 request or KV block is left anywhere. Accepted requests are cancelled after their first event
-(the fuzz is about input, not generation). `KVMESH_FUZZ_EXAMPLES` sets the run's size; `make
-soak` runs a long one.
+(the fuzz is about input, not generation). The default run is derandomized (the same
+examples every time, so CI is repeatable); `KVMESH_FUZZ_EXAMPLES` sets a run's size and draws
+fresh examples, as `make soak`'s long run does.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from shared.errors import Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.e2e.mesh_helpers import assert_mesh_idle, rich_error
 
-EXAMPLES = int(os.environ.get("KVMESH_FUZZ_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("KVMESH_FUZZ_EXAMPLES", "0")) or 150
 REFUSAL_S = 5.0  # a refusal never takes longer than this (no generation happens)
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     database=None,
+    derandomize="KVMESH_FUZZ_EXAMPLES" not in os.environ,
 )
 KNOWN_REASONS = {r.value for r in Reason} - {Reason.INTERNAL.value, Reason.INVALID_OUTPUT.value}
 

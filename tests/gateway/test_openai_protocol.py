@@ -184,3 +184,20 @@ def test_whole_completion_with_logprobs() -> None:
     assert choice["logprobs"]["top_logprobs"][0] == {"ab": -0.5}
     cancelled = inference_pb2.GenerateEvent(cancelled=inference_pb2.Cancelled(reason="abort"))
     assert whole.response(cancelled)["choices"][0]["finish_reason"] == "abort"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": [2**32]},
+        {"prompt": "x", "stop_token_ids": [2**32]},
+        {"prompt": "x", "max_tokens": 2**32},
+        {"prompt": "x", "seed": 2**64},
+        {"prompt": "x", "priority": 2**31},
+        {"prompt": "x", "timeout_ms": -1},
+    ],
+)
+def test_numbers_outside_the_wire_ranges_are_invalid_arguments(body) -> None:
+    with pytest.raises(KvmeshError) as raised:
+        parse_completion(body)
+    assert raised.value.reason is Reason.INVALID_ARGUMENT
