@@ -39,6 +39,9 @@ _MESSAGE_LIMITS = [
 ]
 CHANNEL_OPTIONS = [
     *_MESSAGE_LIMITS,
+    # A restarted peer is found within seconds (gRPC's default backoff grows to 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 3_000),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),

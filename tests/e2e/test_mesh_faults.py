@@ -116,14 +116,15 @@ async def routed_to(inference, count: int) -> set[str]:
     return set(await asyncio.gather(*(one(i) for i in range(count))))
 
 
-async def until_routed_to(inference, scheduler: str, rounds: int = 10) -> None:
-    """Rounds of concurrent requests until one of them lands on `scheduler`."""
+async def until_routed_to(inference, scheduler: str, timeout: float = 30) -> None:
+    """Rounds of concurrent requests until one of them lands on `scheduler` (the gateway sees
+    a restarted one once its channel reconnects, within the reconnect backoff)."""
     seen: set[str] = set()
-    for _ in range(rounds):
+    deadline = time.monotonic() + timeout
+    while scheduler not in seen:
+        assert time.monotonic() < deadline, f"nothing routed to {scheduler}: {seen}"
         seen |= await routed_to(inference, 6)
-        if scheduler in seen:
-            return
-    raise AssertionError(f"nothing routed to {scheduler} in {rounds} rounds: {seen}")
+        await asyncio.sleep(0.1)
 
 
 async def test_a_killed_worker_fails_its_streams_and_a_restart_restores_it(
