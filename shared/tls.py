@@ -76,21 +76,28 @@ def channel_credentials(config: TlsConfig) -> grpc.ChannelCredentials:
     )
 
 
+def _channel_settings(
+    options: list[tuple[str, Any]] | None,
+) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
+    config = tls_config()
+    credentials = None if config is None else channel_credentials(config)
+    return credentials, [*(options or []), *channel_options(config)]
+
+
 def aio_channel(address: str, options: list[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
     """A channel to another kvmesh service: mTLS when configured, else plaintext."""
-    config = tls_config()
-    options = [*(options or []), *channel_options(config)]
-    if config is None:
+    credentials, options = _channel_settings(options)
+    if credentials is None:
         return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, channel_credentials(config), options=options)
+    return grpc.aio.secure_channel(address, credentials, options=options)
 
 
 def sync_channel(address: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
-    config = tls_config()
-    options = [*(options or []), *channel_options(config)]
-    if config is None:
+    """The same, for the blocking API (probes, the launcher, the CLI, span export)."""
+    credentials, options = _channel_settings(options)
+    if credentials is None:
         return grpc.insecure_channel(address, options=options)
-    return grpc.secure_channel(address, channel_credentials(config), options=options)
+    return grpc.secure_channel(address, credentials, options=options)
 
 
 def http_ssl_context(config: TlsConfig) -> ssl.SSLContext:

@@ -25,8 +25,9 @@ async def write_or_stall(write: Awaitable[object], timeout_s: float) -> None:
         await write
         return
     try:
-        await asyncio.wait_for(write, timeout_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout_s):  # a timer, not a task per write like wait_for
+            await write
+    except TimeoutError:
         raise ClientStalled(f"no event taken for {timeout_s:g} s") from None
 
 

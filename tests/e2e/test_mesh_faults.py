@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.launcher import Mesh
 from shared.pb.kvmesh.v1 import (
+    common_pb2,
     inference_pb2,
     inference_pb2_grpc,
     scheduler_pb2,
@@ -91,6 +92,13 @@ async def start_long(inference, prompt: list[int]) -> tuple[grpc.aio.UnaryStream
     return call, accepted.accepted.routing.scheduler
 
 
+async def failed_error(call: grpc.aio.UnaryStreamCall) -> common_pb2.Error:
+    """The error of the `failed` event that must end this stream."""
+    rest = await read_rest(call)
+    assert rest[-1].WhichOneof("event") == "failed", rest[-1]
+    return rest[-1].failed.error
+
+
 def submit_directly(scheduler: str, request_id: str) -> grpc.aio.UnaryStreamCall:
     channel = grpc.aio.insecure_channel(scheduler)
     return scheduler_pb2_grpc.SchedulerStub(channel).Submit(
@@ -141,10 +149,8 @@ async def test_a_killed_worker_fails_its_streams_and_a_restart_restores_it(
     killed_at = time.monotonic()
     worker.kill()
 
-    rest = await read_rest(running)
+    error = await failed_error(running)
     assert time.monotonic() - killed_at < 2.0
-    assert rest[-1].WhichOneof("event") == "failed"
-    error = rest[-1].failed.error
     assert (error.reason, error.grpc_code) == ("WORKER_LOST", UNAVAILABLE)
     assert not error.retryable  # tokens went out: a blind resend would repeat them
     queued_end = (await read_rest(queued))[-1]
@@ -172,9 +178,7 @@ async def test_a_killed_scheduler_fails_its_streams_and_others_take_new_ones(
     index = pair_mesh.scheduler_addresses.index(home)
     other = pair_mesh.scheduler_addresses[1 - index]
     pair_mesh.service(f"scheduler-{index}").process.kill()
-    rest = await read_rest(running)
-    assert rest[-1].WhichOneof("event") == "failed"
-    error = rest[-1].failed.error
+    error = await failed_error(running)
     assert (error.reason, error.grpc_code, error.retryable) == ("WORKER_LOST", UNAVAILABLE, False)
 
     deadline = time.monotonic() + 10
@@ -195,9 +199,7 @@ async def test_a_killed_tokenizer_fails_streams_and_refuses_until_restarted(
 ) -> None:
     running, _ = await start_long(inference, [7, 8, 9])
     pair_mesh.service("tokenizer").process.kill()
-    rest = await read_rest(running)
-    assert rest[-1].WhichOneof("event") == "failed"
-    error = rest[-1].failed.error
+    error = await failed_error(running)
     assert (error.reason, error.grpc_code, error.retryable) == (
         "TOKENIZER_LOST",
         UNAVAILABLE,
