@@ -71,11 +71,12 @@ class TextStream:
 
 
 def tokenizer_failure(error: grpc.RpcError) -> KvmeshError:
-    """The tokenizer's own error, or TOKENIZER_LOST when it is unreachable or died."""
+    """The tokenizer's own error, or TOKENIZER_LOST when it is unreachable or died: a status
+    without a kvmesh reason that is UNAVAILABLE, CANCELLED or INTERNAL (grpcio's "Internal
+    error from Core" when the peer vanished mid-call)."""
     failure = grpc_errors.from_rpc_error(error)
-    if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and (
-        grpc_errors.rich_status_of(error) is None
-    ):
+    lost_codes = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL)
+    if error.code() in lost_codes and grpc_errors.rich_status_of(error) is None:
         return KvmeshError(
             Reason.TOKENIZER_LOST,
             f"the tokenizer service is unreachable: {failure.message}",

@@ -58,6 +58,15 @@ def pair_mesh(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> 
         yield running
 
 
+@pytest.fixture(autouse=True)
+def restart_the_dead(pair_mesh: Mesh) -> Iterator[None]:
+    """A test that failed half-way leaves no dead service behind for the next one."""
+    yield
+    for service in list(pair_mesh.services):
+        if service.process.poll() is not None:
+            pair_mesh.restart(service.name)
+
+
 @pytest.fixture
 async def inference(pair_mesh: Mesh):
     async with grpc.aio.insecure_channel(pair_mesh.gateway_address) as channel:
@@ -259,8 +268,8 @@ async def short_streams(inference, count: int, max_tokens: int = 300) -> list[as
 
     started = asyncio.Semaphore(0)
     tasks = [asyncio.create_task(one(i)) for i in range(count)]
-    for _ in range(count):
-        await started.acquire()
+    for _ in range(count):  # bounded: a refused request never releases
+        await asyncio.wait_for(started.acquire(), 30)
     return tasks
 
 
