@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from kvmesh.bench_cli import add_bench_parser, run_bench_command
 from kvmesh.convert import add_convert_parser, run_convert
 from kvmesh.mesh_cli import add_remote_flags, add_up_parser, run_chat, run_remote_generate, run_up
+from kvmesh.models_cli import add_models_parser, run_models
 from kvmesh.trace_cli import add_trace_parser, run_trace
 from shared.errors import KvmeshError
 from shared.flags import add_engine_flags, engine_config
@@ -104,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     add_trace_parser(commands)
     add_bench_parser(commands)
     add_convert_parser(commands)
+    add_models_parser(commands)
     return parser
 
 
@@ -195,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_bench_command(args)
         if args.command == "convert":
             return run_convert(args)
+        if args.command == "models":
+            return run_models(args)
         from kvmesh.engine import Engine
 
         print(json.dumps(Engine(engine_config(args)).manifest, indent=2))

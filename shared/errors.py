@@ -21,6 +21,7 @@ class Reason(str, Enum):
     TRACE_NOT_FOUND = "TRACE_NOT_FOUND"  # not received yet, evicted, or never traced
     MODEL_NOT_READY = "MODEL_NOT_READY"
     KV_CACHE_TOO_SMALL = "KV_CACHE_TOO_SMALL"
+    MODEL_DOES_NOT_FIT = "MODEL_DOES_NOT_FIT"  # its KV budget exceeds the memory left at load
     OVERLOADED = "OVERLOADED"
     RATE_LIMITED = "RATE_LIMITED"  # the tenant's own limits, not the mesh's capacity
     UNAUTHENTICATED = "UNAUTHENTICATED"

@@ -35,6 +35,10 @@ class KVCacheShape:
             num_blocks, block_size, arch.num_kv_heads, arch.head_dim, arch.num_layers
         )
 
+    def num_bytes(self, element_bytes: int) -> int:
+        per_block = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.block_size
+        return self.num_blocks * per_block * element_bytes
+
 
 class KVCache:
     """Per layer, K as (num_blocks, num_kv_heads, head_dim, block_size) and V as

@@ -7,14 +7,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 
-def sha256_file(path: str, chunk_bytes: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 @dataclass(frozen=True)
 class ModelManifest:
     model_name: str
@@ -32,6 +24,9 @@ class ModelManifest:
     kv_cache_bytes: int
     load_seconds: float
     warmup_seconds: float
+    repository_version: str = ""  # the repository entry's version; "" when loaded from a path
+    aliases: tuple[str, ...] = ()
+    default_sampling: dict[str, Any] | None = None  # the entry's [sampling] table
 
     @property
     def artifact_digest(self) -> str:
@@ -43,7 +38,8 @@ class ModelManifest:
 
     @property
     def version(self) -> str:
-        return self.artifact_digest[:12]
+        """The repository's version name, else the first 12 hex digits of the digest."""
+        return self.repository_version or self.artifact_digest[:12]
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "artifact_digest": self.artifact_digest, "version": self.version}

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import grpc
+from google.protobuf import json_format
 from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
@@ -62,6 +63,10 @@ def model_info(worker: Worker) -> common_pb2.ModelInfo:
         warmup_seconds=manifest.warmup_seconds,
         vocab_size=worker.architecture.vocab_size,
         eos_token_ids=worker.architecture.eos_token_ids,
+        aliases=manifest.aliases,
+        default_sampling=json_format.ParseDict(
+            manifest.default_sampling or {}, common_pb2.SamplingParams()
+        ),
     )
 
 

@@ -15,13 +15,15 @@ import torch
 from services.engine_worker.artifacts import artifact_files, open_artifact
 from services.engine_worker.backends import BACKENDS, resolve_backend
 from services.engine_worker.batch import RequestState
+from services.engine_worker.capacity import check_memory_fits
 from services.engine_worker.grammar import GrammarCompiler
 from services.engine_worker.kv_cache import KVCacheShape
-from services.engine_worker.manifest import ModelManifest, sha256_file
+from services.engine_worker.manifest import ModelManifest
 from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig
-from shared.errors import KvmeshError, Reason
+from shared.errors import KvmeshError, ModelValidationError, Reason
 from shared.model_paths import resolve_model_path
+from shared.model_repository import ModelEntry, WarmupFixture, is_entry, read_entry, sha256_file
 from shared.sampling import SamplingParams
 from shared.step import SampledToken, StepPlan, StepResult
 from shared.text_tokenizer import load_tokenizer
@@ -36,6 +38,11 @@ class Worker:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.model_path = resolve_model_path(config.model)
+        self.entry: ModelEntry | None = None
+        if is_entry(self.model_path):  # a repository version: its digests first, then its bytes
+            self.entry = read_entry(self.model_path)
+            self.entry.verify()
+            self.model_path = self.entry.artifact_path
         artifact = open_artifact(self.model_path)
         artifact.validate()
         self.architecture = arch = artifact.architecture
@@ -46,6 +53,11 @@ class Worker:
             arch, config.cache.block_size, config.cache.kv_memory_bytes, self.dtype
         )
         weights = ModelWeights.build(arch, artifact.load, self.dtype)
+        # The KV budget is taken whole now, or the model is refused: never later, by running
+        # out while another model's worker on this machine serves traffic.
+        check_memory_fits(
+            kv_shape.num_bytes(self.dtype.itemsize), self.backend, "the KV cache budget"
+        )
         runner_module = importlib.import_module(BACKENDS[self.backend])
         self.runner = runner_module.Runner(
             arch, weights, kv_shape, self.max_model_len, self.dtype, config
@@ -58,10 +70,13 @@ class Worker:
         self._grammars_lock = threading.Lock()  # built once, from whichever thread asks first
         warmup_started = time.perf_counter()
         self.warm_up()
+        entry = self.entry
+        for index, fixture in enumerate(entry.fixtures if entry else ()):
+            self._check_fixture(index, fixture)
         self.manifest = ModelManifest(
-            model_name=os.path.basename(self.model_path.rstrip("/")),
+            model_name=entry.name if entry else os.path.basename(self.model_path.rstrip("/")),
             artifact_path=self.model_path,
-            artifact_sha256={f: sha256_file(f) for f in artifact_files(self.model_path)},
+            artifact_sha256=self._artifact_digests(),
             architecture=arch.name,
             num_parameters=weights.num_parameters,
             dtype=config.dtype,
@@ -74,7 +89,16 @@ class Worker:
             kv_cache_bytes=self.runner.kv_cache_bytes,
             load_seconds=round(load_seconds, 3),
             warmup_seconds=round(time.perf_counter() - warmup_started, 3),
+            repository_version=entry.version if entry else "",
+            aliases=entry.aliases if entry else (),
+            default_sampling=dict(entry.default_sampling) if entry else None,
         )
+
+    def _artifact_digests(self) -> dict[str, str]:
+        if self.entry is not None:  # verified a moment ago: no second pass over the bytes
+            directory = self.entry.directory
+            return {os.path.join(directory, f): d for f, d in self.entry.sha256.items()}
+        return {f: sha256_file(f) for f in artifact_files(self.model_path)}
 
     @staticmethod
     def _max_model_len(config: EngineConfig, model_len: int) -> int:
@@ -101,6 +125,37 @@ class Worker:
         prefill = RequestState("warmup-prefill", tokens, [0, 1], 0, params, len(tokens))
         decode = RequestState("warmup-decode", tokens[:2], [0], 1, params, 1)
         self._run([(decode, 1), (prefill, len(tokens))])
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        """Greedy tokens (EOS included, not stopped at) on scratch blocks, before any request
+        runs: warm-up fixtures are recorded and checked with exactly this."""
+        block = self.kv_shape.block_size
+        num_blocks = -(-(len(prompt_ids) + max_tokens) // block)
+        if not prompt_ids or num_blocks > self.kv_shape.num_blocks:
+            raise KvmeshError(
+                Reason.INVALID_ARGUMENT, "a fixture needs a prompt that fits the KV cache"
+            )
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        state = RequestState(
+            "fixture", list(prompt_ids), list(range(num_blocks)), 0, params, len(prompt_ids)
+        )
+        scheduled = len(prompt_ids)
+        for _ in range(max_tokens):
+            self._run([(state, scheduled)])
+            scheduled = 1
+        return state.token_ids[len(prompt_ids) :]
+
+    def _check_fixture(self, index: int, fixture: WarmupFixture) -> None:
+        found = self.greedy(list(fixture.prompt_ids), len(fixture.expected_ids))
+        if tuple(found) != fixture.expected_ids:
+            assert self.entry is not None
+            raise ModelValidationError(
+                self.entry.directory,
+                f"{self.entry.label}: warm-up fixture {index} output differs; the model "
+                "does not serve",
+                expected=list(fixture.expected_ids),
+                found=found,
+            )
 
     def grammars(self) -> GrammarCompiler:
         """Built on first use: loads the tokenizer llguidance needs (a fraction of a second)."""

@@ -10,6 +10,7 @@ from services.tokenizer.server import TokenizerService
 from shared.flags import env_default
 from shared.logs import configure_logging
 from shared.model_paths import resolve_model_path
+from shared.model_repository import artifact_location
 from shared.pb.kvmesh.v1 import tokenizer_pb2_grpc
 from shared.service import ServiceRuntime, add_common_flags, start_observability
 from shared.text_tokenizer import load_tokenizer
@@ -19,7 +20,7 @@ SERVICE_NAME = "kvmesh.v1.Tokenizer"
 
 async def serve(args: argparse.Namespace) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port)
-    path = resolve_model_path(args.model)
+    path = artifact_location(resolve_model_path(args.model))
     tokenizer = load_tokenizer(path)
     logging.getLogger("kvmesh.tokenizer").info(
         "loaded", extra={"model": path, "has_tokenizer": tokenizer is not None}

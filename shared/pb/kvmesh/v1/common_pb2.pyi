@@ -101,7 +101,7 @@ class Error(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ..., retry_after_ms: _Optional[int] = ..., grpc_code: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "artifact_digest", "artifact_sha256", "artifact_path", "architecture", "num_parameters", "dtype", "quantization", "backend", "max_model_len", "kv_block_size", "kv_blocks", "kv_cache_bytes", "kv_bytes_per_token", "load_seconds", "warmup_seconds", "vocab_size", "eos_token_ids")
+    __slots__ = ("name", "version", "artifact_digest", "artifact_sha256", "artifact_path", "architecture", "num_parameters", "dtype", "quantization", "backend", "max_model_len", "kv_block_size", "kv_blocks", "kv_cache_bytes", "kv_bytes_per_token", "load_seconds", "warmup_seconds", "vocab_size", "eos_token_ids", "aliases", "default_sampling")
     class ArtifactSha256Entry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,8 @@ class ModelInfo(_message.Message):
     WARMUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     artifact_digest: str
@@ -147,4 +149,6 @@ class ModelInfo(_message.Message):
     warmup_seconds: float
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., artifact_digest: _Optional[str] = ..., artifact_sha256: _Optional[_Mapping[str, str]] = ..., artifact_path: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., load_seconds: _Optional[float] = ..., warmup_seconds: _Optional[float] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    default_sampling: SamplingParams
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., artifact_digest: _Optional[str] = ..., artifact_sha256: _Optional[_Mapping[str, str]] = ..., artifact_path: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., load_seconds: _Optional[float] = ..., warmup_seconds: _Optional[float] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., aliases: _Optional[_Iterable[str]] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...

@@ -58,20 +58,22 @@ class GenerateEvent(_message.Message):
     def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., completed: _Optional[_Union[Completed, _Mapping]] = ..., cancelled: _Optional[_Union[Cancelled, _Mapping]] = ..., failed: _Optional[_Union[Failed, _Mapping]] = ...) -> None: ...
 
 class Accepted(_message.Message):
-    __slots__ = ("request_id", "queue_position", "prompt_tokens", "model", "routing", "trace_id")
+    __slots__ = ("request_id", "queue_position", "prompt_tokens", "model", "routing", "trace_id", "model_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     queue_position: int
     prompt_tokens: int
     model: str
     routing: RoutingDecision
     trace_id: str
-    def __init__(self, request_id: _Optional[str] = ..., queue_position: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ..., routing: _Optional[_Union[RoutingDecision, _Mapping]] = ..., trace_id: _Optional[str] = ...) -> None: ...
+    model_version: str
+    def __init__(self, request_id: _Optional[str] = ..., queue_position: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ..., routing: _Optional[_Union[RoutingDecision, _Mapping]] = ..., trace_id: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class RoutingDecision(_message.Message):
     __slots__ = ("scheduler", "matched_blocks", "matched_tokens", "reason")
@@ -190,10 +192,28 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListModelsResponse(_message.Message):
-    __slots__ = ("models",)
+    __slots__ = ("models", "versions")
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[_common_pb2.ModelInfo]
-    def __init__(self, models: _Optional[_Iterable[_Union[_common_pb2.ModelInfo, _Mapping]]] = ...) -> None: ...
+    versions: _containers.RepeatedCompositeFieldContainer[ModelVersionStatus]
+    def __init__(self, models: _Optional[_Iterable[_Union[_common_pb2.ModelInfo, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[ModelVersionStatus, _Mapping]]] = ...) -> None: ...
+
+class ModelVersionStatus(_message.Message):
+    __slots__ = ("name", "version", "state", "replicas", "ready_replicas", "traffic_percent")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    READY_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    state: str
+    replicas: int
+    ready_replicas: int
+    traffic_percent: float
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., replicas: _Optional[int] = ..., ready_replicas: _Optional[int] = ..., traffic_percent: _Optional[float] = ...) -> None: ...
 
 class GetModelRequest(_message.Message):
     __slots__ = ("name",)

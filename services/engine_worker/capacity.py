@@ -1,0 +1,35 @@
+"""Whether an allocation fits the memory left on this machine's device, asked before making it."""
+
+from __future__ import annotations
+
+import os
+
+from shared.errors import KvmeshError, Reason
+
+
+def available_bytes(backend: str) -> int:
+    """Free device memory for the cupy backend (or torch on a GPU); MemAvailable on the CPU."""
+    if backend == "cupy":
+        import cupy
+
+        return int(cupy.cuda.runtime.memGetInfo()[0])
+    device = os.environ.get("KVMESH_TORCH_DEVICE", "cpu")
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62  # not Linux: nothing to ask
+
+
+def check_memory_fits(needed_bytes: int, backend: str, what: str) -> None:
+    available = available_bytes(backend)
+    if needed_bytes > available:
+        raise KvmeshError(
+            Reason.MODEL_DOES_NOT_FIT,
+            f"{what} needs {needed_bytes / 2**20:.0f} MiB but {available / 2**20:.0f} MiB are "
+            "free on this machine: lower kv_memory or serve the model elsewhere",
+        )

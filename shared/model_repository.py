@@ -1,0 +1,327 @@
+"""The model repository: `<repo>/<name>/<version>/` holding an artifact and its `kvmesh.toml`.
+
+An entry says what to serve and how (backend, dtype, context, KV budget, batching, default
+sampling, aliases), which bytes are the model (the sha256 of every artifact file), and which
+warm-up fixtures its output must match before it may serve. Loading verifies the digests: a
+corrupt or swapped file never serves.
+
+Shared because the CLI writes entries, the launcher reads their serving config, and the
+engine-worker verifies them at load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import tomllib
+
+from shared.errors import KvmeshError, ModelValidationError, Reason
+
+ENTRY_FILE = "kvmesh.toml"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_ARTIFACT_SUFFIXES = (".gguf", ".safetensors", ".json", ".txt", ".model")
+
+
+def sha256_file(path: str, chunk_bytes: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_name(kind: str, value: str) -> str:
+    """Names and versions become directory names and routing keys: keep them plain."""
+    if not _NAME.match(value):
+        raise KvmeshError(
+            Reason.INVALID_ARGUMENT,
+            f"{kind} {value!r}: use letters, digits, '.', '_' or '-' (at most 128)",
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """How the model serves; None leaves the flag's own default."""
+
+    backend: str | None = None
+    dtype: str | None = None
+    max_model_len: int | None = None
+    kv_memory: str | None = None
+    block_size: int | None = None
+    max_batched_tokens: int | None = None
+    chunk_size: int | None = None
+
+    def worker_args(self) -> list[str]:
+        return _flags(
+            ("--backend", self.backend),
+            ("--dtype", self.dtype),
+            ("--max-model-len", self.max_model_len),
+            ("--kv-memory", self.kv_memory),
+            ("--block-size", self.block_size),
+        )
+
+    def scheduler_args(self) -> list[str]:
+        return _flags(
+            ("--max-batched-tokens", self.max_batched_tokens), ("--chunk-size", self.chunk_size)
+        )
+
+
+def _flags(*pairs: tuple[str, object]) -> list[str]:
+    return [part for flag, value in pairs if value is not None for part in (flag, str(value))]
+
+
+@dataclass(frozen=True)
+class WarmupFixture:
+    """A prompt whose greedy output must be exactly `expected_ids` before the model serves."""
+
+    prompt_ids: tuple[int, ...]
+    expected_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    version: str
+    directory: str  # <repo>/<name>/<version>
+    artifact: str  # relative to the directory: a GGUF file or an HF directory
+    sha256: Mapping[str, str]  # artifact file (relative) -> digest
+    serving: ServingConfig = ServingConfig()
+    default_sampling: Mapping[str, Any] = field(default_factory=dict)
+    aliases: tuple[str, ...] = ()
+    fixtures: tuple[WarmupFixture, ...] = ()
+
+    @property
+    def artifact_path(self) -> str:
+        return os.path.join(self.directory, self.artifact)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    def verify(self) -> None:
+        """Every listed file present with its digest, and no artifact file unlisted."""
+        on_disk = set(artifact_files(self.directory, self.artifact))
+        for relative, expected in sorted(self.sha256.items()):
+            path = os.path.join(self.directory, relative)
+            if relative not in on_disk:
+                raise ModelValidationError(path, f"{self.label}: artifact file missing")
+            found = sha256_file(path)
+            if found != expected:
+                raise ModelValidationError(
+                    path,
+                    f"{self.label}: sha256 does not match the repository entry "
+                    "(corrupt or replaced file)",
+                    expected=expected,
+                    found=found,
+                )
+        unlisted = sorted(on_disk - set(self.sha256))
+        if unlisted:
+            raise ModelValidationError(
+                os.path.join(self.directory, unlisted[0]),
+                f"{self.label}: artifact file not in the entry's digests",
+            )
+
+    def to_toml(self) -> str:
+        lines = [
+            "# kvmesh model repository entry (`kvmesh models add` wrote it)",
+            "[model]",
+            f"name = {_toml(self.name)}",
+            f"version = {_toml(self.version)}",
+            f"artifact = {_toml(self.artifact)}",
+            f"aliases = {_toml(list(self.aliases))}",
+            "",
+            "[serving]",
+        ]
+        lines += [
+            f"{key} = {_toml(value)}"
+            for key, value in vars(self.serving).items()
+            if value is not None
+        ]
+        lines += ["", "[sampling]"]
+        lines += [f"{key} = {_toml(value)}" for key, value in self.default_sampling.items()]
+        lines += ["", "[sha256]"]
+        lines += [
+            f"{_toml(path)} = {_toml(digest)}" for path, digest in sorted(self.sha256.items())
+        ]
+        for fixture in self.fixtures:
+            lines += [
+                "",
+                "[[warmup]]",
+                f"prompt_ids = {_toml(list(fixture.prompt_ids))}",
+                f"expected_ids = {_toml(list(fixture.expected_ids))}",
+            ]
+        return "\n".join(lines) + "\n"
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(item) for item in value) + "]"
+    raise TypeError(f"no TOML form for {type(value).__name__}")
+
+
+def artifact_files(directory: str, artifact: str) -> list[str]:
+    """The artifact's files, relative to the entry's directory, in path order."""
+    root = os.path.join(directory, artifact)
+    if os.path.isfile(root):
+        return [artifact]
+    found = []
+    for parent, _, names in os.walk(root):
+        for name in names:
+            if name.endswith(_ARTIFACT_SUFFIXES):
+                found.append(os.path.relpath(os.path.join(parent, name), directory))
+    return sorted(found)
+
+
+def is_entry(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, ENTRY_FILE))
+
+
+def artifact_location(path: str) -> str:
+    """A repository version's artifact; any other path as it is."""
+    return read_entry(path).artifact_path if is_entry(path) else path
+
+
+def read_entry(directory: str) -> ModelEntry:
+    path = os.path.join(directory, ENTRY_FILE)
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+        model = data["model"]
+        serving = ServingConfig(**data.get("serving", {}))
+        fixtures = tuple(
+            WarmupFixture(tuple(f["prompt_ids"]), tuple(f["expected_ids"]))
+            for f in data.get("warmup", [])
+        )
+        return ModelEntry(
+            name=check_name("model name", model["name"]),
+            version=check_name("version", str(model["version"])),
+            directory=os.path.abspath(directory),
+            artifact=model["artifact"],
+            sha256=dict(data["sha256"]),
+            serving=serving,
+            default_sampling=dict(data.get("sampling", {})),
+            aliases=tuple(model.get("aliases", ())),
+            fixtures=fixtures,
+        )
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as error:
+        raise ModelValidationError(path, f"not a valid repository entry: {error!r}") from None
+
+
+class ModelRepository:
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+
+    def names(self) -> list[str]:
+        if not os.path.isdir(self.root):
+            return []
+        return sorted(n for n in os.listdir(self.root) if self.versions(n))
+
+    def versions(self, name: str) -> list[str]:
+        """Versions oldest first: numeric ones by number, then the rest by name."""
+        directory = os.path.join(self.root, name)
+        if not os.path.isdir(directory):
+            return []
+        found = [v for v in os.listdir(directory) if is_entry(os.path.join(directory, v))]
+        return sorted(found, key=lambda v: (not v.isdigit(), int(v) if v.isdigit() else 0, v))
+
+    def entries(self) -> Iterator[ModelEntry]:
+        for name in self.names():
+            for version in self.versions(name):
+                yield self.entry(name, version)
+
+    def entry(self, name: str, version: str | None = None) -> ModelEntry:
+        """`version` None: the newest. Unknown names or versions are MODEL_NOT_FOUND."""
+        versions = self.versions(name)
+        if not versions:
+            raise KvmeshError(
+                Reason.MODEL_NOT_FOUND, f"no model {name!r} in the repository {self.root}"
+            )
+        chosen = versions[-1] if version is None else version
+        if chosen not in versions:
+            raise KvmeshError(
+                Reason.MODEL_NOT_FOUND,
+                f"model {name!r} has no version {chosen!r}; it has {', '.join(versions)}",
+            )
+        return read_entry(os.path.join(self.root, name, chosen))
+
+    def resolve(self, spec: str) -> ModelEntry:
+        """`NAME` (newest version) or `NAME@VERSION`."""
+        name, _, version = spec.partition("@")
+        return self.entry(name, version or None)
+
+    def add(
+        self,
+        name: str,
+        source: str,
+        *,
+        version: str | None = None,
+        serving: ServingConfig = ServingConfig(),
+        default_sampling: Mapping[str, Any] | None = None,
+        aliases: tuple[str, ...] = (),
+        fixtures: tuple[WarmupFixture, ...] = (),
+    ) -> ModelEntry:
+        """Copy (hard-link where possible) the artifact in as a new version, with digests."""
+        check_name("model name", name)
+        if not os.path.exists(source):
+            raise KvmeshError(Reason.MODEL_NOT_FOUND, f"no model file or directory at {source}")
+        if version is None:
+            numeric = [int(v) for v in self.versions(name) if v.isdigit()]
+            version = str(max(numeric, default=0) + 1)
+        check_name("version", version)
+        directory = os.path.join(self.root, name, version)
+        if os.path.exists(directory):
+            raise KvmeshError(
+                Reason.INVALID_ARGUMENT, f"{name}@{version} already exists at {directory}"
+            )
+        os.makedirs(directory)
+        artifact = os.path.basename(os.path.abspath(source).rstrip("/"))
+        target = os.path.join(directory, artifact)
+        if os.path.isdir(source):
+            shutil.copytree(source, target, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(source, target)
+        entry = ModelEntry(
+            name=name,
+            version=version,
+            directory=directory,
+            artifact=artifact,
+            sha256={
+                f: sha256_file(os.path.join(directory, f))
+                for f in artifact_files(directory, artifact)
+            },
+            serving=serving,
+            default_sampling=dict(default_sampling or {}),
+            aliases=aliases,
+            fixtures=fixtures,
+        )
+        write_entry(entry)
+        return entry
+
+
+def write_entry(entry: ModelEntry) -> None:
+    """Written to a temporary name and renamed: a reader never sees half an entry."""
+    path = os.path.join(entry.directory, ENTRY_FILE)
+    with open(path + ".tmp", "w", encoding="utf-8") as handle:
+        handle.write(entry.to_toml())
+    os.replace(path + ".tmp", path)
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)

@@ -1,0 +1,118 @@
+"""The model repository: entries with digests, verified at load; fixtures; capacity at load."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from kvmesh.cli import main
+from services.engine_worker.worker import Worker
+from shared.config import CacheConfig, EngineConfig
+from shared.errors import KvmeshError, ModelValidationError, Reason
+from shared.model_repository import (
+    ModelRepository,
+    ServingConfig,
+    WarmupFixture,
+    read_entry,
+    write_entry,
+)
+
+
+def _config(path: str, kv_memory_bytes: int = 8 << 20) -> EngineConfig:
+    return EngineConfig(
+        model=path,
+        backend="torch",
+        cache=CacheConfig(block_size=16, kv_memory_bytes=kv_memory_bytes),
+    )
+
+
+def test_add_numbers_versions_and_records_digests(tmp_path, tiny_llama_dir: str) -> None:
+    repository = ModelRepository(str(tmp_path / "repo"))
+    first = repository.add(
+        "tiny", tiny_llama_dir, serving=ServingConfig(kv_memory="8MiB", chunk_size=64)
+    )
+    second = repository.add("tiny", tiny_llama_dir, aliases=("small",))
+    assert (first.version, second.version) == ("1", "2")
+    assert repository.names() == ["tiny"] and repository.versions("tiny") == ["1", "2"]
+    assert repository.resolve("tiny").version == "2"
+    assert repository.resolve("tiny@1") == read_entry(first.directory)
+    entry = read_entry(first.directory)
+    assert entry.serving.worker_args() == ["--kv-memory", "8MiB"]
+    assert entry.serving.scheduler_args() == ["--chunk-size", "64"]
+    assert read_entry(second.directory).aliases == ("small",)
+    assert any(path.endswith("model.safetensors") for path in entry.sha256)
+    assert all(len(digest) == 64 for digest in entry.sha256.values())
+    entry.verify()
+    with pytest.raises(KvmeshError) as missing:
+        repository.resolve("tiny@7")
+    assert missing.value.reason is Reason.MODEL_NOT_FOUND and "1, 2" in missing.value.message
+    with pytest.raises(KvmeshError):
+        repository.add("../escape", tiny_llama_dir)
+
+
+def _weights_file(entry_directory: str) -> str:
+    entry = read_entry(entry_directory)
+    name = next(p for p in entry.sha256 if p.endswith(".safetensors"))
+    return os.path.join(entry.directory, name)
+
+
+def test_a_corrupt_or_extra_file_never_loads(tmp_path, tiny_llama_dir: str) -> None:
+    repository = ModelRepository(str(tmp_path / "repo"))
+    entry = repository.add("tiny", tiny_llama_dir)
+    manifest = Worker(_config(entry.directory)).manifest
+    assert (manifest.model_name, manifest.version) == ("tiny", "1")
+    weights = _weights_file(entry.directory)
+    os.unlink(weights)  # a hard link: write a changed copy, never through the link
+    with open(os.path.join(tiny_llama_dir, "model.safetensors"), "rb") as source:
+        data = bytearray(source.read())
+    data[-1] ^= 0xFF
+    with open(weights, "wb") as target:
+        target.write(data)
+    with pytest.raises(ModelValidationError) as corrupt:
+        Worker(_config(entry.directory))
+    assert corrupt.value.reason is Reason.INVALID_MODEL
+    assert "sha256 does not match" in corrupt.value.message
+
+    other = repository.add("other", tiny_llama_dir)
+    with open(os.path.join(other.directory, other.artifact, "extra.safetensors"), "wb") as extra:
+        extra.write(b"swapped in")
+    with pytest.raises(ModelValidationError, match="not in the entry's digests"):
+        Worker(_config(other.directory))
+
+
+def test_a_fixture_that_fails_refuses_the_model(tmp_path, tiny_llama_dir: str) -> None:
+    entry = ModelRepository(str(tmp_path / "repo")).add("tiny", tiny_llama_dir)
+    recorded = Worker(_config(entry.directory)).greedy([5, 6, 7, 8], 6)
+    assert len(recorded) == 6
+    good = dataclasses.replace(entry, fixtures=(WarmupFixture((5, 6, 7, 8), tuple(recorded)),))
+    write_entry(good)
+    assert Worker(_config(entry.directory)).manifest.version == "1"  # the same output: serves
+    wrong = (*recorded[:-1], (recorded[-1] + 1) % 512)
+    write_entry(dataclasses.replace(entry, fixtures=(WarmupFixture((5, 6, 7, 8), wrong),)))
+    with pytest.raises(ModelValidationError, match="warm-up fixture 0 output differs"):
+        Worker(_config(entry.directory))
+
+
+def test_a_kv_budget_beyond_free_memory_is_refused_at_load(tiny_llama_dir: str) -> None:
+    with pytest.raises(KvmeshError) as refused:
+        Worker(_config(tiny_llama_dir, kv_memory_bytes=1 << 50))
+    assert refused.value.reason is Reason.MODEL_DOES_NOT_FIT
+    assert "MiB are free" in refused.value.message
+
+
+def test_models_cli_adds_with_fixtures_and_lists(tmp_path, default_model_path: str, capsys) -> None:
+    repo = str(tmp_path / "repo")
+    add = ["models", "--repo", repo, "add", "smollm2", default_model_path, "--alias", "default"]
+    add += ["--kv-memory", "64MiB", "--temperature", "0.5", "--fixture", "The capital of France"]
+    assert main([*add, "--fixture-tokens", "4"]) == 0
+    assert "added smollm2@1" in capsys.readouterr().out
+    entry = ModelRepository(repo).entry("smollm2")
+    assert len(entry.fixtures) == 1 and len(entry.fixtures[0].expected_ids) == 4
+    assert entry.default_sampling == {"temperature": 0.5}
+    worker = Worker(_config(entry.directory, 64 << 20))  # checks the fixture it just recorded
+    assert worker.manifest.aliases == ("default",)
+    assert main(["models", "--repo", repo, "list"]) == 0
+    listing = capsys.readouterr().out
+    assert "smollm2@1" in listing and "1 fixture(s)" in listing and "aliases: default" in listing
