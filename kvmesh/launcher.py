@@ -21,7 +21,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.errors import KvmeshError, Reason
+from shared.model_paths import default_embedding_model_path, is_encoder
+from shared.model_repository import ModelEntry, ModelRepository
 from shared.tls import sync_channel, tls_config
+
+DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # the name clients use for the default embedding model
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -33,7 +37,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 @dataclass
 class MeshConfig:
     model: str | None = None
-    workers: int = 1
+    workers: int = 1  # engine-worker + scheduler pairs (per model, with `models`)
+    # Repository models to serve (NAME or NAME@VERSION), each with its entry's serving config;
+    # the first is the default. Empty: `model` (a path, or the default model) alone.
+    models: list[str] = field(default_factory=list)
+    model_repo: str = "models"
+    # An embedding model beside the rest: "default" (all-MiniLM-L6-v2, from its package) or
+    # a path; repository entries in `models` that are encoders are embedders too.
+    embedder: str | None = None
     redis_url: str | None = None  # None: start our own redis-server
     host: str = "127.0.0.1"
     gateway_port: int = 0  # 0: any free port
@@ -63,6 +74,21 @@ class ServiceProcess:
             return "".join(handle.readlines()[-lines:])
 
 
+@dataclass
+class ModelPair:
+    """One engine-worker and the scheduler that drives it, serving one model version."""
+
+    name: str
+    version: str
+    worker: ServiceProcess
+    scheduler: ServiceProcess
+
+    @property
+    def gateway_spec(self) -> str:
+        assert self.scheduler.address is not None
+        return f"{self.name}@{self.version}={self.scheduler.address}"
+
+
 class Mesh:
     def __init__(self, config: MeshConfig) -> None:
         self.config = config
@@ -76,6 +102,9 @@ class Mesh:
         self.worker_addresses: list[str] = []
         self.tokenizer_address = ""
         self.collector_address = ""
+        self.embedder_addresses: list[str] = []
+        self.pairs: list[ModelPair] = []  # with `models`: every pair, by model version
+        self.repository = ModelRepository(config.model_repo)
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -96,10 +125,27 @@ class Mesh:
         if self.redis_url is None:
             self.redis_url = self._start_redis()
         self.collector_address = self._spawn("trace-collector", "services.trace_collector", [])
-        model = ["--model", config.model] if config.model else []
+        all_entries = [self.repository.resolve(spec) for spec in config.models]
+        entries = [e for e in all_entries if not is_encoder(e.artifact_path)]
+        if entries:
+            model = ["--model", entries[0].directory]
+        else:
+            model = ["--model", config.model] if config.model else []
         self.tokenizer_address = self._spawn("tokenizer", "services.tokenizer", model)
-        threads = config.worker_threads or max(1, (os.cpu_count() or 1) // config.workers)
-        for index in range(config.workers):
+        num_workers = config.workers * max(1, len(entries))
+        threads = config.worker_threads or max(1, (os.cpu_count() or 1) // num_workers)
+        for entry in entries:
+            for _ in range(config.workers):
+                self.start_pair(entry, threads)
+        embedders = [
+            self.start_embedder(e.directory, e.label) for e in all_entries if e not in entries
+        ]
+        if config.embedder == "default":
+            embedders.append(self.start_embedder(default_embedding_model_path(), DEFAULT_EMBEDDER))
+        elif config.embedder:
+            name = os.path.basename(config.embedder.rstrip("/"))
+            embedders.append(self.start_embedder(config.embedder, name))
+        for index in range(0 if all_entries else config.workers):
             worker = self._spawn(
                 f"engine-worker-{index}",
                 "services.engine_worker",
@@ -120,6 +166,9 @@ class Mesh:
         for service in self.services:
             if service.address is not None:
                 self._wait_ready(service, deadline)
+        schedulers = [pair.gateway_spec for pair in self.pairs] or self.scheduler_addresses
+        default = ["--default-model", entries[0].name] if entries else []
+        default += ["--embedder", ",".join(embedders)] if embedders else []
         http: list[str] = ["--http-port", "0"]
         if config.http_port is not None:
             http_port = config.http_port or free_port(config.host)
@@ -133,15 +182,77 @@ class Mesh:
                 "--tokenizer",
                 self.tokenizer_address,
                 "--scheduler",
-                ",".join(self.scheduler_addresses),
+                ",".join(schedulers),
                 "--redis",
                 self.redis_url,
+                *default,
                 *http,
                 *config.gateway_args,
             ],
             port=config.gateway_port or None,
         )
         self._wait_ready(self.services[-1], deadline)
+
+    def start_pair(self, entry: ModelEntry, threads: int | None = None) -> ModelPair:
+        """An engine-worker + scheduler for a repository version, with its serving config
+        (after the mesh-wide flags, so the entry's own values win). Not waited for."""
+        config = self.config
+        threads = threads or config.worker_threads or 1
+        index = sum(1 for p in self.pairs if (p.name, p.version) == (entry.name, entry.version))
+        suffix = f"{entry.name}-{entry.version}-{index}"
+        while any(s.name == f"engine-worker-{suffix}" for s in self.services):
+            index += 1
+            suffix = f"{entry.name}-{entry.version}-{index}"
+        worker_args = [*config.worker_args, *entry.serving.worker_args()]
+        worker = self._spawn(
+            f"engine-worker-{suffix}",
+            "services.engine_worker",
+            ["--model", entry.directory, "--threads", str(threads), *worker_args],
+            threads=threads,
+        )
+        self.worker_addresses.append(worker)
+        worker_process = self.services[-1]
+        scheduler_args = [*config.scheduler_args, *entry.serving.scheduler_args()]
+        assert self.redis_url is not None
+        scheduler = self._spawn(
+            f"scheduler-{suffix}",
+            "services.scheduler",
+            ["--worker", worker, "--redis", self.redis_url, *scheduler_args],
+        )
+        self.scheduler_addresses.append(scheduler)
+        pair = ModelPair(entry.name, entry.version, worker_process, self.services[-1])
+        self.pairs.append(pair)
+        return pair
+
+    def start_embedder(self, model: str, label: str) -> str:
+        """An engine-worker serving an embedding model (`label`: NAME or NAME@VERSION); its
+        gateway spec. Not waited for."""
+        name = label.partition("@")[0]
+        index = sum(1 for s in self.services if s.name.startswith("embedder-"))
+        threads = self.config.worker_threads or 1
+        address = self._spawn(
+            f"embedder-{index}",
+            "services.engine_worker",
+            ["--model", model, "--threads", str(threads), "--served-model-name", name],
+            threads=threads,
+        )
+        self.embedder_addresses.append(address)
+        return f"{label}={address}"
+
+    def wait_ready(self, services: list[ServiceProcess]) -> None:
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        for service in services:
+            self._wait_ready(service, deadline)
+
+    def stop_pair(self, pair: ModelPair, timeout_s: float | None = None) -> None:
+        """SIGTERM the scheduler (it finishes its own requests), then the worker."""
+        timeout = self.config.drain_seconds + 5 if timeout_s is None else timeout_s
+        for service in (pair.scheduler, pair.worker):
+            _terminate(service, timeout)
+            self.services.remove(service)
+        self.scheduler_addresses.remove(pair.scheduler.address or "")
+        self.worker_addresses.remove(pair.worker.address or "")
+        self.pairs.remove(pair)
 
     def _start_redis(self) -> str:
         binary = shutil.which("redis-server")
@@ -268,11 +379,16 @@ class Mesh:
         whatever is still there after that."""
         timeout = self.config.drain_seconds + 5 if timeout_s is None else timeout_s
         for service in reversed(self.services):
-            if service.process.poll() is None:
-                service.process.send_signal(signal.SIGTERM)
-                try:
-                    service.process.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    service.process.kill()
-                    service.process.wait()
+            _terminate(service, timeout)
         self.services.clear()
+        self.pairs.clear()
+
+
+def _terminate(service: ServiceProcess, timeout_s: float) -> None:
+    if service.process.poll() is None:
+        service.process.send_signal(signal.SIGTERM)
+        try:
+            service.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            service.process.kill()
+            service.process.wait()

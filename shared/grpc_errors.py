@@ -34,6 +34,7 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Reason.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
     Reason.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
     Reason.WORKER_LOST: grpc.StatusCode.UNAVAILABLE,
     Reason.CLIENT_STALLED: grpc.StatusCode.CANCELLED,

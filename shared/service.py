@@ -13,7 +13,7 @@ import argparse
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import grpc
@@ -96,6 +96,7 @@ class ServiceRuntime:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.draining = False
+        self._named_ready: dict[str, bool] = {}  # extra health service names, e.g. models
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -121,10 +122,17 @@ class ServiceRuntime:
         await self.set_ready(False)
         log.info("listening", extra={"address": self.address, "tls": tls is not None})
 
-    async def set_ready(self, ready: bool) -> None:
+    async def set_ready(self, ready: bool, named: Mapping[str, bool] | None = None) -> None:
+        """Readiness of the whole service, and of `named` health services (the gateway's
+        models); a name left out of `named` that was there before turns NOT_SERVING."""
         status = _SERVING if ready and not self.draining else _NOT_SERVING
         for name in ("", self.service_name):
             await self.health.set(name, status)
+        if named is not None:
+            self._named_ready = {**dict.fromkeys(self._named_ready, False), **named}
+        for name, named_ready in self._named_ready.items():
+            serving = named_ready and not self.draining
+            await self.health.set(name, _SERVING if serving else _NOT_SERVING)
 
     def refuse_if_draining(self) -> None:
         if self.draining:

@@ -6,19 +6,30 @@ import argparse
 import asyncio
 import logging
 
+from services.engine_worker.embed_server import EmbedderService
 from services.engine_worker.server import EngineWorkerService
-from shared.flags import add_worker_flags, engine_config
+from shared.flags import add_worker_flags, engine_config, env_default
 from shared.logs import configure_logging
+from shared.model_paths import is_encoder, resolve_model_path
+from shared.model_repository import artifact_location
 from shared.pb.kvmesh.v1 import engine_worker_pb2_grpc
 from shared.service import ServiceRuntime, add_common_flags, start_observability
 
 SERVICE_NAME = "kvmesh.v1.EngineWorker"
+EMBEDDER_SERVICE_NAME = "kvmesh.v1.Embedder"
 
 
 async def serve(args: argparse.Namespace) -> None:
-    runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port)
-    service = EngineWorkerService(runtime, engine_config(args))
-    runtime.add_servicer(engine_worker_pb2_grpc.add_EngineWorkerServicer_to_server, service)
+    model_path = resolve_model_path(args.model)
+    service: EngineWorkerService | EmbedderService
+    if is_encoder(artifact_location(model_path)):  # an embedding model: Embedder, no steps
+        runtime = ServiceRuntime(EMBEDDER_SERVICE_NAME, args.host, args.port)
+        service = EmbedderService(runtime, model_path, args.served_model_name)
+        runtime.add_servicer(engine_worker_pb2_grpc.add_EmbedderServicer_to_server, service)
+    else:
+        runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port)
+        service = EngineWorkerService(runtime, engine_config(args), args.served_model_name)
+        runtime.add_servicer(engine_worker_pb2_grpc.add_EngineWorkerServicer_to_server, service)
     await runtime.start()
     loading = asyncio.create_task(service.load())
 
@@ -36,6 +47,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="services.engine_worker", description=__doc__)
     add_common_flags(parser, default_port=50061)
     add_worker_flags(parser)
+    parser.add_argument(
+        "--served-model-name",
+        default=env_default("served-model-name", None),
+        help="the name clients use for the model (default: the repository entry's, else the "
+        "artifact's file or folder name)",
+    )
     args = parser.parse_args()
     configure_logging("engine-worker", args.log_level)
     start_observability("engine-worker", args)

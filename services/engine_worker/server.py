@@ -41,10 +41,10 @@ BATCH_SIZE = Histogram(
 TOKENS_COMPUTED = Counter("kvmesh_tokens_computed", "Tokens through the model (prompt and output)")
 
 
-def model_info(worker: Worker) -> common_pb2.ModelInfo:
+def model_info(worker: Worker, served_name: str | None = None) -> common_pb2.ModelInfo:
     manifest = worker.manifest
     return common_pb2.ModelInfo(
-        name=manifest.model_name,
+        name=served_name or manifest.model_name,
         version=manifest.version,
         artifact_digest=manifest.artifact_digest,
         artifact_sha256=manifest.artifact_sha256,
@@ -67,6 +67,7 @@ def model_info(worker: Worker) -> common_pb2.ModelInfo:
         default_sampling=json_format.ParseDict(
             manifest.default_sampling or {}, common_pb2.SamplingParams()
         ),
+        task="generate",
     )
 
 
@@ -102,9 +103,12 @@ def record_step(
 
 
 class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
-    def __init__(self, runtime: ServiceRuntime, config: EngineConfig) -> None:
+    def __init__(
+        self, runtime: ServiceRuntime, config: EngineConfig, served_name: str | None = None
+    ) -> None:
         self.runtime = runtime
         self.config = config
+        self.served_name = served_name  # the name clients use, when not the artifact's own
         self.worker: Worker | None = None
         self._driven = False  # one scheduler at a time owns the KV pool
         # Every torch call from one OS thread: OpenMP keeps a thread team per calling thread, and
@@ -170,7 +174,8 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
         self, request: engine_worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
     ) -> engine_worker_pb2.WorkerInfo:
         try:
-            return engine_worker_pb2.WorkerInfo(model=model_info(self._ready_worker()))
+            worker = self._ready_worker()
+            return engine_worker_pb2.WorkerInfo(model=model_info(worker, self.served_name))
         except KvmeshError as error:
             await grpc_errors.abort(context, error)
             raise

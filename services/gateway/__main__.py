@@ -10,6 +10,7 @@ import os
 from services.gateway.backends import Backends
 from services.gateway.generate import GatewayPolicy
 from services.gateway.limits import RequestLimits
+from services.gateway.model_admin import ModelAdminService
 from services.gateway.openai_http import OpenAIFront
 from services.gateway.rate_limits import RateLimiter
 from services.gateway.router import Router, Watermarks
@@ -17,7 +18,7 @@ from services.gateway.server import InferenceService
 from services.gateway.tenants import ApiKeys
 from shared.flags import add_gateway_flags, env_default, env_int
 from shared.logs import configure_logging
-from shared.pb.kvmesh.v1 import inference_pb2_grpc
+from shared.pb.kvmesh.v1 import inference_pb2_grpc, model_admin_pb2_grpc
 from shared.redis_link import RedisLink
 from shared.service import ServiceRuntime, add_common_flags, start_observability
 
@@ -60,7 +61,9 @@ def gateway_policy(args: argparse.Namespace, link: RedisLink | None) -> GatewayP
 
 async def serve(args: argparse.Namespace) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port, public=True)
-    backends = Backends(args.tokenizer, [a for a in args.scheduler.split(",") if a])
+    schedulers = [spec for spec in args.scheduler.split(",") if spec]
+    embedders = [spec for spec in args.embedder.split(",") if spec]
+    backends = Backends(args.tokenizer, schedulers, args.default_model, embedders)
     link = RedisLink(args.redis, degraded=DEGRADED) if args.redis else None
     if link is None:
         log.warning("no --redis: routing and admission use this gateway's local view only")
@@ -68,6 +71,10 @@ async def serve(args: argparse.Namespace) -> None:
     service = InferenceService(runtime, backends, policy)
     generate = service.generate  # one handler for gRPC and HTTP: one admission, one in-flight
     runtime.add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server, service)
+    runtime.add_servicer(
+        model_admin_pb2_grpc.add_ModelAdminServicer_to_server,
+        ModelAdminService(backends, policy.api_keys),
+    )
     await runtime.start()
     front = OpenAIFront(generate, backends)
     if args.http_port:
@@ -95,7 +102,19 @@ def main() -> None:
     parser.add_argument(
         "--scheduler",
         default=env_default("scheduler", "127.0.0.1:50071"),
-        help="scheduler addresses, comma-separated",
+        help="scheduler addresses, comma-separated; NAME[@VERSION]=HOST:PORT for one known to "
+        "serve that model (requests for it are then MODEL_NOT_READY, not NOT_FOUND, until ready)",
+    )
+    parser.add_argument(
+        "--embedder",
+        default=env_default("embedder", ""),
+        help="engine-workers serving embedding models (Embed, /v1/embeddings), comma-separated, "
+        "each HOST:PORT or NAME[@VERSION]=HOST:PORT",
+    )
+    parser.add_argument(
+        "--default-model",
+        default=env_default("default-model", ""),
+        help="the model of requests that name none (default: the first scheduler's)",
     )
     parser.add_argument(
         "--redis",

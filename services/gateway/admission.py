@@ -22,8 +22,16 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 
 
-def resolve_sampling(message: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
-    """Validated, every field set, with a seed: the parameters in force."""
+def resolve_sampling(
+    message: common_pb2.SamplingParams, model_defaults: common_pb2.SamplingParams | None = None
+) -> common_pb2.SamplingParams:
+    """Validated, every field set, with a seed: the parameters in force. Fields the request
+    leaves unset take the model's defaults (its repository entry), then the engine's."""
+    if model_defaults is not None and model_defaults.ListFields():
+        merged = common_pb2.SamplingParams()
+        merged.CopyFrom(model_defaults)
+        merged.MergeFrom(message)
+        message = merged
     params: SamplingParams = sampling_from_pb(message)
     if params.seed is None:
         params = dataclasses.replace(params, seed=random.getrandbits(63))

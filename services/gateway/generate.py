@@ -130,13 +130,13 @@ class GenerateHandler:
         outcome, reason = "cancelled", "client_disconnected"  # unless a terminal event is sent
         with self.runtime.in_flight():
             try:
-                assert backend.model is not None
                 yield Event(
                     accepted=inference_pb2.Accepted(
                         request_id=request_id,
                         queue_position=admitted.queue_position,
                         prompt_tokens=prompt_tokens,
-                        model=backend.model.name,
+                        model=admitted.model.name,
+                        model_version=admitted.model.version,
                         routing=route.to_pb(),
                         trace_id=telemetry.trace_id,
                     )
@@ -194,8 +194,10 @@ class GenerateHandler:
                     retry_after_ms=1000,
                 )
             check_stop_strings(list(request.stop))
-            sampling = resolve_sampling(request.sampling)
             candidates = self.backends.serving(request.model)
+            model = candidates[0].model
+            assert model is not None
+            sampling = resolve_sampling(request.sampling, model.default_sampling)
             self.backends.require_tokenizer()
         self._num_admitting += 1
         try:
@@ -234,6 +236,7 @@ class GenerateHandler:
                 route = await self.policy.router.route(candidates, token_ids, tenant.cache_salt)
                 span.set_attributes(route.span_attributes())
             routed = Routed(route)
+            routed_model = route.backend.model or model
             upstream_id = upstream_request_id(request_id, tenant, bool(request.request_id))
             try:
                 if remaining is not None:
@@ -268,7 +271,9 @@ class GenerateHandler:
                 **route.span_attributes(),
             }
         )
-        return Admitted(routed, tenant, grant, sampling, token_ids, submit, position, upstream_id)
+        return Admitted(
+            routed, tenant, grant, sampling, token_ids, submit, position, upstream_id, routed_model
+        )
 
     async def _submit(
         self,

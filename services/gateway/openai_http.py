@@ -27,7 +27,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway.backends import Backends
 from services.gateway.call_context import HttpCall
+from services.gateway.embed import embed
 from services.gateway.generate import GenerateHandler
+from services.gateway.openai_embeddings import parse_embeddings
 from services.gateway.openai_protocol import (
     OpenAIRequest,
     ResponseBuilder,
@@ -49,6 +51,7 @@ HTTP_STATUS = {
     Reason.MODEL_NOT_FOUND: 404,
     Reason.TRACE_NOT_FOUND: 404,
     Reason.UNAUTHENTICATED: 401,
+    Reason.PERMISSION_DENIED: 403,
     Reason.RATE_LIMITED: 429,  # the tenant's own limits
     Reason.OVERLOADED: 503,  # the mesh's capacity: OpenAI's "engine overloaded"
     Reason.MODEL_NOT_READY: 503,
@@ -132,6 +135,7 @@ class OpenAIFront:
         app = web.Application(middlewares=[openai_errors], client_max_size=max_bytes)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model}", self.get_model)
         app.router.add_get("/health", self.health)
@@ -163,6 +167,15 @@ class OpenAIFront:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, parse_completion(parse_body(await request.read())))
 
+    async def embeddings(self, request: web.Request) -> web.Response:
+        runtime = self.generate.runtime
+        self.generate.policy.api_keys.authenticate(self._call(request).invocation_metadata())
+        with runtime.in_flight():
+            runtime.refuse_if_draining()
+            parsed = parse_embeddings(parse_body(await request.read()))
+            reply = await embed(self.backends, parsed.embed, timeout=None)
+        return web.json_response(parsed.response(reply))
+
     def _max_model_len(self, model: str) -> int:
         info = self.backends.pick(model).model
         assert info is not None
@@ -174,7 +187,7 @@ class OpenAIFront:
         async with contextlib.aclosing(events):  # closing cancels the request upstream
             first = await events.__anext__()  # a refusal raises here, before any byte is sent
             builder = ResponseBuilder(parsed)
-            builder.accepted(first.accepted, self.backends.model_info(first.accepted.model))
+            builder.accepted(first.accepted)
             headers = {"X-Request-Id": first.accepted.request_id}
             if parsed.stream:
                 return await self._stream(request, events, builder, headers)
@@ -241,19 +254,24 @@ class OpenAIFront:
 
     async def list_models(self, request: web.Request) -> web.Response:
         self.generate.policy.api_keys.authenticate(self._call(request).invocation_metadata())
-        return web.json_response(
-            {"object": "list", "data": [self._model(m) for m in self.backends.models()]}
-        )
+        # Each model by name (its traffic split chooses the version), then each version.
+        served = self.backends.models()
+        by_name: dict[str, dict[str, Any]] = {}
+        for model in served:
+            by_name.setdefault(model.name, self._model(model, model.name))
+        versions = [self._model(m, f"{m.name}@{m.version}") for m in served]
+        return web.json_response({"object": "list", "data": [*by_name.values(), *versions]})
 
     async def get_model(self, request: web.Request) -> web.Response:
         self.generate.policy.api_keys.authenticate(self._call(request).invocation_metadata())
-        info = self.backends.pick(request.match_info["model"]).model
+        name = request.match_info["model"]
+        info = self.backends.pick(name).model
         assert info is not None
-        return web.json_response(self._model(info))
+        return web.json_response(self._model(info, name))
 
-    def _model(self, info: Any) -> dict[str, Any]:
+    def _model(self, info: Any, model_id: str) -> dict[str, Any]:
         return {
-            "id": info.name,
+            "id": model_id,
             "object": "model",
             "created": self.started,
             "owned_by": "kvmesh",

@@ -284,10 +284,10 @@ class ResponseBuilder:
             return "chat.completion.chunk" if chat else "text_completion"
         return "chat.completion" if chat else "text_completion"
 
-    def accepted(self, event: inference_pb2.Accepted, model: common_pb2.ModelInfo | None) -> None:
+    def accepted(self, event: inference_pb2.Accepted) -> None:
         self.id = ("chatcmpl-" if self.request.chat else "cmpl-") + event.request_id
         self.model = event.model
-        self.fingerprint = f"kvmesh-{model.version}" if model is not None else ""
+        self.fingerprint = f"kvmesh-{event.model_version}"  # the version that answers
 
     def delta_chunk(self, delta: inference_pb2.Delta) -> dict[str, Any] | None:
         """The chunk for one delta; None when it has nothing to show (text held back)."""

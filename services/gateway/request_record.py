@@ -43,6 +43,8 @@ class Admitted:
     submit: grpc.aio.UnaryStreamCall  # the scheduler's token stream; cancelling aborts
     queue_position: int
     upstream_id: str  # the request's id at the scheduler (tenant-scoped when client-named)
+    # The model version it runs on, kept: its scheduler may drain (and forget it) meanwhile.
+    model: common_pb2.ModelInfo
 
     @property
     def backend(self) -> SchedulerBackend:
@@ -73,8 +75,7 @@ def completed_event(
     admitted: Admitted,
 ) -> inference_pb2.GenerateEvent:
     now = time.monotonic()
-    backend, sampling = admitted.backend, admitted.sampling
-    model = backend.model or common_pb2.ModelInfo()
+    backend, sampling, model = admitted.backend, admitted.sampling, admitted.model
     timings = inference_pb2.Timings(
         total_ms=(now - progress.received) * 1e3,
         ttft_ms=((progress.first_token_at or now) - progress.received) * 1e3,

@@ -8,6 +8,7 @@ import grpc
 
 from services.gateway.admission import prompt_token_ids
 from services.gateway.backends import Backends
+from services.gateway.embed import embed
 from services.gateway.generate import GatewayPolicy, GenerateHandler
 from services.gateway.stall import ClientStalled, stalled_error, write_or_stall
 from services.gateway.tenants import Tenant
@@ -26,6 +27,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def __init__(
         self, runtime: ServiceRuntime, backends: Backends, policy: GatewayPolicy | None = None
     ) -> None:
+        self.runtime = runtime
         self.backends = backends
         self.policy = policy or GatewayPolicy()
         self.generate = GenerateHandler(runtime, backends, self.policy)
@@ -77,7 +79,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
         await self._authenticate(context)
-        return inference_pb2.ListModelsResponse(models=self.backends.models())
+        return inference_pb2.ListModelsResponse(
+            models=self.backends.models(), versions=self.backends.versions()
+        )
 
     async def GetModel(
         self, request: inference_pb2.GetModelRequest, context: grpc.aio.ServicerContext
@@ -90,6 +94,19 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             raise
         assert model is not None
         return model
+
+    async def Embed(
+        self, request: inference_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.EmbedResponse:
+        await self._authenticate(context)
+        with self.runtime.in_flight():
+            try:
+                self.runtime.refuse_if_draining()
+                self.policy.limits.check_size(request.ByteSize())
+                return await embed(self.backends, request, context.time_remaining())
+            except KvmeshError as error:
+                await grpc_errors.abort(context, error)
+                raise
 
     async def _token_ids(
         self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext

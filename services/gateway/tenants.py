@@ -42,6 +42,7 @@ class TenantLimits:
 class Tenant:
     name: str
     limits: TenantLimits = field(default_factory=TenantLimits)
+    admin: bool = False  # may call ModelAdmin (add schedulers, move traffic)
 
     @property
     def cache_salt(self) -> bytes:
@@ -95,7 +96,8 @@ class ApiKeys:
                 tokens_per_minute=float(table.get("tokens_per_minute", 0)),
                 max_concurrent=int(table.get("max_concurrent", 0)),
             )
-            entries += [(key, Tenant(name, limits)) for key in keys]
+            admin = table.get("admin", False) is True
+            entries += [(key, Tenant(name, limits, admin)) for key in keys]
         return cls(entries)
 
     @classmethod

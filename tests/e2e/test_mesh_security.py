@@ -17,6 +17,8 @@ from kvmesh.launcher import Mesh
 from shared.pb.kvmesh.v1 import (
     inference_pb2,
     inference_pb2_grpc,
+    model_admin_pb2,
+    model_admin_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
     traces_pb2,
@@ -40,6 +42,10 @@ keys = ["sk-acme-9f2c"]
 
 [tenants.beta]
 keys = ["sk-beta-41d7"]
+
+[tenants.ops]
+keys = ["sk-ops-77e1"]
+admin = true
 """
 MAX_BYTES, MAX_PROMPT, MAX_TOTAL, MAX_STREAMS = 4096, 64, 600, 2
 
@@ -48,7 +54,7 @@ def auth(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
 
-ACME, BETA = auth("sk-acme-9f2c"), auth("sk-beta-41d7")
+ACME, BETA, OPS = auth("sk-acme-9f2c"), auth("sk-beta-41d7"), auth("sk-ops-77e1")
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +109,22 @@ async def test_a_tenant_can_neither_see_nor_abort_another_tenants_request(
     assert mine.found
     assert (await read_rest(acme))[-1].WhichOneof("event") == "cancelled"
     await assert_mesh_idle(guarded_mesh)
+
+
+async def test_model_admin_needs_an_admin_tenant(guarded_mesh: Mesh) -> None:
+    request = model_admin_pb2.SetTrafficRequest(model="nobody", percent={"1": 100.0})
+    async with grpc.aio.insecure_channel(guarded_mesh.gateway_address) as channel:
+        admin = model_admin_pb2_grpc.ModelAdminStub(channel)
+        for metadata, code, reason in (
+            ((), grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED"),
+            (ACME, grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED"),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await admin.SetTraffic(request, metadata=metadata)
+            error = rich_error(refused.value)
+            assert (error.code, error.reason, error.retryable) == (code, reason, False)
+        await admin.SetTraffic(request, metadata=OPS)
+        await admin.SetTraffic(model_admin_pb2.SetTrafficRequest(model="nobody"), metadata=OPS)
 
 
 @pytest.mark.parametrize(

@@ -124,9 +124,7 @@ def test_kvmesh_formats_beside_openais() -> None:
 def builder(body: dict, chat: bool = True) -> ResponseBuilder:
     parsed = parse_chat(body, context_of) if chat else parse_completion(body)
     built = ResponseBuilder(parsed)
-    built.accepted(
-        inference_pb2.Accepted(request_id="r1", model="m"), common_pb2.ModelInfo(version="v1")
-    )
+    built.accepted(inference_pb2.Accepted(request_id="r1", model="m", model_version="v1"))
     return built
 
 

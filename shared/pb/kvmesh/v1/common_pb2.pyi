@@ -86,6 +86,22 @@ class TokenIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class EmbedInput(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values", "num_tokens")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    num_tokens: int
+    def __init__(self, values: _Optional[_Iterable[float]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
 class Error(_message.Message):
     __slots__ = ("reason", "message", "retryable", "retry_after_ms", "grpc_code")
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -101,7 +117,7 @@ class Error(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ..., retry_after_ms: _Optional[int] = ..., grpc_code: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "artifact_digest", "artifact_sha256", "artifact_path", "architecture", "num_parameters", "dtype", "quantization", "backend", "max_model_len", "kv_block_size", "kv_blocks", "kv_cache_bytes", "kv_bytes_per_token", "load_seconds", "warmup_seconds", "vocab_size", "eos_token_ids", "aliases", "default_sampling")
+    __slots__ = ("name", "version", "artifact_digest", "artifact_sha256", "artifact_path", "architecture", "num_parameters", "dtype", "quantization", "backend", "max_model_len", "kv_block_size", "kv_blocks", "kv_cache_bytes", "kv_bytes_per_token", "load_seconds", "warmup_seconds", "vocab_size", "eos_token_ids", "aliases", "default_sampling", "task", "embedding_dimensions")
     class ArtifactSha256Entry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +146,8 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     artifact_digest: str
@@ -151,4 +169,6 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     aliases: _containers.RepeatedScalarFieldContainer[str]
     default_sampling: SamplingParams
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., artifact_digest: _Optional[str] = ..., artifact_sha256: _Optional[_Mapping[str, str]] = ..., artifact_path: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., load_seconds: _Optional[float] = ..., warmup_seconds: _Optional[float] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., aliases: _Optional[_Iterable[str]] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    task: str
+    embedding_dimensions: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., artifact_digest: _Optional[str] = ..., artifact_sha256: _Optional[_Mapping[str, str]] = ..., artifact_path: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., load_seconds: _Optional[float] = ..., warmup_seconds: _Optional[float] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., aliases: _Optional[_Iterable[str]] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., task: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ...) -> None: ...

@@ -7,6 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EmbedInputs(_message.Message):
+    __slots__ = ("inputs",)
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.EmbedInput]
+    def __init__(self, inputs: _Optional[_Iterable[_Union[_common_pb2.EmbedInput, _Mapping]]] = ...) -> None: ...
+
+class EmbedVectors(_message.Message):
+    __slots__ = ("embeddings",)
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[_common_pb2.Embedding]
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[_common_pb2.Embedding, _Mapping]]] = ...) -> None: ...
+
+class EmbedderModelRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class PrepareFormatResponse(_message.Message):
     __slots__ = ("compile_seconds",)
     COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]

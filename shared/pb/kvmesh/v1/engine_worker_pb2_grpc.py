@@ -234,3 +234,124 @@ class EngineWorker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class EmbedderStub:
+    """Served instead of EngineWorker by a worker whose model is an encoder (embeddings).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Embed = channel.unary_unary(
+                '/kvmesh.v1.Embedder/Embed',
+                request_serializer=kvmesh_dot_v1_dot_engine__worker__pb2.EmbedInputs.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_engine__worker__pb2.EmbedVectors.FromString,
+                _registered_method=True)
+        self.GetModel = channel.unary_unary(
+                '/kvmesh.v1.Embedder/GetModel',
+                request_serializer=kvmesh_dot_v1_dot_engine__worker__pb2.EmbedderModelRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_common__pb2.ModelInfo.FromString,
+                _registered_method=True)
+
+
+class EmbedderServicer:
+    """Served instead of EngineWorker by a worker whose model is an encoder (embeddings).
+    """
+
+    def Embed(self, request, context):
+        """Vectors for a call's inputs. Inputs of concurrent calls share forward passes: while one
+        batch runs, the next gathers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetModel(self, request, context):
+        """The loaded model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_EmbedderServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=kvmesh_dot_v1_dot_engine__worker__pb2.EmbedInputs.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_engine__worker__pb2.EmbedVectors.SerializeToString,
+            ),
+            'GetModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModel,
+                    request_deserializer=kvmesh_dot_v1_dot_engine__worker__pb2.EmbedderModelRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_common__pb2.ModelInfo.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvmesh.v1.Embedder', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvmesh.v1.Embedder', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Embedder:
+    """Served instead of EngineWorker by a worker whose model is an encoder (embeddings).
+    """
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Embedder/Embed',
+            kvmesh_dot_v1_dot_engine__worker__pb2.EmbedInputs.SerializeToString,
+            kvmesh_dot_v1_dot_engine__worker__pb2.EmbedVectors.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Embedder/GetModel',
+            kvmesh_dot_v1_dot_engine__worker__pb2.EmbedderModelRequest.SerializeToString,
+            kvmesh_dot_v1_dot_common__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -19,6 +19,26 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
 
+class EmbedRequest(_message.Message):
+    __slots__ = ("model", "inputs")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    inputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.EmbedInput]
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.EmbedInput, _Mapping]]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "model", "model_version", "prompt_tokens")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[_common_pb2.Embedding]
+    model: str
+    model_version: str
+    prompt_tokens: int
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[_common_pb2.Embedding, _Mapping]]] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("model", "text", "chat", "token_ids", "sampling", "stop", "timeout_ms", "request_id", "priority")
     MODEL_FIELD_NUMBER: _ClassVar[int]

@@ -70,6 +70,11 @@ class InferenceStub:
                 request_serializer=kvmesh_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_inference__pb2.CountTokensResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/kvmesh.v1.Inference/Embed',
+                request_serializer=kvmesh_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -124,6 +129,13 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Vectors for texts or token ids from an embedding model (task "embed" in ListModels).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -156,6 +168,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.CountTokens,
                     request_deserializer=kvmesh_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_inference__pb2.CountTokensResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=kvmesh_dot_v1_dot_inference__pb2.EmbedRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_inference__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -325,6 +342,33 @@ class Inference:
             '/kvmesh.v1.Inference/CountTokens',
             kvmesh_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
             kvmesh_dot_v1_dot_inference__pb2.CountTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Inference/Embed',
+            kvmesh_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+            kvmesh_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

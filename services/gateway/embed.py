@@ -1,0 +1,47 @@
+"""One Embed call, shared by the gRPC and HTTP fronts: checked, routed to the least busy ready
+embedding worker of the model, answered with the version that embedded it."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from services.gateway.backends import Backends, EmbedderBackend
+from shared import grpc_errors
+from shared.errors import KvmeshError, Reason
+from shared.pb.kvmesh.v1 import engine_worker_pb2, inference_pb2
+
+log = logging.getLogger("kvmesh.gateway.embed")
+MAX_INPUTS = 2048
+
+
+async def embed(
+    backends: Backends, request: inference_pb2.EmbedRequest, timeout: float | None
+) -> inference_pb2.EmbedResponse:
+    if not 0 < len(request.inputs) <= MAX_INPUTS:
+        raise KvmeshError(Reason.INVALID_ARGUMENT, f"give 1 to {MAX_INPUTS} inputs")
+    for item in request.inputs:
+        if item.WhichOneof("input") is None:
+            raise KvmeshError(Reason.EMPTY_PROMPT, "every input needs text or token ids")
+    candidates = backends.serving(request.model, task="embed")
+    backend = min(candidates, key=lambda b: b.in_flight)
+    assert isinstance(backend, EmbedderBackend) and backend.model is not None
+    model = backend.model
+    backend.in_flight += 1
+    try:
+        reply = await backend.embedder.Embed(
+            engine_worker_pb2.EmbedInputs(inputs=request.inputs), timeout=timeout
+        )
+    except grpc.RpcError as error:
+        raise grpc_errors.from_rpc_error(error) from None
+    finally:
+        backend.in_flight -= 1
+    tokens = sum(e.num_tokens for e in reply.embeddings)
+    log.info("embedded", extra={"inputs": len(request.inputs), "tokens": tokens})
+    return inference_pb2.EmbedResponse(
+        embeddings=reply.embeddings,
+        model=model.name,
+        model_version=model.version,
+        prompt_tokens=tokens,
+    )
