@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http check-kernels test-gpu bench-kernels bench-gpu bench-peers soak clean
+.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout check-kernels test-gpu bench-kernels bench-gpu bench-peers soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,14 @@ bench-tracing: $(STAMP)
 # TPOT of one batch decoded free and under a response format, same run; a few minutes.
 bench-structured: $(STAMP)
 	$(BIN)/python -m loadtest.structured_bench
+
+# Embeddings: kvmesh's encoder vs sentence-transformers, and mesh batching vs one input per pass.
+bench-embed: $(STAMP)
+	$(BIN)/python -m loadtest.embed_bench
+
+# Deploy v2 and roll back under steady streams: rollout seconds, TTFT during vs before.
+bench-rollout: $(STAMP)
+	$(BIN)/python -m loadtest.rollout_bench
 
 # gRPC streams vs the OpenAI HTTP front (SSE), same load, same mesh, same run; a few minutes.
 bench-http: $(STAMP)

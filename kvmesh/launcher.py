@@ -45,6 +45,7 @@ class MeshConfig:
     # An embedding model beside the rest: "default" (all-MiniLM-L6-v2, from its package) or
     # a path; repository entries in `models` that are encoders are embedders too.
     embedder: str | None = None
+    embedder_args: list[str] = field(default_factory=list)  # e.g. ["--max-embed-batch-tokens", "1"]
     redis_url: str | None = None  # None: start our own redis-server
     host: str = "127.0.0.1"
     gateway_port: int = 0  # 0: any free port
@@ -233,7 +234,15 @@ class Mesh:
         address = self._spawn(
             f"embedder-{index}",
             "services.engine_worker",
-            ["--model", model, "--threads", str(threads), "--served-model-name", name],
+            [
+                "--model",
+                model,
+                "--threads",
+                str(threads),
+                "--served-model-name",
+                name,
+                *self.config.embedder_args,
+            ],
             threads=threads,
         )
         self.embedder_addresses.append(address)

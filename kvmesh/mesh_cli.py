@@ -14,7 +14,7 @@ from kvmesh.client import MeshClient, generate_request
 from kvmesh.control_server import serve_control
 from kvmesh.launcher import Mesh, MeshConfig, free_port
 from kvmesh.rollout import RolloutController
-from shared.errors import KvmeshError
+from shared.errors import KvmeshError, Reason
 from shared.flags import (
     add_gateway_flags,
     add_scheduler_flags,
@@ -24,6 +24,7 @@ from shared.flags import (
     scheduler_flag_args,
     worker_flag_args,
 )
+from shared.model_repository import ModelRepository
 from shared.pb.kvmesh.v1 import inference_pb2
 
 
@@ -48,8 +49,9 @@ def add_up_parser(commands: argparse._SubParsersAction) -> None:
     )
     up.add_argument(
         "--model-repo",
-        default=env_default("model-repo", "models"),
-        help="the model repository (`kvmesh models add`); default ./models",
+        default=env_default("model-repo", None),
+        help="the model repository (`kvmesh models add`; default ./models); given without "
+        "--models: serve every model in it, newest versions",
     )
     up.add_argument(
         "--embedder",
@@ -81,11 +83,19 @@ def add_remote_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def mesh_config(args: argparse.Namespace) -> MeshConfig:
+    models = [spec for spec in args.models.split(",") if spec]
+    if not models and args.model_repo:
+        models = ModelRepository(args.model_repo).names()
+        if not models:
+            raise KvmeshError(
+                Reason.MODEL_NOT_FOUND,
+                f"no models in {args.model_repo}: add one with `kvmesh models add NAME PATH`",
+            )
     return MeshConfig(
         model=args.model,
         workers=args.workers,
-        models=[spec for spec in args.models.split(",") if spec],
-        model_repo=args.model_repo,
+        models=models,
+        model_repo=args.model_repo or "models",
         embedder=args.embedder,
         redis_url=args.redis,
         host=args.host,

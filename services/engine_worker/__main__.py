@@ -8,7 +8,7 @@ import logging
 
 from services.engine_worker.embed_server import EmbedderService
 from services.engine_worker.server import EngineWorkerService
-from shared.flags import add_worker_flags, engine_config, env_default
+from shared.flags import add_worker_flags, engine_config, env_default, env_int
 from shared.logs import configure_logging
 from shared.model_paths import is_encoder, resolve_model_path
 from shared.model_repository import artifact_location
@@ -24,7 +24,9 @@ async def serve(args: argparse.Namespace) -> None:
     service: EngineWorkerService | EmbedderService
     if is_encoder(artifact_location(model_path)):  # an embedding model: Embedder, no steps
         runtime = ServiceRuntime(EMBEDDER_SERVICE_NAME, args.host, args.port)
-        service = EmbedderService(runtime, model_path, args.served_model_name)
+        service = EmbedderService(
+            runtime, model_path, args.served_model_name, args.max_embed_batch_tokens
+        )
         runtime.add_servicer(engine_worker_pb2_grpc.add_EmbedderServicer_to_server, service)
     else:
         runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port)
@@ -52,6 +54,13 @@ def main() -> None:
         default=env_default("served-model-name", None),
         help="the name clients use for the model (default: the repository entry's, else the "
         "artifact's file or folder name)",
+    )
+    parser.add_argument(
+        "--max-embed-batch-tokens",
+        type=int,
+        default=env_int("max-embed-batch-tokens", 16384),
+        help="embedding models: padded tokens (inputs x longest) per forward pass; 1: one "
+        "input at a time",
     )
     args = parser.parse_args()
     configure_logging("engine-worker", args.log_level)

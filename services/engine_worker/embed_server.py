@@ -34,7 +34,11 @@ MAX_INPUTS_PER_CALL = 2048
 
 class EmbedderService(engine_worker_pb2_grpc.EmbedderServicer):
     def __init__(
-        self, runtime: ServiceRuntime, model_path: str, served_name: str | None = None
+        self,
+        runtime: ServiceRuntime,
+        model_path: str,
+        served_name: str | None = None,
+        max_batch_tokens: int = 16384,
     ) -> None:
         self.runtime = runtime
         self.model_path = model_path
@@ -42,7 +46,7 @@ class EmbedderService(engine_worker_pb2_grpc.EmbedderServicer):
         self.encoder: SentenceEncoder | None = None
         self.info = common_pb2.ModelInfo()
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "torch")
-        self.batcher = EmbedBatcher(self._forward)
+        self.batcher = EmbedBatcher(self._forward, max_batch_tokens)
 
     async def load(self) -> None:
         started = time.perf_counter()

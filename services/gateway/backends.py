@@ -188,12 +188,13 @@ class Backends:
 
     def model_readiness(self) -> dict[str, bool]:
         """Health service names: each model, and each model@version, SERVING while a ready
-        scheduler serves it (and the tokenizer is up)."""
+        backend serves it (and, for generation, the tokenizer is up: embedding workers
+        tokenize themselves)."""
         readiness: dict[str, bool] = {}
         for scheduler in self.schedulers:
             if scheduler.retired or not scheduler.name:
                 continue
-            ready = scheduler.ready and self.tokenizer_ready
+            ready = scheduler.ready and (self.tokenizer_ready or scheduler.task == "embed")
             for name in (scheduler.name, f"{scheduler.name}@{scheduler.version}"):
                 readiness[name] = readiness.get(name, False) or ready
         return readiness

@@ -43,10 +43,13 @@ class ModelAdminService(model_admin_pb2_grpc.ModelAdminServicer):
             check_name("version", request.version)
             if not request.address:
                 raise KvmeshError(Reason.INVALID_ARGUMENT, "a scheduler address is required")
+            if request.task not in ("", "generate", "embed"):
+                raise KvmeshError(Reason.INVALID_ARGUMENT, "task is 'generate' or 'embed'")
         except KvmeshError as error:
             await grpc_errors.abort(context, error)
             raise
-        await self.backends.add(request.address, request.model, request.version)
+        task = request.task or "generate"
+        await self.backends.add(request.address, request.model, request.version, task)
         return model_admin_pb2.AddBackendResponse()
 
     async def RemoveBackend(

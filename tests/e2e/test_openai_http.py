@@ -279,5 +279,10 @@ async def test_unknown_models_and_paths_are_404(mesh: Mesh, client) -> None:
     with pytest.raises(openai.NotFoundError):
         await client.models.retrieve("no-such-model")
     assert (await client.models.retrieve(await model_name(client))).owned_by == "kvmesh"
-    response, raw = await asyncio.to_thread(raw_post, mesh.http_url, "/embeddings", {})
+    response, raw = await asyncio.to_thread(raw_post, mesh.http_url, "/images/generations", {})
     assert response.status == 404 and json.loads(raw)["error"]["code"] == "INVALID_ARGUMENT"
+    response, raw = await asyncio.to_thread(raw_post, mesh.http_url, "/embeddings", {})
+    assert response.status == 400 and "'input' must be" in json.loads(raw)["error"]["message"]
+    body = {"model": "no-such-model", "input": "hi"}
+    response, raw = await asyncio.to_thread(raw_post, mesh.http_url, "/embeddings", body)
+    assert response.status == 404 and json.loads(raw)["error"]["code"] == "MODEL_NOT_FOUND"

@@ -116,3 +116,19 @@ def test_models_cli_adds_with_fixtures_and_lists(tmp_path, default_model_path: s
     assert main(["models", "--repo", repo, "list"]) == 0
     listing = capsys.readouterr().out
     assert "smollm2@1" in listing and "1 fixture(s)" in listing and "aliases: default" in listing
+
+
+def test_up_with_a_repository_alone_serves_every_model(tmp_path, tiny_llama_dir: str) -> None:
+    from kvmesh.cli import _parser
+    from kvmesh.mesh_cli import mesh_config
+
+    repo = ModelRepository(str(tmp_path / "repo"))
+    with pytest.raises(KvmeshError) as empty:
+        mesh_config(_parser().parse_args(["up", "--model-repo", repo.root]))
+    assert empty.value.reason is Reason.MODEL_NOT_FOUND
+    repo.add("b", tiny_llama_dir)
+    repo.add("a", tiny_llama_dir)
+    config = mesh_config(_parser().parse_args(["up", "--model-repo", repo.root]))
+    assert (config.models, config.model_repo) == (["a", "b"], repo.root)
+    chosen = mesh_config(_parser().parse_args(["up", "--model-repo", repo.root, "--models", "b"]))
+    assert chosen.models == ["b"]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvmesh/v1/model_admin.proto\x12\tkvmesh.v1\"D\n\x11\x41\x64\x64\x42\x61\x63kendRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\"\x14\n\x12\x41\x64\x64\x42\x61\x63kendResponse\"@\n\x14RemoveBackendRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x17\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01\"-\n\x15RemoveBackendResponse\x12\x14\n\x0cstreams_left\x18\x01 \x01(\r\"\x8e\x01\n\x11SetTrafficRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12:\n\x07percent\x18\x02 \x03(\x0b\x32).kvmesh.v1.SetTrafficRequest.PercentEntry\x1a.\n\x0cPercentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x14\n\x12SetTrafficResponse2\xf6\x01\n\nModelAdmin\x12I\n\nAddBackend\x12\x1c.kvmesh.v1.AddBackendRequest\x1a\x1d.kvmesh.v1.AddBackendResponse\x12R\n\rRemoveBackend\x12\x1f.kvmesh.v1.RemoveBackendRequest\x1a .kvmesh.v1.RemoveBackendResponse\x12I\n\nSetTraffic\x12\x1c.kvmesh.v1.SetTrafficRequest\x1a\x1d.kvmesh.v1.SetTrafficResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvmesh/v1/model_admin.proto\x12\tkvmesh.v1\"R\n\x11\x41\x64\x64\x42\x61\x63kendRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0c\n\x04task\x18\x04 \x01(\t\"\x14\n\x12\x41\x64\x64\x42\x61\x63kendResponse\"@\n\x14RemoveBackendRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x17\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01\"-\n\x15RemoveBackendResponse\x12\x14\n\x0cstreams_left\x18\x01 \x01(\r\"\x8e\x01\n\x11SetTrafficRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12:\n\x07percent\x18\x02 \x03(\x0b\x32).kvmesh.v1.SetTrafficRequest.PercentEntry\x1a.\n\x0cPercentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x14\n\x12SetTrafficResponse2\xf6\x01\n\nModelAdmin\x12I\n\nAddBackend\x12\x1c.kvmesh.v1.AddBackendRequest\x1a\x1d.kvmesh.v1.AddBackendResponse\x12R\n\rRemoveBackend\x12\x1f.kvmesh.v1.RemoveBackendRequest\x1a .kvmesh.v1.RemoveBackendResponse\x12I\n\nSetTraffic\x12\x1c.kvmesh.v1.SetTrafficRequest\x1a\x1d.kvmesh.v1.SetTrafficResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SETTRAFFICREQUEST_PERCENTENTRY']._loaded_options = None
   _globals['_SETTRAFFICREQUEST_PERCENTENTRY']._serialized_options = b'8\001'
   _globals['_ADDBACKENDREQUEST']._serialized_start=42
-  _globals['_ADDBACKENDREQUEST']._serialized_end=110
-  _globals['_ADDBACKENDRESPONSE']._serialized_start=112
-  _globals['_ADDBACKENDRESPONSE']._serialized_end=132
-  _globals['_REMOVEBACKENDREQUEST']._serialized_start=134
-  _globals['_REMOVEBACKENDREQUEST']._serialized_end=198
-  _globals['_REMOVEBACKENDRESPONSE']._serialized_start=200
-  _globals['_REMOVEBACKENDRESPONSE']._serialized_end=245
-  _globals['_SETTRAFFICREQUEST']._serialized_start=248
-  _globals['_SETTRAFFICREQUEST']._serialized_end=390
-  _globals['_SETTRAFFICREQUEST_PERCENTENTRY']._serialized_start=344
-  _globals['_SETTRAFFICREQUEST_PERCENTENTRY']._serialized_end=390
-  _globals['_SETTRAFFICRESPONSE']._serialized_start=392
-  _globals['_SETTRAFFICRESPONSE']._serialized_end=412
-  _globals['_MODELADMIN']._serialized_start=415
-  _globals['_MODELADMIN']._serialized_end=661
+  _globals['_ADDBACKENDREQUEST']._serialized_end=124
+  _globals['_ADDBACKENDRESPONSE']._serialized_start=126
+  _globals['_ADDBACKENDRESPONSE']._serialized_end=146
+  _globals['_REMOVEBACKENDREQUEST']._serialized_start=148
+  _globals['_REMOVEBACKENDREQUEST']._serialized_end=212
+  _globals['_REMOVEBACKENDRESPONSE']._serialized_start=214
+  _globals['_REMOVEBACKENDRESPONSE']._serialized_end=259
+  _globals['_SETTRAFFICREQUEST']._serialized_start=262
+  _globals['_SETTRAFFICREQUEST']._serialized_end=404
+  _globals['_SETTRAFFICREQUEST_PERCENTENTRY']._serialized_start=358
+  _globals['_SETTRAFFICREQUEST_PERCENTENTRY']._serialized_end=404
+  _globals['_SETTRAFFICRESPONSE']._serialized_start=406
+  _globals['_SETTRAFFICRESPONSE']._serialized_end=426
+  _globals['_MODELADMIN']._serialized_start=429
+  _globals['_MODELADMIN']._serialized_end=675
 # @@protoc_insertion_point(module_scope)

@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AddBackendRequest(_message.Message):
-    __slots__ = ("address", "model", "version")
+    __slots__ = ("address", "model", "version", "task")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     address: str
     model: str
     version: str
-    def __init__(self, address: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    task: str
+    def __init__(self, address: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[str] = ..., task: _Optional[str] = ...) -> None: ...
 
 class AddBackendResponse(_message.Message):
     __slots__ = ()
