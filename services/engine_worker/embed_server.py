@@ -92,7 +92,7 @@ class EmbedderService(engine_worker_pb2_grpc.EmbedderServicer):
         assert self.encoder is not None
         EMBED_BATCH_SIZE.observe(len(batch))
         loop = asyncio.get_running_loop()
-        vectors = await loop.run_in_executor(self._thread, self.encoder.embed, batch)
+        vectors = await loop.run_in_executor(self._thread, self.encoder.embed_sorted, batch)
         return vectors.tolist()
 
     async def Embed(

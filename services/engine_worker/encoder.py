@@ -107,6 +107,16 @@ class SentenceEncoder:
                 f"token id {max(ids)} is past the vocabulary ({self.config.vocab_size})",
             )
 
+    def embed_sorted(self, inputs: list[list[int]], chunk: int = 32) -> torch.Tensor:
+        """Many inputs in forward passes of `chunk`, grouped by length so little is padding
+        (as sentence-transformers' encode does); rows in input order."""
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
+        vectors = torch.empty((len(inputs), self.dimensions))
+        for start in range(0, len(order), chunk):
+            rows = order[start : start + chunk]
+            vectors[rows] = self.embed([inputs[i] for i in rows])
+        return vectors
+
     @torch.inference_mode()
     def embed(self, batch: list[list[int]]) -> torch.Tensor:
         """(len(batch), hidden) float32 vectors for token-id inputs (already checked)."""

@@ -43,6 +43,9 @@ def test_vectors_match_sentence_transformers(encoder: SentenceEncoder, minilm_pa
     cosine = torch.nn.functional.cosine_similarity(batched, expected, dim=-1)
     assert cosine.min().item() > 1 - 1e-4, cosine
     assert torch.allclose(batched.norm(dim=-1), torch.ones(len(TEXTS)), atol=1e-5)
+    # Grouped by length in passes of 2: the same rows, in input order.
+    grouped = encoder.embed_sorted(ids, chunk=2)
+    assert torch.nn.functional.cosine_similarity(grouped, batched, dim=-1).min() > 1 - 1e-6
     # Alone or padded beside longer inputs: the same vector.
     for row, single in enumerate(ids):
         alone = encoder.embed([single])[0]
