@@ -128,8 +128,10 @@ class Mesh:
         self.collector_address = self._spawn("trace-collector", "services.trace_collector", [])
         all_entries = [self.repository.resolve(spec) for spec in config.models]
         entries = [e for e in all_entries if not is_encoder(e.artifact_path)]
-        if entries:
-            model = ["--model", entries[0].directory]
+        if entries:  # a tokenizer per model name (its versions share it)
+            first = {e.name: e.directory for e in reversed(entries)}
+            specs = [f"{name}={first[name]}" for name in dict.fromkeys(e.name for e in entries)]
+            model = ["--model", ",".join(specs)]
         else:
             model = ["--model", config.model] if config.model else []
         self.tokenizer_address = self._spawn("tokenizer", "services.tokenizer", model)

@@ -30,6 +30,8 @@ from shared.pb.kvmesh.v1 import (
     inference_pb2_grpc,
     model_admin_pb2,
     model_admin_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
 )
 from shared.tls import sync_channel
 
@@ -87,6 +89,7 @@ class RolloutController:
             raise KvmeshError(
                 Reason.INVALID_ARGUMENT, "rollouts move generation models; embedding models not yet"
             )
+        self._require_tokenizer(name)
         self._history.setdefault(name, self._running_versions(name))
         traffic = self._traffic.setdefault(name, self._even_split(name))
         with sync_channel(self.mesh.gateway_address) as channel:
@@ -104,6 +107,23 @@ class RolloutController:
             for old in sorted({p.version for p in self._pairs(name)} - set(split)):
                 yield from self._retire(admin, name, old)
         yield RolloutStep(f"{entry.label} deployed", dict(split), done=True)
+
+    def _require_tokenizer(self, name: str) -> None:
+        """Text requests need the model's tokenizer: the mesh's tokenizer service loads one
+        per model at start, so a model it was not started with cannot be rolled out here."""
+        with sync_channel(self.mesh.tokenizer_address) as channel:
+            try:
+                tokenizer_pb2_grpc.TokenizerStub(channel).GetInfo(
+                    tokenizer_pb2.TokenizerInfoRequest(model=name), timeout=10
+                )
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.NOT_FOUND:
+                    raise grpc_errors.from_rpc_error(error) from None
+                raise KvmeshError(
+                    Reason.MODEL_NOT_FOUND,
+                    f"{name} was not among `kvmesh up --models`: the mesh's tokenizer holds "
+                    "none for it; restart the mesh with it",
+                ) from None
 
     def _start(
         self,

@@ -76,10 +76,10 @@ async def prompt_token_ids(
                 f"token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})",
             )
     elif kind == "text":
-        encode = tokenizer_pb2.EncodeRequest(text=request.text)
+        encode = tokenizer_pb2.EncodeRequest(text=request.text, model=model.name)
         ids = await _encode(tokenizer, encode, timeout, metadata)
     elif kind == "chat":
-        encode = tokenizer_pb2.EncodeRequest(chat=request.chat)
+        encode = tokenizer_pb2.EncodeRequest(chat=request.chat, model=model.name)
         ids = await _encode(tokenizer, encode, timeout, metadata)
     else:
         raise KvmeshError(Reason.INVALID_ARGUMENT, "give text, chat or token_ids as the input")

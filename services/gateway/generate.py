@@ -126,7 +126,9 @@ class GenerateHandler:
             },
         )
         progress = Progress(prompt_tokens, received)
-        text = TextStream(self.backends.tokenizer, telemetry.detokenize_metadata())
+        text = TextStream(
+            self.backends.tokenizer, telemetry.detokenize_metadata(), admitted.model.name
+        )
         outcome, reason = "cancelled", "client_disconnected"  # unless a terminal event is sent
         with self.runtime.in_flight():
             try:

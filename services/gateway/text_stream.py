@@ -20,8 +20,10 @@ class TextStream:
         self,
         tokenizer: tokenizer_pb2_grpc.TokenizerStub,
         metadata: tuple[tuple[str, str], ...] = (),
+        model: str = "",
     ) -> None:
         self._call: grpc.aio.StreamStreamCall = tokenizer.Detokenize(metadata=metadata)
+        self._model = model  # whose tokenizer: said in the first message
         self.wait_s = 0.0  # time spent waiting on the tokenizer, for the trace
 
     async def push(
@@ -40,7 +42,7 @@ class TextStream:
         try:
             await self._call.write(
                 tokenizer_pb2.DetokenizeRequest(
-                    token_ids=token_ids, finish=finish, piece_ids=piece_ids
+                    token_ids=token_ids, finish=finish, piece_ids=piece_ids, model=self._model
                 )
             )
             reply = await self._call.read()

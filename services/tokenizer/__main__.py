@@ -6,7 +6,8 @@ import argparse
 import asyncio
 import logging
 
-from services.tokenizer.server import TokenizerService
+from services.tokenizer.server import LoadedTokenizer, TokenizerService
+from shared.errors import KvmeshError, Reason
 from shared.flags import env_default
 from shared.logs import configure_logging
 from shared.model_paths import resolve_model_path
@@ -18,16 +19,32 @@ from shared.text_tokenizer import load_tokenizer
 SERVICE_NAME = "kvmesh.v1.Tokenizer"
 
 
+def model_specs(value: str | None) -> list[tuple[str, str | None]]:
+    """`PATH` (one tokenizer for every model; none: the default model's) or `NAME=PATH,...`."""
+    if not value or "=" not in value:
+        return [("", value)]
+    specs: list[tuple[str, str | None]] = []
+    for item in filter(None, value.split(",")):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise KvmeshError(Reason.INVALID_ARGUMENT, "--model takes PATH or NAME=PATH,...")
+        specs.append((name, path))
+    return specs
+
+
 async def serve(args: argparse.Namespace) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port)
-    path = artifact_location(resolve_model_path(args.model))
-    tokenizer = load_tokenizer(path)
-    logging.getLogger("kvmesh.tokenizer").info(
-        "loaded", extra={"model": path, "has_tokenizer": tokenizer is not None}
-    )
+    tokenizers: dict[str, LoadedTokenizer] = {}
+    for name, model in model_specs(args.model):
+        path = artifact_location(resolve_model_path(model))
+        tokenizer = load_tokenizer(path)
+        tokenizers[name] = LoadedTokenizer(tokenizer, path)
+        logging.getLogger("kvmesh.tokenizer").info(
+            "loaded",
+            extra={"model": name, "path": path, "has_tokenizer": tokenizer is not None},
+        )
     runtime.add_servicer(
-        tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
-        TokenizerService(runtime, tokenizer, path),
+        tokenizer_pb2_grpc.add_TokenizerServicer_to_server, TokenizerService(runtime, tokenizers)
     )
     await runtime.start()
     await runtime.set_ready(True)
@@ -40,7 +57,8 @@ def main() -> None:
     parser.add_argument(
         "--model",
         default=env_default("model", None),
-        help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)",
+        help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct), or "
+        "NAME=PATH,... for one tokenizer per model of a several-model mesh",
     )
     args = parser.parse_args()
     configure_logging("tokenizer", args.log_level)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
@@ -34,24 +35,44 @@ def chat_messages(chat: common_pb2.Chat) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
-class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
-    def __init__(
-        self, runtime: ServiceRuntime, tokenizer: TextTokenizer | None, model_path: str
-    ) -> None:
-        self.runtime = runtime
-        self.tokenizer = tokenizer
-        self.model_path = model_path
+@dataclass(frozen=True)
+class LoadedTokenizer:
+    tokenizer: TextTokenizer | None  # None: the model ships none (token-id clients only)
+    model_path: str
 
-    def _require(self) -> TextTokenizer:
-        if self.tokenizer is None:
+
+class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
+    """One tokenizer per model the mesh serves, by model name; under the name "" one tokenizer
+    answers for every model (a mesh of one model, or of versions of one)."""
+
+    def __init__(self, runtime: ServiceRuntime, tokenizers: dict[str, LoadedTokenizer]) -> None:
+        assert tokenizers, "at least one tokenizer"
+        self.runtime = runtime
+        self.tokenizers = tokenizers
+
+    def loaded(self, model: str) -> LoadedTokenizer:
+        found = self.tokenizers.get(model) or self.tokenizers.get("")
+        if found is None and not model:
+            found = next(iter(self.tokenizers.values()))  # the default model's
+        if found is None:
+            raise KvmeshError(
+                Reason.MODEL_NOT_FOUND,
+                f"no tokenizer for model {model!r}; this service holds "
+                f"{', '.join(sorted(self.tokenizers))}",
+            )
+        return found
+
+    def _require(self, model: str) -> TextTokenizer:
+        tokenizer = self.loaded(model).tokenizer
+        if tokenizer is None:
             raise KvmeshError(
                 Reason.TOKENIZER_UNAVAILABLE,
                 "this model ships no tokenizer; send token ids instead of text",
             )
-        return self.tokenizer
+        return tokenizer
 
     def encode(self, request: tokenizer_pb2.EncodeRequest) -> list[int]:
-        tokenizer = self._require()
+        tokenizer = self._require(request.model)
         kind = request.WhichOneof("input")
         if kind == "text":
             return tokenizer.encode(request.text)
@@ -81,8 +102,10 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
-        # A model without a tokenizer still serves token-id clients: their text is empty.
-        detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+        # Whose tokenizer: the first message says (a stream is one request of one model).
+        tokenizer: TextTokenizer | None = None
+        detokenizer: IncrementalDetokenizer | None = None
+        first = True
         parent = context_from_metadata(context.invocation_metadata())
         span = tracer.start_span("tokenizer.Detokenize", parent, SpanKind.SERVER)
         num_tokens, busy_s, ended = 0, 0.0, False
@@ -101,12 +124,21 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             try:
                 async for message in request_iterator:
                     started = time.perf_counter()
+                    if first:
+                        first = False
+                        try:
+                            tokenizer = self.loaded(message.model).tokenizer
+                        except KvmeshError as error:
+                            await grpc_errors.abort(context, error)
+                            raise
+                        # A model without a tokenizer still serves token-id clients: no text.
+                        detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer else None
                     text = detokenizer.push(message.token_ids) if detokenizer else ""
                     if message.finish and detokenizer:
                         text += detokenizer.flush()
                     pieces = (
-                        self.tokenizer.token_bytes(list(message.piece_ids))
-                        if self.tokenizer and message.piece_ids
+                        tokenizer.token_bytes(list(message.piece_ids))
+                        if tokenizer and message.piece_ids
                         else []
                     )
                     num_tokens += len(message.token_ids)
@@ -122,9 +154,14 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     async def GetInfo(
         self, request: tokenizer_pb2.TokenizerInfoRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizerInfo:
-        tokenizer = self.tokenizer
+        try:
+            loaded = self.loaded(request.model)
+        except KvmeshError as error:
+            await grpc_errors.abort(context, error)
+            raise
+        tokenizer = loaded.tokenizer
         return tokenizer_pb2.TokenizerInfo(
             vocab_size=tokenizer.vocab_size if tokenizer else 0,
             has_chat_template=bool(tokenizer and tokenizer.chat_template),
-            model_path=self.model_path,
+            model_path=loaded.model_path,
         )

@@ -2,7 +2,8 @@
 
 The repository: alpha@1 and alpha@2 (tiny Llamas with different weights, so each version's
 greedy output is its own), alpha@3 (alpha@1's bytes with a warm-up fixture they do not
-produce), beta@1 (a tiny Qwen2). The mesh starts serving alpha@1 and beta.
+produce), beta@1 (a tiny Qwen2), smol@1 (SmolLM2: the one model with a tokenizer), delta@1
+(never started). The mesh starts serving alpha@1, beta and smol.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from shared.config import CacheConfig, EngineConfig
 from shared.errors import KvmeshError
 from shared.model_repository import ModelRepository, ServingConfig, WarmupFixture, write_entry
 from shared.pb.kvmesh.v1 import (
+    common_pb2,
     inference_pb2,
     inference_pb2_grpc,
     model_admin_pb2,
@@ -41,6 +43,7 @@ from tests.e2e.mesh_helpers import (
 from tests.model_fixtures import save_random_checkpoint
 
 PROMPT = [5, 6, 7, 8, 9]
+BASE = {("alpha", "1"), ("beta", "1"), ("smol", "1")}  # what the mesh serves between tests
 TOKENS = 6
 
 
@@ -53,7 +56,10 @@ def _greedy(directory: str) -> tuple[int, ...]:
 
 @pytest.fixture(scope="module")
 def repository(
-    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str, tiny_qwen2_dir: str
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_llama_dir: str,
+    tiny_qwen2_dir: str,
+    default_model_path: str,
 ) -> ModelRepository:
     repo = ModelRepository(str(tmp_path_factory.mktemp("repo")))
     other_weights = save_random_checkpoint(tmp_path_factory.mktemp("llama-v2"), "llama", seed=1)
@@ -66,6 +72,8 @@ def repository(
     wrong = tuple((t + 1) % 512 for t in _greedy(bad.directory))
     write_entry(dataclasses.replace(bad, fixtures=(WarmupFixture(tuple(PROMPT), wrong),)))
     repo.add("beta", tiny_qwen2_dir, serving=small, aliases=("b",))
+    repo.add("smol", default_model_path, serving=small)  # the one with a tokenizer of its own
+    repo.add("delta", tiny_llama_dir, serving=small)  # never started: no tokenizer for it
     return repo
 
 
@@ -75,7 +83,7 @@ def models_mesh(
 ) -> Iterator[Mesh]:
     config = tiny_mesh_config("", str(tmp_path_factory.mktemp("models-mesh-logs")))
     config.model = None
-    config.models = ["alpha@1", "beta"]
+    config.models = ["alpha@1", "beta", "smol"]
     config.model_repo = repository.root
     with Mesh(config) as running:
         yield running
@@ -91,9 +99,10 @@ async def test_models_route_by_name_version_and_alias(
     async with grpc.aio.insecure_channel(models_mesh.gateway_address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         listed = await stub.ListModels(inference_pb2.ListModelsRequest())
-        assert [(m.name, m.version) for m in listed.models] == [("alpha", "1"), ("beta", "1")]
+        served = [(m.name, m.version) for m in listed.models]
+        assert served[0] == ("alpha", "1") and set(served) == {*BASE}
         states = {(v.name, v.version): (v.state, v.traffic_percent) for v in listed.versions}
-        assert states == {("alpha", "1"): ("ready", 100.0), ("beta", "1"): ("ready", 100.0)}
+        assert states == dict.fromkeys(BASE, ("ready", 100.0))
         beta = next(m for m in listed.models if m.name == "beta")
         assert list(beta.aliases) == ["b"] and beta.architecture == "Qwen2ForCausalLM"
         expected = _expected(repository)
@@ -114,6 +123,20 @@ async def test_models_route_by_name_version_and_alias(
                 await collect(stub, request)
             error = rich_error(refused.value)
             assert (error.code, error.reason) == (grpc.StatusCode.NOT_FOUND, "MODEL_NOT_FOUND")
+
+        # Each model's own tokenizer: smol's turns text into tokens and back; alpha has none.
+        chat = inference_pb2.GenerateRequest(
+            model="smol",
+            text="The capital of France is",
+            sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0),
+        )
+        events = await collect(stub, chat)
+        assert events[-1].WhichOneof("event") == "completed"
+        assert "".join(e.delta.text for e in events if e.HasField("delta")).strip()
+        chat.model = "alpha"
+        with pytest.raises(grpc.aio.AioRpcError) as no_tokenizer:
+            await collect(stub, chat)
+        assert rich_error(no_tokenizer.value).reason == "TOKENIZER_UNAVAILABLE"
 
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("alpha", "alpha@1", "beta"):
@@ -217,13 +240,15 @@ async def test_deploy_canary_promote_and_roll_back_under_traffic(
         assert set(await traffic.wait_for(12, traffic.mark())) == {"1"}
         assert {p.version for p in models_mesh.pairs if p.name == "alpha"} == {"1"}
 
+        with pytest.raises(KvmeshError, match="holds none for it"):
+            await _rollout(controller.deploy("delta", "1"))  # the mesh has no tokenizer for it
         with pytest.raises(KvmeshError, match="warm-up fixture 0 output differs"):
             await _rollout(controller.deploy("alpha", "3"))  # its fixture fails: never ready
         assert set(await traffic.wait_for(6, traffic.mark())) == {"1"}
         await traffic.stop()
 
         listed = await stub.ListModels(inference_pb2.ListModelsRequest())
-        assert {(v.name, v.version) for v in listed.versions} == {("alpha", "1"), ("beta", "1")}
+        assert {(v.name, v.version) for v in listed.versions} == BASE
     expected = _expected(repository)
     kinds = Counter(kind for _, kind, _, _ in traffic.results)
     assert kinds == {"completed": len(traffic.results)}, kinds  # nothing failed or was cut

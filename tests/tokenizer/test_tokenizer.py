@@ -94,3 +94,27 @@ def _partial_utf8(piece: bytes) -> bool:
     except UnicodeDecodeError:
         return True
     return False
+
+
+def test_the_service_picks_each_models_own_tokenizer(tokenizer: TextTokenizer) -> None:
+    from typing import cast
+
+    from services.tokenizer.server import LoadedTokenizer, TokenizerService
+    from shared.errors import KvmeshError, Reason
+    from shared.pb.kvmesh.v1 import tokenizer_pb2
+    from shared.service import ServiceRuntime
+
+    named = {"smol": LoadedTokenizer(tokenizer, "a"), "tiny": LoadedTokenizer(None, "b")}
+    service = TokenizerService(cast(ServiceRuntime, None), named)
+    encode = tokenizer_pb2.EncodeRequest
+    assert service.encode(encode(text="Hi there", model="smol")) == tokenizer.encode("Hi there")
+    for model, reason in (
+        ("tiny", Reason.TOKENIZER_UNAVAILABLE),
+        ("other", Reason.MODEL_NOT_FOUND),
+    ):
+        with pytest.raises(KvmeshError) as refused:
+            service.encode(encode(text="Hi", model=model))
+        assert refused.value.reason is reason
+    assert service.loaded("").model_path == "a"  # no name: the first (the default model's)
+    shared = TokenizerService(cast(ServiceRuntime, None), {"": LoadedTokenizer(tokenizer, "c")})
+    assert shared.loaded("any-model").model_path == "c"  # one tokenizer for every model

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("text", "chat")
+    __slots__ = ("text", "chat", "model")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: _common_pb2.Chat
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.Chat, _Mapping]] = ...) -> None: ...
+    model: str
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.Chat, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("token_ids",)
@@ -22,14 +24,16 @@ class EncodeResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
-    __slots__ = ("token_ids", "finish", "piece_ids")
+    __slots__ = ("token_ids", "finish", "piece_ids", "model")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
     PIECE_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish: bool
     piece_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[bool] = ..., piece_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    model: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[bool] = ..., piece_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class DetokenizeResponse(_message.Message):
     __slots__ = ("text", "pieces")
@@ -40,8 +44,10 @@ class DetokenizeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ..., pieces: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class TokenizerInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class TokenizerInfo(_message.Message):
     __slots__ = ("vocab_size", "has_chat_template", "model_path")
