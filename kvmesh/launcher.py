@@ -250,6 +250,15 @@ class Mesh:
         self.embedder_addresses.append(address)
         return f"{label}={address}"
 
+    def remember_schedulers(self) -> None:
+        """After a rollout: the gateway's start command names the pairs there are now, so a
+        restarted gateway (`restart("gateway")`) routes to them, not to stopped ones."""
+        gateway = next((s for s in self.services if s.name == "gateway"), None)
+        if gateway is None or not self.pairs:
+            return
+        index = gateway.command.index("--scheduler") + 1
+        gateway.command[index] = ",".join(pair.gateway_spec for pair in self.pairs)
+
     def wait_ready(self, services: list[ServiceProcess]) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
         for service in services:

@@ -106,6 +106,7 @@ class RolloutController:
             yield RolloutStep(f"traffic for {name}: {_describe(split)}", dict(split))
             for old in sorted({p.version for p in self._pairs(name)} - set(split)):
                 yield from self._retire(admin, name, old)
+            self.mesh.remember_schedulers()
         yield RolloutStep(f"{entry.label} deployed", dict(split), done=True)
 
     def _require_tokenizer(self, name: str) -> None:

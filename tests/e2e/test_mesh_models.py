@@ -235,6 +235,9 @@ async def test_deploy_canary_promote_and_roll_back_under_traffic(
         await _rollout(controller.deploy("alpha", "2"))  # promote: v1 drained and stopped
         assert set(await traffic.wait_for(12, traffic.mark())) == {"2"}
         assert {p.version for p in models_mesh.pairs if p.name == "alpha"} == {"2"}
+        gateway_command = models_mesh.service("gateway").command
+        schedulers = gateway_command[gateway_command.index("--scheduler") + 1]
+        assert "alpha@2=" in schedulers and "alpha@1=" not in schedulers  # for a restart
 
         await _rollout(controller.rollback("alpha"))
         assert set(await traffic.wait_for(12, traffic.mark())) == {"1"}
