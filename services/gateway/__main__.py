@@ -103,7 +103,8 @@ def main() -> None:
         "--scheduler",
         default=env_default("scheduler", "127.0.0.1:50071"),
         help="scheduler addresses, comma-separated; NAME[@VERSION]=HOST:PORT for one known to "
-        "serve that model (requests for it are then MODEL_NOT_READY, not NOT_FOUND, until ready)",
+        "serve that model (requests for it are then MODEL_NOT_READY, not NOT_FOUND, until "
+        "ready); dns:///HOST:PORT for every address HOST resolves to (a headless Service)",
     )
     parser.add_argument(
         "--embedder",

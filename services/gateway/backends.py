@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Self
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.gateway.discovery import DnsDiscovery, is_dns_spec
 from services.gateway.traffic import TrafficSplit
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import (
@@ -159,8 +160,11 @@ class Backends:
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.tokenizer_channel)
         self.tokenizer_ready = False
         # Generation schedulers and embedding workers, told apart by `task`.
-        self.schedulers: list[SchedulerBackend] = [
-            SchedulerBackend.from_spec(spec) for spec in scheduler_specs
+        static = [spec for spec in scheduler_specs if not is_dns_spec(spec)]
+        self.schedulers: list[SchedulerBackend] = [SchedulerBackend.from_spec(s) for s in static]
+        # dns:///HOST:PORT specs: schedulers added and removed as the name resolves.
+        self.discoveries = [
+            DnsDiscovery(self, spec) for spec in scheduler_specs if is_dns_spec(spec)
         ]
         self.schedulers += [EmbedderBackend.from_spec(spec) for spec in embedder_specs or []]
         self.default_model = default_model  # "": the first scheduler's model
@@ -174,6 +178,8 @@ class Backends:
         for scheduler in self.schedulers:
             self._watch(scheduler)
         self._watchers[""] = asyncio.create_task(self._watch_tokenizer(self._changed))
+        for index, discovery in enumerate(self.discoveries):
+            self._watchers[f"dns-{index}"] = asyncio.create_task(discovery.run())
 
     def _watch(self, scheduler: SchedulerBackend) -> None:
         self._watchers[scheduler.address] = asyncio.create_task(scheduler.watch(self._changed))
@@ -366,7 +372,9 @@ class Backends:
         return list(statuses.values())
 
     async def close(self) -> None:
-        for watcher in self._watchers.values():
+        for discovery in self.discoveries:
+            await discovery.close()
+        for watcher in list(self._watchers.values()):
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher

@@ -60,6 +60,16 @@ class SchedulerMetrics(Collector):
                 "Estimated wait of a request arriving now",
                 report.queue_time_estimate_ms / 1e3,
             ),
+            # Autoscaling signals (an HPA on custom metrics, or KEDA): prefill work queued and
+            # how full the KV pool is, which is what runs out before CPU does.
+            "kvmesh_waiting_tokens": (
+                "Prompt tokens of queued requests: prefill work not started",
+                report.num_waiting_tokens,
+            ),
+            "kvmesh_kv_cache_usage_ratio": (
+                "Fraction of KV blocks held by requests",
+                report.num_blocks_referenced / report.num_blocks if report.num_blocks else 0.0,
+            ),
         }
         for name, (help_text, value) in gauges.items():
             yield GaugeMetricFamily(name, help_text, value=value)

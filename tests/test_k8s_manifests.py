@@ -1,0 +1,148 @@
+"""deploy/k8s: every object valid for the Kubernetes versions we claim, and the manifests agree
+with the services themselves (modules, flags behind env names, ports, probes, drain times)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import tomllib
+
+from shared.model_paths import default_model_path
+from shared.model_repository import read_entry
+from tests.k8s_render import render
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERLAYS = ROOT / "deploy" / "k8s" / "overlays"
+KUBERNETES_VERSIONS = ("1.31.0", "1.37.0")  # the oldest and newest we claim
+
+
+@functools.cache
+def rendered(overlay: str) -> list[dict[str, Any]]:
+    return render(OVERLAYS / overlay)
+
+
+def by_name(overlay: str, kind: str, name: str) -> dict[str, Any]:
+    return next(o for o in rendered(overlay) if (o["kind"], o["metadata"]["name"]) == (kind, name))
+
+
+def kvmesh_containers(overlay: str) -> list[dict[str, Any]]:
+    return [
+        container
+        for obj in rendered(overlay)
+        if obj["kind"] in ("Deployment", "StatefulSet")
+        for container in obj["spec"]["template"]["spec"]["containers"]
+        if container["image"].startswith("kvmesh:")
+    ]
+
+
+@functools.cache
+def flags_of(module: str) -> set[str]:
+    help_text = subprocess.run(
+        [sys.executable, "-m", module, "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "200"},
+    ).stdout
+    return set(re.findall(r"--[a-z][a-z0-9-]*", help_text))
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_every_object_is_valid_for_the_versions_we_claim(overlay: str) -> None:
+    objects = rendered(overlay)
+    assert len(objects) >= 10
+    for obj in objects:
+        for version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
+    broken = by_name(overlay, "Deployment", "gateway")
+    broken["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}  # a typo
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSIONS[0], strict=True)
+    rendered.cache_clear()
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_containers_agree_with_the_services(overlay: str) -> None:
+    for container in kvmesh_containers(overlay):
+        command = container["command"]
+        module = command[command.index("-m") + 1]
+        assert importlib.util.find_spec(module) is not None, module
+        flags = flags_of(module)
+        for env in container["env"]:
+            if env["name"].startswith("KVMESH_"):
+                flag = "--" + env["name"].removeprefix("KVMESH_").lower().replace("_", "-")
+                assert flag in flags, f"{container['name']}: {env['name']} is no flag of {module}"
+        port = int(command[command.index("--port") + 1])
+        grpc_ports = [p for p in container["ports"] if p["name"].startswith("grpc-")]
+        assert [p["containerPort"] for p in grpc_ports] == [port], container["name"]
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == port, (container["name"], probe)
+        assert container["livenessProbe"]["grpc"]["service"] == "liveness"
+        assert "service" not in container["readinessProbe"]["grpc"]  # "": model loaded, warm
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_grace_periods_cover_the_drain(overlay: str) -> None:
+    for obj in rendered(overlay):
+        if obj["kind"] != "Deployment":
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        for container in pod["containers"]:
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            drain = float(env["KVMESH_DRAIN_SECONDS"])
+            pause = 0.0
+            if "lifecycle" in container:
+                pause = float(container["lifecycle"]["preStop"]["exec"]["command"][1])
+            assert pod["terminationGracePeriodSeconds"] >= drain + pause, obj["metadata"]["name"]
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_services_name_their_ports_and_the_gateway_finds_every_worker(overlay: str) -> None:
+    for obj in rendered(overlay):
+        if obj["kind"] == "Service":
+            for port in obj["spec"]["ports"]:
+                assert port["name"].split("-")[0] in ("grpc", "http", "tcp"), port
+    worker = by_name(overlay, "Service", "worker")
+    assert worker["spec"]["clusterIP"] == "None"  # headless: one DNS answer per pod
+    gateway = by_name(overlay, "Deployment", "gateway")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in gateway["containers"][0]["env"]}
+    target = env["KVMESH_SCHEDULER"].rpartition("=dns:///")[2]
+    host, port = target.rsplit(":", 1)
+    assert host == f"worker.{worker['metadata']['namespace']}.svc.cluster.local"
+    assert int(port) == worker["spec"]["ports"][0]["port"]
+
+
+def test_the_model_repository_entry_matches_the_image_model(tmp_path: Path) -> None:
+    config_map = by_name("dev", "ConfigMap", "kvmesh-models")
+    entry_toml = config_map["data"]["kvmesh.toml"]
+    directory = tmp_path / "smollm2" / "1"
+    directory.mkdir(parents=True)
+    (directory / "kvmesh.toml").write_text(entry_toml)
+    model = tomllib.loads(entry_toml)["model"]
+    os.symlink(default_model_path(), directory / model["artifact"])
+    read_entry(str(directory)).verify()  # the digest is the installed GGUF's
+    worker = by_name("dev", "Deployment", "worker")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in worker["containers"][0]["env"]}
+    assert env["KVMESH_MODEL"] == "/models/smollm2/1" and env["KVMESH_KV_MEMORY"] == "256MiB"
+
+
+def test_prod_requires_api_keys_and_scales_on_queue_time() -> None:
+    gateway = by_name("prod", "Deployment", "gateway")["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in gateway["containers"][0]["env"]}
+    assert env["KVMESH_API_KEYS_FILE"]["value"] == "/secrets/api-keys.toml"
+    assert env["KVMESH_REDIS"]["valueFrom"]["secretKeyRef"]["name"] == "kvmesh-redis"
+    hpa = by_name("prod", "HorizontalPodAutoscaler", "worker")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "worker"
+    published = (ROOT / "services" / "scheduler" / "metrics.py").read_text()
+    for metric in hpa["spec"]["metrics"]:
+        assert f'"{metric["pods"]["metric"]["name"]}"' in published
