@@ -15,6 +15,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import tomllib
+import yaml
 
 from shared.model_paths import default_model_path
 from shared.model_repository import read_entry
@@ -23,6 +24,8 @@ from tests.k8s_render import render
 ROOT = Path(__file__).resolve().parents[1]
 OVERLAYS = ROOT / "deploy" / "k8s" / "overlays"
 KUBERNETES_VERSIONS = ("1.31.0", "1.37.0")  # the oldest and newest we claim
+OVERLAY_NAMES = ["dev", "prod", "prod-tls"]
+TLS_ENV = set(re.findall(r"KVMESH_TLS_[A-Z_]+", (ROOT / "shared" / "tls.py").read_text()))
 
 
 @functools.cache
@@ -44,6 +47,22 @@ def kvmesh_containers(overlay: str) -> list[dict[str, Any]]:
     ]
 
 
+def probe_target(probe: dict[str, Any]) -> tuple[int, str]:
+    """(port, health service) of a grpc probe, or of an exec probe running shared.healthcheck
+    (what the TLS overlay uses: kubelet's grpc probes cannot speak TLS)."""
+    if "grpc" in probe:
+        return probe["grpc"]["port"], probe["grpc"].get("service", "")
+    command = probe["exec"]["command"]
+    assert command[:3] == ["python", "-m", "shared.healthcheck"], command
+    return int(command[3].rsplit(":", 1)[1]), command[4] if len(command) > 4 else ""
+
+
+@functools.cache
+def compose_image() -> str:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return str(compose["x-kvmesh"]["image"])
+
+
 @functools.cache
 def flags_of(module: str) -> set[str]:
     help_text = subprocess.run(
@@ -57,7 +76,7 @@ def flags_of(module: str) -> set[str]:
     return set(re.findall(r"--[a-z][a-z0-9-]*", help_text))
 
 
-@pytest.mark.parametrize("overlay", ["dev", "prod"])
+@pytest.mark.parametrize("overlay", OVERLAY_NAMES)
 def test_every_object_is_valid_for_the_versions_we_claim(overlay: str) -> None:
     objects = rendered(overlay)
     assert len(objects) >= 10
@@ -71,7 +90,7 @@ def test_every_object_is_valid_for_the_versions_we_claim(overlay: str) -> None:
     rendered.cache_clear()
 
 
-@pytest.mark.parametrize("overlay", ["dev", "prod"])
+@pytest.mark.parametrize("overlay", OVERLAY_NAMES)
 def test_containers_agree_with_the_services(overlay: str) -> None:
     for container in kvmesh_containers(overlay):
         command = container["command"]
@@ -79,19 +98,20 @@ def test_containers_agree_with_the_services(overlay: str) -> None:
         assert importlib.util.find_spec(module) is not None, module
         flags = flags_of(module)
         for env in container["env"]:
+            if env["name"] in TLS_ENV:
+                continue  # read by shared/tls.py in every service, not a flag
             if env["name"].startswith("KVMESH_"):
                 flag = "--" + env["name"].removeprefix("KVMESH_").lower().replace("_", "-")
                 assert flag in flags, f"{container['name']}: {env['name']} is no flag of {module}"
         port = int(command[command.index("--port") + 1])
         grpc_ports = [p for p in container["ports"] if p["name"].startswith("grpc-")]
         assert [p["containerPort"] for p in grpc_ports] == [port], container["name"]
-        for probe in ("readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"]["port"] == port, (container["name"], probe)
-        assert container["livenessProbe"]["grpc"]["service"] == "liveness"
-        assert "service" not in container["readinessProbe"]["grpc"]  # "": model loaded, warm
+        for probe, service in (("readinessProbe", ""), ("livenessProbe", "liveness")):
+            assert probe_target(container[probe]) == (port, service), (container["name"], probe)
+        assert container["image"] == compose_image()
 
 
-@pytest.mark.parametrize("overlay", ["dev", "prod"])
+@pytest.mark.parametrize("overlay", OVERLAY_NAMES)
 def test_grace_periods_cover_the_drain(overlay: str) -> None:
     for obj in rendered(overlay):
         if obj["kind"] != "Deployment":
@@ -106,7 +126,7 @@ def test_grace_periods_cover_the_drain(overlay: str) -> None:
             assert pod["terminationGracePeriodSeconds"] >= drain + pause, obj["metadata"]["name"]
 
 
-@pytest.mark.parametrize("overlay", ["dev", "prod"])
+@pytest.mark.parametrize("overlay", OVERLAY_NAMES)
 def test_services_name_their_ports_and_the_gateway_finds_every_worker(overlay: str) -> None:
     for obj in rendered(overlay):
         if obj["kind"] == "Service":
@@ -146,3 +166,12 @@ def test_prod_requires_api_keys_and_scales_on_queue_time() -> None:
     published = (ROOT / "services" / "scheduler" / "metrics.py").read_text()
     for metric in hpa["spec"]["metrics"]:
         assert f'"{metric["pods"]["metric"]["name"]}"' in published
+
+
+def test_tls_is_all_or_nothing() -> None:
+    """kvmesh's mTLS needs every service on it: one plaintext service would cut the mesh."""
+    for overlay, expected in (("prod", False), ("prod-tls", True)):
+        for container in kvmesh_containers(overlay):
+            names = {e["name"] for e in container["env"]}
+            has = {"KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_TLS_CA"} <= names
+            assert has is expected, (overlay, container["name"])
