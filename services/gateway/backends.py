@@ -277,7 +277,8 @@ class Backends:
             if self.default_model and task == "generate":
                 return self.default_model
             live = (s for s in self.schedulers if s.name and not s.retired and s.task == task)
-            return next((s.name for s in live), "")
+            declared = (d.name for d in self.discoveries if task == "generate")
+            return next((s.name for s in live), next(declared, ""))
         for scheduler in self.schedulers:
             if scheduler.model is not None and name in scheduler.model.aliases:
                 return scheduler.model.name
@@ -301,8 +302,10 @@ class Backends:
         known = [s for s in live if s.name == name and (not version or s.version == version)]
         ready = [s for s in known if s.ready]
         if not ready:
-            # A scheduler not ready yet may turn out to serve it: not ready rather than unknown.
-            if known or not name or any(not s.name for s in live):
+            # A scheduler not ready yet (or not yet resolved from DNS) may turn out to serve it:
+            # not ready rather than unknown.
+            discovering = any(d.name in ("", name) for d in self.discoveries)
+            if known or not name or discovering or any(not s.name for s in live):
                 what = f"model {model!r}" if model else "the default model"
                 raise KvmeshError(
                     Reason.MODEL_NOT_READY,

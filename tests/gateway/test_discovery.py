@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from services.gateway.backends import Backends
 from services.gateway.discovery import DnsDiscovery, is_dns_spec, resolve
+from shared.errors import KvmeshError, Reason
 
 
 async def test_addresses_come_and_go_with_the_name() -> None:
@@ -17,6 +20,10 @@ async def test_addresses_come_and_go_with_the_name() -> None:
 
     backends = Backends("127.0.0.1:1", ["smollm2=dns:///worker.kvmesh.svc:50071"])
     assert backends.schedulers == [] and len(backends.discoveries) == 1
+    for model in ("", "smollm2"):  # nothing resolved yet: loading, not unknown
+        with pytest.raises(KvmeshError) as loading:
+            backends.serving(model)
+        assert loading.value.reason is Reason.MODEL_NOT_READY and loading.value.retryable
     discovery = DnsDiscovery(backends, "smollm2=dns:///worker.kvmesh.svc:50071", resolver=resolver)
     await discovery.refresh()
     assert {s.address for s in backends.schedulers} == {"10.0.0.1:50071", "10.0.0.2:50071"}
