@@ -8,7 +8,6 @@ up. Stopping goes the other way: the gateway drains first so no new work reaches
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh.local_redis import redis_command, wait_for_redis
 from shared.errors import KvmeshError, Reason
 from shared.model_paths import default_embedding_model_path, is_encoder
 from shared.model_repository import ModelEntry, ModelRepository
@@ -275,39 +275,10 @@ class Mesh:
         self.pairs.remove(pair)
 
     def _start_redis(self) -> str:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise KvmeshError(
-                Reason.INVALID_ARGUMENT,
-                "redis-server is not on PATH: install it (apt-get install redis-server) "
-                "or point at a running one with --redis redis://HOST:PORT",
-            )
-        port = free_port(self.config.host)
-        args = [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            self.config.host,
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ]
-        self._launch("redis", None, args, {})
-        url = f"redis://{self.config.host}:{port}/0"
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection((self.config.host, port), timeout=0.2) as conn:
-                    conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
-                        return url
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise KvmeshError(Reason.INTERNAL, "redis-server did not start")
-            time.sleep(0.05)
+        host, port = self.config.host, free_port(self.config.host)
+        self._launch("redis", None, redis_command(host, port), {})
+        wait_for_redis(host, port)
+        return f"redis://{host}:{port}/0"
 
     def _spawn(
         self, name: str, module: str, args: list[str], *, threads: int = 1, port: int | None = None
