@@ -103,7 +103,6 @@ class Mesh:
         self.worker_addresses: list[str] = []
         self.tokenizer_address = ""
         self.collector_address = ""
-        self.embedder_addresses: list[str] = []
         self.pairs: list[ModelPair] = []  # with `models`: every pair, by model version
         self.repository = ModelRepository(config.model_repo)
 
@@ -247,7 +246,6 @@ class Mesh:
             ],
             threads=threads,
         )
-        self.embedder_addresses.append(address)
         return f"{label}={address}"
 
     def remember_schedulers(self) -> None:

@@ -21,7 +21,6 @@ class EmbedBatcher:
         self._queue: deque[tuple[list[int], asyncio.Future[list[float]]]] = deque()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
-        self.batch_sizes: list[int] = []  # recent batch sizes, for metrics and tests
 
     async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
         if self._loop_task is None:
@@ -53,7 +52,6 @@ class EmbedBatcher:
             await self._wake.wait()
             self._wake.clear()
             while batch := self._next_batch():
-                self.batch_sizes = [*self.batch_sizes[-99:], len(batch)]
                 try:
                     vectors = await self._embed([ids for ids, _ in batch])
                 except Exception as error:  # the whole batch fails alike

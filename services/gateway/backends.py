@@ -177,17 +177,15 @@ class Backends:
         self._on_change = on_change
         for scheduler in self.schedulers:
             self._watch(scheduler)
-        self._watchers[""] = asyncio.create_task(self._watch_tokenizer(self._changed))
+        self._watchers[""] = asyncio.create_task(self._watch_tokenizer(self.notify))
         for index, discovery in enumerate(self.discoveries):
             self._watchers[f"dns-{index}"] = asyncio.create_task(discovery.run())
 
     def _watch(self, scheduler: SchedulerBackend) -> None:
-        self._watchers[scheduler.address] = asyncio.create_task(scheduler.watch(self._changed))
+        self._watchers[scheduler.address] = asyncio.create_task(scheduler.watch(self.notify))
 
     async def notify(self) -> None:
-        await self._changed()
-
-    async def _changed(self) -> None:
+        """Tell `on_change` the current readiness (after any change, including traffic)."""
         if self._on_change is not None:
             ready = self.tokenizer_ready and any(s.ready for s in self.schedulers)
             await self._on_change(ready, self.model_readiness())
@@ -244,7 +242,7 @@ class Backends:
             if self._on_change is not None:
                 self._watch(scheduler)
         log.info("scheduler added", extra={"scheduler": address, "model": f"{name}@{version}"})
-        await self._changed()
+        await self.notify()
 
     async def remove(self, address: str, drain_timeout_s: float) -> int:
         """No new requests to it; once its streams through here ended (or the timeout passed),
@@ -253,7 +251,7 @@ class Backends:
         if scheduler is None:
             return 0
         scheduler.retired = True
-        await self._changed()
+        await self.notify()
         deadline = asyncio.get_running_loop().time() + drain_timeout_s
         while scheduler.in_flight and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
@@ -264,7 +262,7 @@ class Backends:
             if watcher is not None:
                 watcher.cancel()
             await scheduler.channel.close()
-            await self._changed()
+            await self.notify()
         log.info("scheduler removed", extra={"scheduler": address, "streams_left": left})
         return left
 
@@ -333,10 +331,6 @@ class Backends:
         ready = self.serving(model_name, split=False, task=task)
         shares = self.traffic.percent(ready[0].name)
         return max(ready, key=lambda scheduler: shares.get(scheduler.version, 0.0))
-
-    def model_info(self, name: str) -> common_pb2.ModelInfo | None:
-        """A served model's info by name; None once no ready scheduler serves it."""
-        return next((m for m in self.models() if m.name == name), None)
 
     def models(self) -> list[common_pb2.ModelInfo]:
         """One per ready model version, the default model first."""

@@ -9,21 +9,15 @@ import grpc
 
 from services.gateway.backends import Backends, EmbedderBackend
 from shared import grpc_errors
-from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import engine_worker_pb2, inference_pb2
 
 log = logging.getLogger("kvmesh.gateway.embed")
-MAX_INPUTS = 2048
 
 
 async def embed(
     backends: Backends, request: inference_pb2.EmbedRequest, timeout: float | None
 ) -> inference_pb2.EmbedResponse:
-    if not 0 < len(request.inputs) <= MAX_INPUTS:
-        raise KvmeshError(Reason.INVALID_ARGUMENT, f"give 1 to {MAX_INPUTS} inputs")
-    for item in request.inputs:
-        if item.WhichOneof("input") is None:
-            raise KvmeshError(Reason.EMPTY_PROMPT, "every input needs text or token ids")
+    # The inputs themselves (count, length, token ids) are the embedding worker's to check.
     candidates = backends.serving(request.model, task="embed")
     backend = min(candidates, key=lambda b: b.in_flight)
     assert isinstance(backend, EmbedderBackend) and backend.model is not None
