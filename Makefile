@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout test-multihost check-kernels test-gpu bench-kernels bench-gpu bench-peers soak clean
+.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout test-multihost check-kernels test-gpu bench-kernels bench-gpu bench-peers bench-cpu profile-step perplexity soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -101,17 +101,26 @@ bench-kernels:
 bench-gpu:
 	$(GPU_PYTHON) -m loadtest.gpu_bench
 
-# kvmesh (mesh and in-process) against transformers and llama.cpp's server (Q4_1 and F32) on
-# the same model and workload, in one run; slow (half an hour). llama-cpp-python builds
-# llama.cpp from source (~10 minutes) into its own venv, once.
-PEERS_VENV := .venv-peers
-$(PEERS_VENV)/.built:
-	$(PYTHON) -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/pip install -q "llama-cpp-python[server]==0.3.36"
-	touch $@
+# kvmesh (mesh and in-process) against transformers and llama.cpp's own `llama-server
+# --parallel N` (Q4_1 and F32) on the same model and workload, in one run; slow (half an hour).
+# llama.cpp is built once with cmake from the llama-cpp-python sdist's sources (~15 minutes on
+# 2 cores) into ~/.cache/kvmesh (KVMESH_PEERS_CACHE).
+bench-peers: $(STAMP)
+	$(BIN)/python -m loadtest.peers $(PEERS_ARGS)
 
-bench-peers: $(STAMP) $(PEERS_VENV)/.built
-	$(BIN)/python -m loadtest.peers --llama-python $(PEERS_VENV)/bin/python $(PEERS_ARGS)
+# The CPU engine against llama-batched-bench (batch 1/8/32, 128-token prompts, 128 decoded;
+# Q4_1 and F32 files), each weight format; CPU_ARGS=--serving adds the mesh against
+# llama-server --parallel 32 on 32 sharegpt streams.
+bench-cpu: $(STAMP)
+	$(BIN)/python -m loadtest.cpu_bench $(CPU_ARGS)
+
+# Where a decode step's time goes, op by op (PROFILE_ARGS='--batch 8 --weights packed').
+profile-step: $(STAMP)
+	$(BIN)/python -m loadtest.step_profile $(PROFILE_ARGS)
+
+# Perplexity of the shipped text in each weight format.
+perplexity: $(STAMP)
+	$(BIN)/python -m loadtest.perplexity
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -6,8 +6,9 @@ Peers, one at a time so none shares the cores with another:
   through the public gRPC API;
 - kvmesh-engine: the in-process Engine;
 - transformers: `generate` in static batches of the concurrency;
-- llama.cpp-Q4_1 / llama.cpp-F32: llama-cpp-python's OpenAI server on the shipped GGUF and on
-  an F32 GGUF of the same weights (`kvmesh convert`), prompts sent as text.
+- llama.cpp-Q4_1 / llama.cpp-F32: llama.cpp's C++ `llama-server --parallel N` (continuous
+  batching; built once by loadtest.llama_cpp) on the shipped GGUF and on an F32 GGUF of the
+  same weights (`kvmesh convert`), prompts sent as text.
 Each runs the sweep (closed loop at each concurrency, then open loop at each rate); the table
 prints each peer's throughput, TTFT and TPOT percentiles, goodput, and kvmesh-mesh's throughput
 ratio to it. Also measured: copy bandwidth, and batch-1 decode against weight bytes / bandwidth.
@@ -19,11 +20,9 @@ import argparse
 import asyncio
 import contextlib
 import os
-import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,8 @@ import numpy
 
 from kvmesh.convert import gguf_to_f32
 from kvmesh.engine import Engine
-from kvmesh.launcher import Mesh, MeshConfig, free_port
+from kvmesh.launcher import Mesh, MeshConfig
+from loadtest import llama_cpp
 from loadtest.bench import BenchResult, write_report
 from loadtest.driver import LoadShape, RunResult, run_load
 from loadtest.inprocess import EngineTarget, run_transformers
@@ -71,52 +71,6 @@ def batch1_decode_tok_s(threads: int, tokens: int = 128) -> tuple[float, int]:
     while engine.has_unfinished():
         produced += sum(len(o.new_token_ids) for o in engine.step())
     return produced / (time.perf_counter() - started), engine.worker.manifest.num_parameters
-
-
-@contextlib.contextmanager
-def llama_server(python: str, model: str, threads: int, log_dir: Path) -> Iterator[str]:
-    port = free_port()
-    log = open(log_dir / f"llama-server-{Path(model).stem}.log", "wb")  # noqa: SIM115
-    process = subprocess.Popen(
-        [
-            python,
-            "-m",
-            "llama_cpp.server",
-            "--model",
-            model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--n_ctx",
-            "4096",
-            "--n_threads",
-            str(threads),
-            "--n_threads_batch",
-            str(threads),
-            # By default it cuts off the running request when another arrives: queue instead.
-            "--interrupt_requests",
-            "False",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/models", timeout=2):
-                    break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"llama_cpp.server did not start; see {log.name}") from None
-                time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        log.close()
 
 
 @dataclass
@@ -171,7 +125,10 @@ async def peer_target(peer: str, args: argparse.Namespace, f32_path: str) -> Asy
         tokenizer = load_tokenizer(model)
         assert tokenizer is not None
         path = model if peer == "llama.cpp-Q4_1" else f32_path
-        with llama_server(args.llama_python, path, args.threads, args.out / "logs") as url:
+        parallel = max(args.concurrency)  # continuous batching over as many slots as streams
+        log = args.out / "logs" / f"llama-server-{Path(path).stem}.log"
+        bin_dir = llama_cpp.build()
+        with llama_cpp.server(bin_dir, path, parallel, parallel * 2048, args.threads, log) as url:
             async with OpenAITarget(url, detokenize=tokenizer.decode) as target:
                 yield target
 
@@ -225,11 +182,6 @@ def main() -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=3000)
     parser.add_argument("--slo-tpot-ms", type=float, default=200)
     parser.add_argument("--out", type=Path, default=Path("results/peers"))
-    parser.add_argument(
-        "--llama-python",
-        default=".venv-peers/bin/python",
-        help="a Python with llama-cpp-python[server] (make bench-peers builds it)",
-    )
     args = parser.parse_args()
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     bandwidth = copy_bandwidth_gb_s()

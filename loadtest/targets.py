@@ -36,6 +36,7 @@ class RequestRecord:
     e2e_s: float = 0.0  # to the last event
     itl_s: list[float] = field(default_factory=list)  # gaps between token-carrying events
     queue_s: float | None = None  # the server's own queue time, where it reports one
+    reconnects: int = 0  # sends repeated because a pooled connection was already closed
 
     @property
     def tpot_s(self) -> float | None:
@@ -184,15 +185,26 @@ class OpenAITarget:
         if spec.sampling.get("ignore_eos"):
             body["min_tokens"] = spec.max_tokens  # the same effect where ignore_eos is unknown
         timer = Timer(RequestRecord(spec.index, len(spec.prompt)))
-        try:
-            async with self._session.post(
-                f"{self.base_url}/completions", json=body, headers=self.headers
-            ) as response:
-                if response.status != 200:
-                    return timer.end("refused", await _http_reason(response))
-                return await self._read_stream(response, timer, spec)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-            return timer.end("failed", type(error).__name__)
+        for attempt in range(2):
+            try:
+                async with self._session.post(
+                    f"{self.base_url}/completions", json=body, headers=self.headers
+                ) as response:
+                    if response.status != 200:
+                        return timer.end("refused", await _http_reason(response))
+                    return await self._read_stream(response, timer, spec)
+            except aiohttp.ServerDisconnectedError as error:
+                # A pooled keep-alive connection the server had already closed (cpp-httplib,
+                # llama-server's HTTP layer, closes one after a few requests) fails before a
+                # byte of answer: that request never reached the server, so send it again on
+                # a fresh connection, once. After any answer byte it is a real failure.
+                if attempt == 0 and timer.record.output_tokens == 0:
+                    timer.record.reconnects += 1
+                    continue
+                return timer.end("failed", type(error).__name__)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+                return timer.end("failed", type(error).__name__)
+        raise AssertionError("unreachable: the second attempt returns")
 
     async def _read_stream(
         self, response: aiohttp.ClientResponse, timer: Timer, spec: RequestSpec

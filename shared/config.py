@@ -73,7 +73,9 @@ class EngineConfig:
 
     model: str | None = None  # GGUF file or HF directory; None = the default model
     backend: str = "torch"
-    dtype: str = "float32"
+    dtype: str = "float32"  # activations and the KV cache
+    weights: str = "auto"  # auto | packed | float32 | bfloat16 (torch backend; linear.py)
+    quantize: str | None = None  # int8: quantize a float checkpoint's projections at load
     max_model_len: int | None = None  # None = the model's own context length
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -83,5 +85,13 @@ class EngineConfig:
         _require(
             self.dtype in ("float32", "float16", "bfloat16"),
             f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}",
+        )
+        _require(
+            self.weights in ("auto", "packed", "float32", "bfloat16"),
+            f"weights must be auto, packed, float32 or bfloat16, got {self.weights!r}",
+        )
+        _require(
+            self.quantize in (None, "int8"),
+            f"quantize must be int8 (int4 has no fast kernel on AVX2 CPUs), got {self.quantize!r}",
         )
         _require(self.max_model_len is None or self.max_model_len > 1, "max_model_len must be > 1")

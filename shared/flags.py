@@ -44,6 +44,20 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16", "float16"],
     )
     group.add_argument(
+        "--weights",
+        default=env_default("weights", "auto"),
+        choices=["auto", "packed", "float32", "bfloat16"],
+        help="torch backend weight format; packed: int8 per output row through fbgemm, a "
+        "quarter of float32's bytes; auto: packed for a Q4_0/Q4_1/Q8_0 GGUF or with --quantize, "
+        "else float32",
+    )
+    group.add_argument(
+        "--quantize",
+        default=env_default("quantize", None),
+        choices=["int8"],
+        help="quantize a float checkpoint's projections to int8 at load (packed weights)",
+    )
+    group.add_argument(
         "--kv-memory", default=env_default("kv-memory", "1GiB"), help="KV cache budget, e.g. 512MiB"
     )
     group.add_argument(
@@ -196,6 +210,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         backend=args.backend,
         dtype=args.dtype,
+        weights=args.weights,
+        quantize=args.quantize,
         max_model_len=args.max_model_len,
         num_threads=args.threads,
         cache=CacheConfig(
@@ -213,6 +229,9 @@ def worker_flag_args(args: argparse.Namespace) -> list[str]:
     """Parsed worker flags back as arguments, for a launcher to forward (model and threads are
     the launcher's own)."""
     forwarded = ["--backend", args.backend, "--dtype", args.dtype, "--kv-memory", args.kv_memory]
+    forwarded += ["--weights", args.weights] + (
+        ["--quantize", args.quantize] if args.quantize else []
+    )
     forwarded += ["--block-size", str(args.block_size)]
     if args.max_model_len is not None:
         forwarded += ["--max-model-len", str(args.max_model_len)]

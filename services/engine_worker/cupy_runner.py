@@ -63,6 +63,7 @@ class Runner:
         self.spec = DTYPES[_DTYPE_NAMES[dtype]]
         self.arch = arch
         self.block_size = kv_shape.block_size
+        self.weights_resident_bytes = weights.resident_bytes  # copied to the GPU as they are
         self.stream = cupy.cuda.Stream(non_blocking=True)
         with self.stream:
             self.model = CupyCausalLM(arch, weights, max_model_len, self.spec)

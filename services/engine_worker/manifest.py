@@ -15,7 +15,7 @@ class ModelManifest:
     architecture: str
     num_parameters: int
     dtype: str
-    quantization: str
+    quantization: str  # the artifact's tensor types, as stored
     backend: str
     max_model_len: int
     kv_bytes_per_token: int
@@ -24,6 +24,8 @@ class ModelManifest:
     kv_cache_bytes: int
     load_seconds: float
     warmup_seconds: float
+    weights: str = "float32"  # the format the weights run in: packed | float32 | bfloat16
+    weights_resident_bytes: int = 0  # what the weights keep in memory in that format
     repository_version: str = ""  # the repository entry's version; "" when loaded from a path
     aliases: tuple[str, ...] = ()
     default_sampling: dict[str, Any] | None = None  # the entry's [sampling] table

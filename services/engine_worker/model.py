@@ -12,28 +12,27 @@ import torch.nn.functional as F
 from services.engine_worker.architecture import ModelArchitecture
 from services.engine_worker.attention import AttentionMetadata, paged_attention, write_kv
 from services.engine_worker.kv_cache import KVCache
-from services.engine_worker.weights import ModelWeights
+from services.engine_worker.torch_weights import TorchWeights
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x: (T, in) @ weight: (in, out) [+ bias]."""
-    return torch.matmul(x, weight) if bias is None else torch.addmm(bias, x, weight)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, heads, D); cos/sin: (T, 1, D). transformers' rotate_half convention."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, heads, D); cos/signed_sin: (T, 1, D). transformers' rotate_half convention:
+    rotate_half(x) * sin == roll(x, D/2) * signed_sin, with the first half of sin negated once
+    in the table: a sign flip is exact, so this is bit for bit the same with no slices, negation
+    or concatenation per step (addcmul would fuse the multiply-add and round differently)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class CausalLM:
     def __init__(
-        self, arch: ModelArchitecture, weights: ModelWeights, max_positions: int, dtype: torch.dtype
+        self, arch: ModelArchitecture, weights: TorchWeights, max_positions: int, dtype: torch.dtype
     ) -> None:
         self.arch = arch
         self.weights = weights
-        self.cos, self.sin = arch.rope.cos_sin(arch.head_dim, max_positions, dtype)
+        self.cos, sin = arch.rope.cos_sin(arch.head_dim, max_positions, dtype)
+        self.signed_sin = torch.cat(
+            (-sin[:, : arch.head_dim // 2], sin[:, arch.head_dim // 2 :]), 1
+        )
         self.scale = arch.head_dim**-0.5
         self._qk_size = arch.q_size + arch.kv_size
 
@@ -51,11 +50,11 @@ class CausalLM:
         hidden_shape = (arch.hidden_size,)
         num_tokens = input_ids.shape[0]
         cos = self.cos.index_select(0, positions).unsqueeze(1)  # (T, 1, D)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
-        x = F.embedding(input_ids, w.embed)  # (T, hidden)
+        sin = self.signed_sin.index_select(0, positions).unsqueeze(1)
+        x = w.embed(input_ids).to(self.cos.dtype)  # (T, hidden)
         for index, layer in enumerate(w.layers):
             h = F.rms_norm(x, hidden_shape, layer.input_norm, arch.rms_norm_eps)
-            qkv = _project(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h)
             # Q and K heads sit side by side in the fused output: rotate them in one pass.
             qk = _rotate(qkv[:, : self._qk_size].view(num_tokens, -1, arch.head_dim), cos, sin)
             q, k = qk[:, : arch.num_heads], qk[:, arch.num_heads :]
@@ -65,12 +64,12 @@ class CausalLM:
                 k_cache, v_cache, k, v.view(num_tokens, arch.num_kv_heads, arch.head_dim), meta
             )
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
-            x = x + _project(attn, layer.o_proj, layer.o_bias)
+            x = x + layer.o_proj(attn)
             h = F.rms_norm(x, hidden_shape, layer.post_norm, arch.rms_norm_eps)
-            gate, up = torch.matmul(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + torch.matmul(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         # Only rows that sample need the final norm and the (large) vocabulary projection.
         x = F.rms_norm(
             x.index_select(0, sample_rows), hidden_shape, w.final_norm, arch.rms_norm_eps
         )
-        return torch.matmul(x, w.lm_head).float()
+        return w.lm_head(x).float()

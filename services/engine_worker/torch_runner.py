@@ -17,6 +17,8 @@ from services.engine_worker.batch import RequestState, build_batch
 from services.engine_worker.kv_cache import KVCache, KVCacheShape
 from services.engine_worker.model import CausalLM
 from services.engine_worker.sampler import sample
+from services.engine_worker.smoothing import calibrated
+from services.engine_worker.torch_weights import TorchWeights
 from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig
 from shared.step import SampledToken
@@ -36,9 +38,13 @@ class Runner:
         self.device = torch.device(os.environ.get("KVMESH_TORCH_DEVICE", "cpu"))
         if self.device.type != "cpu":
             weights = _moved(weights, self.device)
-        self.model = CausalLM(arch, weights, max_model_len, dtype)
-        self.model.cos, self.model.sin = (
-            t.to(self.device) for t in (self.model.cos, self.model.sin)
+        if config.weights == "packed":  # int8 activations: outliers moved into the weights first
+            weights = calibrated(arch, weights, kv_shape.block_size)
+        torch_weights = TorchWeights.from_float(weights, config.weights, dtype)
+        self.weights_resident_bytes = torch_weights.resident_bytes
+        self.model = CausalLM(arch, torch_weights, max_model_len, dtype)
+        self.model.cos, self.model.signed_sin = (
+            t.to(self.device) for t in (self.model.cos, self.model.signed_sin)
         )
         self.kv_cache = KVCache(kv_shape, dtype, str(self.device))
 
@@ -70,6 +76,24 @@ class Runner:
             batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.sample_rows
         )
         return batch.sampling_states, sample(logits.cpu(), batch.sampling_states, rng)
+
+    def prompt_logprobs(self, state: RequestState) -> torch.Tensor:
+        """(prompt_len - 1,) log-probability of each prompt token after the ones before it:
+        one prefill of `state` (on its blocks) with logits at every position."""
+        tokens = len(state.token_ids)
+        batch = build_batch(
+            [(state, tokens)],
+            self.kv_cache.shape.block_size,
+            self.arch.num_kv_heads,
+            self.arch.num_heads,
+            self.arch.head_dim,
+        )
+        rows = torch.arange(tokens - 1)
+        logits = self.model.forward(
+            batch.input_ids, batch.positions, self.kv_cache, batch.meta, rows
+        )
+        targets = torch.tensor(state.token_ids[1:])
+        return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
 
 
 def _moved(value, device: torch.device):

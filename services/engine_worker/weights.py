@@ -116,6 +116,14 @@ class ModelWeights:
             tensors += [t for t in vars(layer).values() if t is not None]
         return sum(t.numel() for t in tensors)
 
+    @property
+    def resident_bytes(self) -> int:
+        """Every tensor held, the head's own copy included."""
+        tensors = [self.embed, self.final_norm, self.lm_head]
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     @staticmethod
     def build(
         arch: ModelArchitecture, load: Callable[[str], torch.Tensor], dtype: torch.dtype

@@ -5,6 +5,7 @@ Order matters: every check that can refuse a model runs before any large allocat
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import threading
@@ -19,6 +20,7 @@ from services.engine_worker.capacity import check_memory_fits
 from services.engine_worker.grammar import GrammarCompiler
 from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.manifest import ModelManifest
+from services.engine_worker.torch_weights import resolve_weight_format
 from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, ModelValidationError, Reason
@@ -52,7 +54,15 @@ class Worker:
         kv_shape = KVCacheShape.from_budget(
             arch, config.cache.block_size, config.cache.kv_memory_bytes, self.dtype
         )
-        weights = ModelWeights.build(arch, artifact.load, self.dtype)
+        # Packed weights are quantized from float32: the float copy is what they round.
+        weights_format = resolve_weight_format(
+            config.weights, artifact.quantization, config.quantize
+        )
+        if self.backend != "torch" or os.environ.get("KVMESH_TORCH_DEVICE", "cpu") != "cpu":
+            weights_format = config.dtype  # packed weights are a CPU format (fbgemm)
+        load_dtype = torch.float32 if weights_format == "packed" else self.dtype
+        weights = ModelWeights.build(arch, artifact.load, load_dtype)
+        num_parameters = weights.num_parameters
         # The KV budget is taken whole now, or the model is refused: never later, by running
         # out while another model's worker on this machine serves traffic.
         check_memory_fits(
@@ -60,8 +70,14 @@ class Worker:
         )
         runner_module = importlib.import_module(BACKENDS[self.backend])
         self.runner = runner_module.Runner(
-            arch, weights, kv_shape, self.max_model_len, self.dtype, config
+            arch,
+            weights,
+            kv_shape,
+            self.max_model_len,
+            self.dtype,
+            dataclasses.replace(config, weights=weights_format),
         )
+        del weights  # the runner keeps what it needs, in its own format
         self.kv_shape = kv_shape
         load_seconds = time.perf_counter() - started
         self.requests: dict[str, RequestState] = {}
@@ -78,9 +94,11 @@ class Worker:
             artifact_path=self.model_path,
             artifact_sha256=self._artifact_digests(),
             architecture=arch.name,
-            num_parameters=weights.num_parameters,
+            num_parameters=num_parameters,
             dtype=config.dtype,
             quantization=artifact.quantization,
+            weights=weights_format,
+            weights_resident_bytes=self.runner.weights_resident_bytes,
             backend=self.backend,
             max_model_len=self.max_model_len,
             kv_bytes_per_token=arch.kv_bytes_per_token(self.dtype.itemsize),
@@ -144,6 +162,19 @@ class Worker:
             self._run([(state, scheduled)])
             scheduled = 1
         return state.token_ids[len(prompt_ids) :]
+
+    def prompt_logprobs(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Each prompt token's log-probability given those before it (torch backend), on
+        scratch blocks, before any request runs: for perplexity checks."""
+        block = self.kv_shape.block_size
+        num_blocks = -(-len(prompt_ids) // block)
+        if len(prompt_ids) < 2 or num_blocks > self.kv_shape.num_blocks:
+            raise KvmeshError(Reason.INVALID_ARGUMENT, "a text that fits the KV cache is needed")
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        state = RequestState(
+            "score", list(prompt_ids), list(range(num_blocks)), 0, params, len(prompt_ids)
+        )
+        return self.runner.prompt_logprobs(state)
 
     def _check_fixture(self, index: int, fixture: WarmupFixture) -> None:
         found = self.greedy(list(fixture.prompt_ids), len(fixture.expected_ids))

@@ -44,7 +44,13 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(hf_dir: Path, target: Path, reference_dir: Path) -> None:
+def write_gguf(
+    hf_dir: Path,
+    target: Path,
+    reference_dir: Path,
+    layer_types: dict[str, str] = LAYER_TYPES,
+    embed_type: str = "Q8_0",
+) -> None:
     """`target`: a GGUF of hf_dir's weights; `reference_dir`: an HF copy of exactly the weights
     the GGUF holds after quantization, for transformers to run."""
     import gguf
@@ -67,7 +73,7 @@ def write_gguf(hf_dir: Path, target: Path, reference_dir: Path) -> None:
     for name, gguf_name in gguf_names(config["num_hidden_layers"]).items():
         weight = tensors[name].numpy()
         part = gguf_name.split(".")[-2]
-        kind = LAYER_TYPES.get(part, "Q8_0" if part in ("token_embd", "output") else "F32")
+        kind = layer_types.get(part, embed_type if part in ("token_embd", "output") else "F32")
         heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
         stored = llama_cpp_permute(weight, heads[part]) if part in heads else weight
         qtype = gguf.GGMLQuantizationType[kind]
@@ -106,7 +112,11 @@ def test_quantized_gguf_matches_transformers_on_the_same_weights(
     prompts = [[5, 9, 200, 17], list(range(3, 60)), [44] * 20, list(range(100, 300, 7))]
     model = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
     expected = transformers_greedy(model, prompts, 16, eos=2)
-    engine = Engine(EngineConfig(model=str(target), cache=CacheConfig(kv_memory_bytes=8 << 20)))
+    engine = Engine(
+        EngineConfig(
+            model=str(target), weights="float32", cache=CacheConfig(kv_memory_bytes=8 << 20)
+        )
+    )
     completions = engine.generate(
         prompts, SamplingParams(max_tokens=16, temperature=0.0, logprobs=TOP)
     )

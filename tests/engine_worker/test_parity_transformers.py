@@ -45,6 +45,7 @@ def run_kvmesh(
     engine = Engine(
         EngineConfig(
             model=model,
+            weights="float32",  # transformers' own arithmetic on the dequantized weights
             cache=CacheConfig(kv_memory_bytes=64 << 20, enable_prefix_caching=prefix),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=256, max_num_seqs=4, prefill_chunk_size=chunk

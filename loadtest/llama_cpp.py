@@ -1,0 +1,211 @@
+"""llama.cpp's own C++ binaries as peers: built once from the sources vendored in the
+`llama-cpp-python` sdist, then `llama-batched-bench` (engine level) and `llama-server
+--parallel N` (serving level, continuous batching) run from the cache.
+
+The build is cmake's, native to the machine (-DGGML_NATIVE=ON), CPU only, into
+$KVMESH_PEERS_CACHE (default ~/.cache/kvmesh/llama.cpp-VERSION); about 15 minutes on 2 cores,
+once. Run alone: python -m loadtest.llama_cpp  (prints the binaries' folder).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmesh.launcher import free_port
+
+LLAMA_CPP_PYTHON = "0.3.36"
+TARGETS = ("llama-batched-bench", "llama-server")
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "kvmesh" / f"llama.cpp-{LLAMA_CPP_PYTHON}"
+    return Path(os.environ.get("KVMESH_PEERS_CACHE", default))
+
+
+def build(log=sys.stderr) -> Path:
+    """The folder holding the built binaries; builds them first if missing."""
+    root = cache_dir()
+    bin_dir = root / "build" / "bin"
+    if all((bin_dir / t).exists() for t in TARGETS):
+        return bin_dir
+    root.mkdir(parents=True, exist_ok=True)
+    source = root / "src"
+    if not (source / "CMakeLists.txt").exists():
+        with tempfile.TemporaryDirectory() as download:
+            print(f"llama.cpp: fetching the llama-cpp-python {LLAMA_CPP_PYTHON} sdist", file=log)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--no-deps",
+                    "--no-binary",
+                    ":all:",
+                    f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                    "-d",
+                    download,
+                ],
+                check=True,
+            )
+            (archive,) = Path(download).glob("llama_cpp_python-*.tar.gz")
+            prefix = f"{archive.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+            with tarfile.open(archive) as tar:
+                members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+                for member in members:
+                    member.name = member.name[len(prefix) :]
+                tar.extractall(source, members=[m for m in members if m.name], filter="data")
+    build_dir = root / "build"
+    print(f"llama.cpp: building {', '.join(TARGETS)} in {build_dir} (once)", file=log)
+    subprocess.run(
+        [
+            "cmake",
+            "-S",
+            str(source),
+            "-B",
+            str(build_dir),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=ON",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_OPENSSL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    subprocess.run(
+        ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return bin_dir
+
+
+@dataclass(frozen=True)
+class BatchedBenchRow:
+    prompt_tokens: int
+    generated_tokens: int
+    batch: int
+    prefill_tok_s: float
+    decode_tok_s: float  # all sequences' generated tokens over the decode time
+
+
+def batched_bench(
+    bin_dir: Path, model: str, batches: list[int], prompt: int, generated: int, threads: int
+) -> list[BatchedBenchRow]:
+    """`llama-batched-bench`: each batch size prefills `prompt` tokens per sequence, then
+    decodes `generated` tokens for all of them together."""
+    context = max(batches) * (prompt + generated) + 64
+    result = subprocess.run(
+        [
+            str(bin_dir / "llama-batched-bench"),
+            "-m",
+            model,
+            "-c",
+            str(context),
+            "-b",
+            "2048",
+            "-ub",
+            "512",
+            "-npp",
+            str(prompt),
+            "-ntg",
+            str(generated),
+            "-npl",
+            ",".join(map(str, batches)),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "--no-repack",
+            "-fa",
+            "on",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    rows = []
+    # |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s | ...
+    for line in result.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and re.fullmatch(r"\d+", cells[0]):
+            rows.append(
+                BatchedBenchRow(
+                    int(cells[0]), int(cells[1]), int(cells[2]), float(cells[5]), float(cells[7])
+                )
+            )
+    return rows
+
+
+@contextlib.contextmanager
+def server(
+    bin_dir: Path, model: str, parallel: int, context: int, threads: int, log_path: Path
+) -> Iterator[str]:
+    """`llama-server --parallel N` (continuous batching) on loopback; yields its /v1 URL."""
+    port = free_port()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [
+                str(bin_dir / "llama-server"),
+                "-m",
+                model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--parallel",
+                str(parallel),
+                "-c",
+                str(context),
+                "-t",
+                str(threads),
+                "-tb",
+                str(threads),
+                "--no-repack",
+                "--cont-batching",
+                "--no-webui",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                        if response.status == 200:
+                            break
+                except OSError:
+                    pass
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"llama-server did not start; see {log_path}")
+                time.sleep(0.5)
+            yield f"{url}/v1"
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def main() -> None:
+    print(build())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""The projections a layer runs, one class per weight format: dense float, or packed int8.
+
+Every projection takes x: (M, in) and returns (M, out) in x's dtype, and reports the bytes its
+weights keep resident. Which format runs is the manifest's `weights` field.
+
+Measured on this project's 2-core AVX2 (Zen 1) machine, torch 2.13 (see the CPU engine issue's
+note): torch's weight-only kernels `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` run
+4x and 17x slower than an fp32 GEMM there (they are tuned for AVX-512), while fbgemm's int8 GEMM
+(activations quantized on the fly, integer multiply-adds like llama.cpp's Q8 dot products) runs
+the model's matmuls 2.5x faster than fp32 at batch 8 from a quarter of the bytes. So `packed`
+means int8 per output channel through fbgemm.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class Projection(Protocol):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    def resident_bytes(self) -> int: ...
+
+
+class DenseLinear:
+    """A float weight (float32 or bfloat16) in HF layout (out, in), plus an optional bias.
+
+    `W @ x^T` with W on the left: MKL's small-M GEMM on a (in, out) right operand repacks the
+    whole weight on every call (measured: the head at batch 8, 50 ms against 14 ms; a whole
+    batch-8 step 186 ms against 126 ms). At batch 1 the (in, out) GEMV was 9% faster per step,
+    not worth a second copy. A tied head shares the embedding table itself.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight.contiguous()  # (out, in)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight, dtype = self.weight, x.dtype
+        if dtype != weight.dtype:
+            x = x.to(weight.dtype)
+        if x.shape[0] == 1:
+            out = F.linear(x, weight, self.bias)
+        else:
+            out = torch.mm(weight, x.t()).t()  # (out, M)^T
+            if self.bias is not None:
+                out = out + self.bias
+        return out.to(dtype)
+
+    @property
+    def resident_bytes(self) -> int:
+        total = self.weight.numel() * self.weight.element_size()
+        return total + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+
+# fbgemm multiplies uint8 activations by int8 weights in pairs summed into int16 (vpmaddubsw):
+# 127-level weights need its `reduce_range` (7-bit activations, 2 * 127 * 127 < 2**15) to never
+# saturate. Measured on the default model: 63-level weights with 8-bit activations cost 1.1%
+# perplexity from the weights alone, 127-level weights 0.2%; 7-bit activations are made up for
+# by smoothing and, where that is not enough, a residual pass.
+_WEIGHT_LEVELS = 127
+# fbgemm's grid for an input whose range is pinned to [-1, 1] (reduce_range: 0..127): scale
+# 2/127, zero point 64 (63.5 rounded half to even); values quantize to rne(x * 63.5) in -64..63.
+_GRID = 63.5
+_GRID_LOW, _GRID_HIGH = -64, 63
+
+
+class Int8Linear:
+    """int8 weights, one scale per output row, run by fbgemm with int8 activations.
+
+    fbgemm quantizes its input per tensor, from the tensor's min and max: left alone, one row's
+    quantization would depend on the other rows of its batch, and a request's tokens on its
+    neighbours. Each row is therefore scaled to max |x| = 1 and two constant columns, +1 and -1
+    (against zero weights), pin every batch's range to exactly [-1, 1]: per-token quantization,
+    the same for a row whatever else is batched with it.
+
+    `residual_pass`: a second GEMM over what the first pass's 7-bit rounding left (rescaled to
+    [-1, 1] itself), for ~14-bit activations where 7 bits cost too much (see torch_weights).
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, residual_pass: bool = False
+    ) -> None:
+        """weight: (out, in) float; quantized here, symmetric, one scale per row."""
+        out_features, in_features = weight.shape
+        scale = self._scale(weight.float())
+        padded = torch.zeros(out_features, in_features + 2)
+        padded[:, :in_features] = self.dequantized(weight)
+        with warnings.catch_warnings():  # fbgemm's dynamic linear still takes a qint8 tensor
+            warnings.simplefilter("ignore", UserWarning)
+            quantized = torch.quantize_per_channel(
+                padded,
+                scale.double().squeeze(1),
+                torch.zeros(out_features, dtype=torch.long),
+                0,
+                torch.qint8,
+            )
+        self._packed = torch.ops.quantized.linear_prepack(quantized, None)
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else bias.float()
+        self.residual_pass = residual_pass
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        # int8 values + a scale per row (what fbgemm keeps, less its column offsets).
+        self._bytes = out_features * (in_features + 2) + out_features * 8
+
+    @staticmethod
+    def _scale(weight: torch.Tensor) -> torch.Tensor:
+        return weight.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / _WEIGHT_LEVELS
+
+    @staticmethod
+    def dequantized(weight: torch.Tensor) -> torch.Tensor:
+        """The float weight this format computes with: what parity tests compare against."""
+        weight = weight.float()
+        scale = Int8Linear._scale(weight)
+        return torch.clamp(torch.round(weight / scale), -_WEIGHT_LEVELS, _WEIGHT_LEVELS) * scale
+
+    def _input_buffer(self, rows: int, which: int) -> torch.Tensor:
+        """(rows, in + 2) with the +1/-1 columns already set; reused call after call (steps
+        run one at a time, and fbgemm's output is a fresh tensor)."""
+        key = (rows, which)
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            buffer = torch.empty(rows, self.in_features + 2)
+            buffer[:, self.in_features] = 1.0
+            buffer[:, self.in_features + 1] = -1.0
+            self._buffers[key] = buffer
+        return buffer
+
+    def _pass(
+        self, x: torch.Tensor, which: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(W x, the rows as scaled to [-1, 1], their scale) for float32 rows x."""
+        row_max = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30)
+        buffer = self._input_buffer(x.shape[0], which)
+        scaled = torch.div(x, row_max, out=buffer[:, : self.in_features])
+        out = torch.ops.quantized.linear_dynamic(buffer, self._packed, True)
+        return out.mul_(row_max), scaled, row_max
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        out, scaled, row_max = self._pass(x.float())
+        if self.residual_pass:
+            # What fbgemm's rounding on its grid dropped, in x's own units.
+            on_grid = torch.round(scaled * _GRID).clamp_(_GRID_LOW, _GRID_HIGH).div_(_GRID)
+            out += self._pass(scaled.sub_(on_grid).mul_(row_max), which=1)[0]
+        if self.bias is not None:
+            out += self.bias
+        return out.to(dtype)
+
+    @property
+    def resident_bytes(self) -> int:
+        return self._bytes + (0 if self.bias is None else self.bias.numel() * 4)

@@ -1,0 +1,154 @@
+"""The torch backend's weights in the format in force: float32, bfloat16, or packed int8.
+
+Built from the loaded `ModelWeights` (fused, (in, out) float tensors, which the cupy backend
+uses as they are) one layer at a time, so the float copy of a packed model is never whole in
+memory beside the packed one for longer than a layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.engine_worker.linear import DenseLinear, Int8Linear, Projection
+from services.engine_worker.weights import ModelWeights
+from shared.errors import KvmeshError, Reason
+
+WEIGHT_FORMATS = ("packed", "float32", "bfloat16")
+# A GGUF holding any of these runs packed under `auto`: its weights are already 8 bits or
+# fewer, and packed runs them within 1% perplexity of float32 (loadtest.perplexity).
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# Q/K/V and down inputs keep ~14-bit activations (two passes): after smoothing, even 8 bits
+# there cost the default model 1.0% and 1.5% perplexity; gate/up, output projection and head
+# under 0.1%.
+RESIDUAL_PASS = True
+
+
+def resolve_weight_format(requested: str, artifact_quantization: str, quantize: str | None) -> str:
+    """`auto`: packed for a Q4_0/Q4_1/Q8_0 GGUF or with --quantize, else float32."""
+    if requested not in ("auto", *WEIGHT_FORMATS):
+        raise KvmeshError(
+            Reason.INVALID_ARGUMENT,
+            f"unknown weights format {requested!r}; available: auto, {', '.join(WEIGHT_FORMATS)}",
+        )
+    if quantize is not None:
+        if requested not in ("auto", "packed"):
+            raise KvmeshError(
+                Reason.INVALID_ARGUMENT, f"--quantize {quantize} needs --weights packed or auto"
+            )
+        return "packed"
+    if requested != "auto":
+        return requested
+    quantized = set(artifact_quantization.split("+")) & set(QUANTIZED_TYPES)
+    return "packed" if quantized else "float32"
+
+
+class DenseEmbedding:
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table  # (vocab, hidden)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.table)
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.table.numel() * self.table.element_size()
+
+
+class Int8Embedding:
+    """Rows as int8 with one scale each: a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        table = table.float()
+        self.scale = table.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0  # (vocab, 1)
+        self.rows = torch.clamp(torch.round(table / self.scale), -127, 127).to(torch.int8)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.rows).float().mul_(F.embedding(ids, self.scale))
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.rows.numel() + self.scale.numel() * 4
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclass(frozen=True)
+class TorchLayer:
+    input_norm: torch.Tensor  # (hidden,)
+    qkv: Projection  # hidden -> q_size + 2 * kv_size
+    o_proj: Projection  # q_size -> hidden
+    post_norm: torch.Tensor
+    gate_up: Projection  # hidden -> 2 * intermediate (gate, then up)
+    down: Projection  # intermediate -> hidden
+
+
+@dataclass(frozen=True)
+class TorchWeights:
+    format: str
+    embed: DenseEmbedding | Int8Embedding
+    layers: tuple[TorchLayer, ...]
+    final_norm: torch.Tensor
+    lm_head: Projection
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes the weights keep in memory (a tied head shares the embedding's when dense)."""
+        total = self.embed.resident_bytes + _nbytes(self.final_norm)
+        if not (
+            isinstance(self.lm_head, DenseLinear)
+            and isinstance(self.embed, DenseEmbedding)
+            and self.lm_head.weight.data_ptr() == self.embed.table.data_ptr()
+        ):
+            total += self.lm_head.resident_bytes
+        for layer in self.layers:
+            total += sum(
+                p.resident_bytes for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            )
+            total += _nbytes(layer.input_norm) + _nbytes(layer.post_norm)
+        return total
+
+    @staticmethod
+    def from_float(weights: ModelWeights, fmt: str, compute_dtype: torch.dtype) -> TorchWeights:
+        """Projections in `fmt`; norms (and a dense embedding) in the compute dtype."""
+        if fmt not in WEIGHT_FORMATS:
+            raise ValueError(fmt)
+        dtype = torch.bfloat16 if fmt == "bfloat16" else torch.float32
+        if fmt != "packed" and compute_dtype != torch.float32:
+            dtype = compute_dtype  # float16/bfloat16 activations run same-dtype weights
+
+        def projection(
+            transposed: torch.Tensor, bias: torch.Tensor | None, residual: bool = False
+        ) -> Projection:
+            weight = transposed.t()  # (out, in)
+            if fmt == "packed":
+                return Int8Linear(weight, bias, residual_pass=residual)
+            return DenseLinear(weight.to(dtype).contiguous(), bias)
+
+        layers = []
+        for layer in weights.layers:
+            layers.append(
+                TorchLayer(
+                    input_norm=layer.input_norm.to(compute_dtype),
+                    qkv=projection(layer.qkv, layer.qkv_bias, RESIDUAL_PASS),
+                    o_proj=projection(layer.o_proj, layer.o_bias),
+                    post_norm=layer.post_norm.to(compute_dtype),
+                    gate_up=projection(layer.gate_up, None),
+                    down=projection(layer.down, None, RESIDUAL_PASS),
+                )
+            )
+        embed: DenseEmbedding | Int8Embedding
+        lm_head: Projection
+        if fmt == "packed":
+            embed, lm_head = Int8Embedding(weights.embed), Int8Linear(weights.lm_head.t())
+        else:
+            table = weights.embed.to(dtype)
+            embed = DenseEmbedding(table)
+            head = table if weights.tied else weights.lm_head.t().to(dtype).contiguous()
+            lm_head = DenseLinear(head)
+        final_norm = weights.final_norm.to(compute_dtype)
+        return TorchWeights(fmt, embed, tuple(layers), final_norm, lm_head)
