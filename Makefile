@@ -109,7 +109,7 @@ bench-peers: $(STAMP)
 	$(BIN)/python -m loadtest.peers $(PEERS_ARGS)
 
 # The CPU engine against llama-batched-bench (batch 1/8/32, 128-token prompts, 128 decoded;
-# Q4_1 and F32 files), each weight format; CPU_ARGS=--serving adds the mesh against
+# Q4_1 and F32 files), each weight format; CPU_ARGS=--levels=engine,serving adds the mesh against
 # llama-server --parallel 32 on 32 sharegpt streams.
 bench-cpu: $(STAMP)
 	$(BIN)/python -m loadtest.cpu_bench $(CPU_ARGS)

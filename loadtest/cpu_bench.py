@@ -5,8 +5,9 @@ Engine level, as `llama-batched-bench` measures it: B sequences of 128-token pro
 then 128 tokens decoded for all of them together; decode tok/s = generated tokens / decode
 time. kvmesh: the in-process engine in each weight format asked for. llama.cpp: the shipped
 Q4_1 file and an F32 GGUF of the same weights (`kvmesh convert`), `--no-repack`.
-Serving level (--serving): the mesh (`kvmesh up`) and `llama-server --parallel 32`, 32
-concurrent sharegpt streams from `kvmesh bench`'s driver: throughput and TTFT p99.
+Serving level (`--levels serving`, or `engine,serving`): the mesh (`kvmesh up`) and
+`llama-server --parallel 32`, 32 concurrent sharegpt streams from `kvmesh bench`'s driver:
+throughput and TTFT p99.
 """
 
 from __future__ import annotations
@@ -141,8 +142,13 @@ def main() -> None:
     parser.add_argument("--generated", type=int, default=128)
     parser.add_argument("--weights", type=lambda t: t.split(","), default=["float32", "packed"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    parser.add_argument("--serving", action="store_true", help="also the serving comparison")
-    parser.add_argument("--serving-weights", default="float32")
+    parser.add_argument(
+        "--levels",
+        type=lambda t: t.split(","),
+        default=["engine"],
+        help="engine, serving, or both (engine,serving)",
+    )
+    parser.add_argument("--serving-weights", default="auto", help="the mesh's --weights")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("results/cpu"))
@@ -152,9 +158,11 @@ def main() -> None:
     f32_path = str(args.out / "smollm2-f32.gguf")
     if not os.path.exists(f32_path):
         gguf_to_f32(default_model_path(), f32_path)
-    results = {"engine": engine_level(args, f32_path)}
-    print(f"\n{engine_table(results['engine'], args.batches)}\n")
-    if args.serving:
+    results = {}
+    if "engine" in args.levels:
+        results["engine"] = engine_level(args, f32_path)
+        print(f"\n{engine_table(results['engine'], args.batches)}\n")
+    if "serving" in args.levels:
         results["serving"] = asyncio.run(serving_level(args, f32_path))
         for s in results["serving"]:
             print(

@@ -48,8 +48,7 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         default=env_default("weights", "auto"),
         choices=["auto", "packed", "float32", "bfloat16"],
         help="torch backend weight format; packed: int8 per output row through fbgemm, a "
-        "quarter of float32's bytes; auto: packed for a Q4_0/Q4_1/Q8_0 GGUF or with --quantize, "
-        "else float32",
+        "quarter of float32's bytes; auto: packed with --quantize, else float32",
     )
     group.add_argument(
         "--quantize",

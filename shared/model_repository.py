@@ -52,6 +52,8 @@ class ServingConfig:
 
     backend: str | None = None
     dtype: str | None = None
+    weights: str | None = None  # auto | packed | float32 | bfloat16
+    quantize: str | None = None  # int8
     max_model_len: int | None = None
     kv_memory: str | None = None
     block_size: int | None = None
@@ -62,6 +64,8 @@ class ServingConfig:
         return _flags(
             ("--backend", self.backend),
             ("--dtype", self.dtype),
+            ("--weights", self.weights),
+            ("--quantize", self.quantize),
             ("--max-model-len", self.max_model_len),
             ("--kv-memory", self.kv_memory),
             ("--block-size", self.block_size),

@@ -70,6 +70,25 @@ _GRID = 63.5
 _GRID_LOW, _GRID_HIGH = -64, 63
 
 
+class InputScratch:
+    """fbgemm inputs, (rows, width + 2) with the +1/-1 columns already set, shared by every
+    projection of a model: one per input width and pass, grown to the most rows seen (a
+    2,048-token prefill: 12.6 MB at width 1,536). A call is done with its buffer before the next
+    call starts (a model runs one step at a time), and fbgemm's output is a fresh tensor."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+
+    def rows(self, rows: int, width: int, which: int) -> torch.Tensor:
+        buffer = self._buffers.get((width, which))
+        if buffer is None or buffer.shape[0] < rows:
+            buffer = torch.empty(rows, width + 2)
+            buffer[:, width] = 1.0
+            buffer[:, width + 1] = -1.0
+            self._buffers[(width, which)] = buffer
+        return buffer[:rows]
+
+
 class Int8Linear:
     """int8 weights, one scale per output row, run by fbgemm with int8 activations.
 
@@ -84,7 +103,11 @@ class Int8Linear:
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, residual_pass: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        residual_pass: bool = False,
+        scratch: InputScratch | None = None,
     ) -> None:
         """weight: (out, in) float; quantized here, symmetric, one scale per row."""
         out_features, in_features = weight.shape
@@ -104,7 +127,7 @@ class Int8Linear:
         self.in_features, self.out_features = in_features, out_features
         self.bias = None if bias is None else bias.float()
         self.residual_pass = residual_pass
-        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self.scratch = scratch if scratch is not None else InputScratch()
         # int8 values + a scale per row (what fbgemm keeps, less its column offsets).
         self._bytes = out_features * (in_features + 2) + out_features * 8
 
@@ -119,24 +142,13 @@ class Int8Linear:
         scale = Int8Linear._scale(weight)
         return torch.clamp(torch.round(weight / scale), -_WEIGHT_LEVELS, _WEIGHT_LEVELS) * scale
 
-    def _input_buffer(self, rows: int, which: int) -> torch.Tensor:
-        """(rows, in + 2) with the +1/-1 columns already set; reused call after call (steps
-        run one at a time, and fbgemm's output is a fresh tensor)."""
-        key = (rows, which)
-        buffer = self._buffers.get(key)
-        if buffer is None:
-            buffer = torch.empty(rows, self.in_features + 2)
-            buffer[:, self.in_features] = 1.0
-            buffer[:, self.in_features + 1] = -1.0
-            self._buffers[key] = buffer
-        return buffer
-
     def _pass(
         self, x: torch.Tensor, which: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(W x, the rows as scaled to [-1, 1], their scale) for float32 rows x."""
-        row_max = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30)
-        buffer = self._input_buffer(x.shape[0], which)
+        # abs().amax(): the same values as the inf-norm, 5x faster at 32 rows here.
+        row_max = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
+        buffer = self.scratch.rows(x.shape[0], self.in_features, which)
         scaled = torch.div(x, row_max, out=buffer[:, : self.in_features])
         out = torch.ops.quantized.linear_dynamic(buffer, self._packed, True)
         return out.mul_(row_max), scaled, row_max

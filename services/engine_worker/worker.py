@@ -55,9 +55,7 @@ class Worker:
             arch, config.cache.block_size, config.cache.kv_memory_bytes, self.dtype
         )
         # Packed weights are quantized from float32: the float copy is what they round.
-        weights_format = resolve_weight_format(
-            config.weights, artifact.quantization, config.quantize
-        )
+        weights_format = resolve_weight_format(config.weights, config.quantize)
         if self.backend != "torch" or os.environ.get("KVMESH_TORCH_DEVICE", "cpu") != "cpu":
             weights_format = config.dtype  # packed weights are a CPU format (fbgemm)
         load_dtype = torch.float32 if weights_format == "packed" else self.dtype

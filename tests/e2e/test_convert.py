@@ -21,7 +21,9 @@ PROMPTS = [
 
 
 def greedy(model: str | None) -> tuple[list[list[int]], dict]:
-    engine = Engine(EngineConfig(model=model, cache=CacheConfig(kv_memory_bytes=64 << 20)))
+    engine = Engine(  # float32 both sides: the same weights, computed the same way
+        EngineConfig(model=model, weights="float32", cache=CacheConfig(kv_memory_bytes=64 << 20))
+    )
     completions = engine.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
     return [c.token_ids for c in completions], engine.manifest
 

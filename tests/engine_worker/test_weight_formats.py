@@ -141,12 +141,11 @@ def test_quantize_int8_packs_a_float_checkpoint(tiny_llama_dir: str) -> None:
 
 
 def test_weight_format_choice() -> None:
-    assert resolve_weight_format("auto", "F32+Q4_1+Q8_0", None) == "packed"
-    assert resolve_weight_format("auto", "BF16", None) == "float32"
-    assert resolve_weight_format("auto", "F32", "int8") == "packed"
-    assert resolve_weight_format("float32", "F32+Q4_1", None) == "float32"
+    assert resolve_weight_format("auto", None) == "float32"
+    assert resolve_weight_format("auto", "int8") == "packed"
+    assert resolve_weight_format("packed", None) == "packed"
     with pytest.raises(KvmeshError) as error:
-        resolve_weight_format("float32", "F32", "int8")
+        resolve_weight_format("float32", "int8")
     assert error.value.reason == Reason.INVALID_ARGUMENT
     with pytest.raises(KvmeshError, match="int4 has no fast kernel"):
         EngineConfig(quantize="int4")

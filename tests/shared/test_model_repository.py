@@ -132,3 +132,15 @@ def test_up_with_a_repository_alone_serves_every_model(tmp_path, tiny_llama_dir:
     assert (config.models, config.model_repo) == (["a", "b"], repo.root)
     chosen = mesh_config(_parser().parse_args(["up", "--model-repo", repo.root, "--models", "b"]))
     assert chosen.models == ["b"]
+
+
+def test_an_entry_names_its_weight_format_for_the_worker() -> None:
+    serving = ServingConfig(weights="packed", quantize="int8", dtype="float32")
+    assert serving.worker_args() == [
+        "--dtype",
+        "float32",
+        "--weights",
+        "packed",
+        "--quantize",
+        "int8",
+    ]
