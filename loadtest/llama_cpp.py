@@ -33,6 +33,35 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVMESH_PEERS_CACHE", default))
 
 
+def fetch_sources(source: Path, log=sys.stderr) -> None:
+    """llama.cpp's sources as vendored in the llama-cpp-python sdist, into `source`."""
+    with tempfile.TemporaryDirectory() as download:
+        print(f"llama.cpp: fetching the llama-cpp-python {LLAMA_CPP_PYTHON} sdist", file=log)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                "-d",
+                download,
+            ],
+            check=True,
+        )
+        (archive,) = Path(download).glob("llama_cpp_python-*.tar.gz")
+        prefix = f"{archive.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            for member in members:
+                member.name = member.name[len(prefix) :]
+            tar.extractall(source, members=[m for m in members if m.name], filter="data")
+
+
 def build(log=sys.stderr) -> Path:
     """The folder holding the built binaries; builds them first if missing."""
     root = cache_dir()
@@ -42,31 +71,7 @@ def build(log=sys.stderr) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     source = root / "src"
     if not (source / "CMakeLists.txt").exists():
-        with tempfile.TemporaryDirectory() as download:
-            print(f"llama.cpp: fetching the llama-cpp-python {LLAMA_CPP_PYTHON} sdist", file=log)
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pip",
-                    "download",
-                    "-q",
-                    "--no-deps",
-                    "--no-binary",
-                    ":all:",
-                    f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
-                    "-d",
-                    download,
-                ],
-                check=True,
-            )
-            (archive,) = Path(download).glob("llama_cpp_python-*.tar.gz")
-            prefix = f"{archive.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
-            with tarfile.open(archive) as tar:
-                members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
-                for member in members:
-                    member.name = member.name[len(prefix) :]
-                tar.extractall(source, members=[m for m in members if m.name], filter="data")
+        fetch_sources(source, log)
     build_dir = root / "build"
     print(f"llama.cpp: building {', '.join(TARGETS)} in {build_dir} (once)", file=log)
     subprocess.run(

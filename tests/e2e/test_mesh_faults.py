@@ -309,11 +309,18 @@ async def test_a_client_that_stops_reading_is_cancelled_and_its_blocks_freed(
         call = stub.Generate(request)
         accepted = await call.read()
         home = accepted.accepted.routing.scheduler
-        await asyncio.sleep(4)  # reading nothing: flow control, then the 1 s stall timeout
+        # Reading nothing: once the output fills the window, flow control blocks the gateway's
+        # writes and the 1 s stall timeout cancels. How soon the window fills depends on how
+        # fast this machine decodes, so poll rather than sleep a fixed time.
+        deadline = time.monotonic() + 20
         async with grpc.aio.insecure_channel(home) as sched:
-            load = await scheduler_pb2_grpc.SchedulerStub(sched).GetLoad(
-                scheduler_pb2.LoadRequest()
-            )
+            while True:
+                await asyncio.sleep(0.5)
+                load = await scheduler_pb2_grpc.SchedulerStub(sched).GetLoad(
+                    scheduler_pb2.LoadRequest()
+                )
+                if load.num_open_streams == 0 or time.monotonic() > deadline:
+                    break
         assert load.num_open_streams == 0 and load.num_blocks_referenced == 0
         with pytest.raises(grpc.aio.AioRpcError) as ended:
             await read_rest(call)  # what was buffered, then the status
