@@ -70,6 +70,14 @@ _GRID = 63.5
 _GRID_LOW, _GRID_HIGH = -64, 63
 
 
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 rows, float32 scale per row (rows, 1)): symmetric, max |w| of a row at 127."""
+    weight = weight.float()
+    scale = weight.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / _WEIGHT_LEVELS
+    rows = torch.clamp(torch.round(weight / scale), -_WEIGHT_LEVELS, _WEIGHT_LEVELS)
+    return rows.to(torch.int8), scale
+
+
 class InputScratch:
     """fbgemm inputs, (rows, width + 2) with the +1/-1 columns already set, shared by every
     projection of a model: one per input width and pass, grown to the most rows seen (a
@@ -111,9 +119,9 @@ class Int8Linear:
     ) -> None:
         """weight: (out, in) float; quantized here, symmetric, one scale per row."""
         out_features, in_features = weight.shape
-        scale = self._scale(weight.float())
+        rows, scale = quantize_rows(weight)
         padded = torch.zeros(out_features, in_features + 2)
-        padded[:, :in_features] = self.dequantized(weight)
+        padded[:, :in_features] = rows * scale
         with warnings.catch_warnings():  # fbgemm's dynamic linear still takes a qint8 tensor
             warnings.simplefilter("ignore", UserWarning)
             quantized = torch.quantize_per_channel(
@@ -132,15 +140,10 @@ class Int8Linear:
         self._bytes = out_features * (in_features + 2) + out_features * 8
 
     @staticmethod
-    def _scale(weight: torch.Tensor) -> torch.Tensor:
-        return weight.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / _WEIGHT_LEVELS
-
-    @staticmethod
     def dequantized(weight: torch.Tensor) -> torch.Tensor:
         """The float weight this format computes with: what parity tests compare against."""
-        weight = weight.float()
-        scale = Int8Linear._scale(weight)
-        return torch.clamp(torch.round(weight / scale), -_WEIGHT_LEVELS, _WEIGHT_LEVELS) * scale
+        rows, scale = quantize_rows(weight)
+        return rows * scale
 
     def _pass(
         self, x: torch.Tensor, which: int = 0

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.engine_worker.linear import DenseLinear, InputScratch, Int8Linear, Projection
+from services.engine_worker.linear import (
+    DenseLinear,
+    InputScratch,
+    Int8Linear,
+    Projection,
+    quantize_rows,
+)
 from services.engine_worker.weights import ModelWeights
 from shared.errors import KvmeshError, Reason
 
@@ -62,9 +68,7 @@ class Int8Embedding:
     """Rows as int8 with one scale each: a lookup dequantizes only the rows it reads."""
 
     def __init__(self, table: torch.Tensor) -> None:
-        table = table.float()
-        self.scale = table.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0  # (vocab, 1)
-        self.rows = torch.clamp(torch.round(table / self.scale), -127, 127).to(torch.int8)
+        self.rows, self.scale = quantize_rows(table)  # (vocab, hidden) int8, (vocab, 1)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.rows).float().mul_(F.embedding(ids, self.scale))
@@ -95,16 +99,13 @@ class TorchWeights:
     layers: tuple[TorchLayer, ...]
     final_norm: torch.Tensor
     lm_head: Projection
+    head_is_embedding: bool = False  # a tied float head runs on the embedding table
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes the weights keep in memory (a tied head shares the embedding's when dense)."""
+        """Bytes the weights keep in memory (a tied dense head is the embedding table itself)."""
         total = self.embed.resident_bytes + _nbytes(self.final_norm)
-        if not (
-            isinstance(self.lm_head, DenseLinear)
-            and isinstance(self.embed, DenseEmbedding)
-            and self.lm_head.weight.data_ptr() == self.embed.table.data_ptr()
-        ):
+        if not self.head_is_embedding:
             total += self.lm_head.resident_bytes
         for layer in self.layers:
             total += sum(
@@ -154,4 +155,5 @@ class TorchWeights:
             head = table if weights.tied else weights.lm_head.t().to(dtype).contiguous()
             lm_head = DenseLinear(head)
         final_norm = weights.final_norm.to(compute_dtype)
-        return TorchWeights(fmt, embed, tuple(layers), final_norm, lm_head)
+        head_is_embedding = fmt != "packed" and weights.tied
+        return TorchWeights(fmt, embed, tuple(layers), final_norm, lm_head, head_is_embedding)
