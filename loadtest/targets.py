@@ -157,7 +157,11 @@ class OpenAITarget:
 
     async def __aenter__(self) -> OpenAITarget:
         # No client-side cap on connections or time: the server's behaviour is measured.
-        connector = aiohttp.TCPConnector(limit=0)
+        # A fresh connection per request: servers close idle keep-alive connections on their
+        # own schedule (cpp-httplib, llama-server's HTTP layer, after 5 s idle), and a request
+        # sent on one already closed fails before the server sees it. On loopback a connect
+        # costs far less than a generation.
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
         timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         if not self.model:
@@ -193,10 +197,9 @@ class OpenAITarget:
                     if response.status != 200:
                         return timer.end("refused", await _http_reason(response))
                     return await self._read_stream(response, timer, spec)
-            except aiohttp.ServerDisconnectedError as error:
-                # A pooled keep-alive connection the server had already closed (cpp-httplib,
-                # llama-server's HTTP layer, closes one after a few requests) fails before a
-                # byte of answer: that request never reached the server, so send it again on
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as error:
+                # A connection closed or reset before a byte of answer (a server dropping
+                # connections it cannot take yet): that request never ran, so send it again on
                 # a fresh connection, once. After any answer byte it is a real failure.
                 if attempt == 0 and timer.record.output_tokens == 0:
                     timer.record.reconnects += 1

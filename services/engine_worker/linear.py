@@ -3,12 +3,12 @@
 Every projection takes x: (M, in) and returns (M, out) in x's dtype, and reports the bytes its
 weights keep resident. Which format runs is the manifest's `weights` field.
 
-Measured on this project's 2-core AVX2 (Zen 1) machine, torch 2.13 (see the CPU engine issue's
-note): torch's weight-only kernels `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` run
-4x and 17x slower than an fp32 GEMM there (they are tuned for AVX-512), while fbgemm's int8 GEMM
-(activations quantized on the fly, integer multiply-adds like llama.cpp's Q8 dot products) runs
-the model's matmuls 2.5x faster than fp32 at batch 8 from a quarter of the bytes. So `packed`
-means int8 per output channel through fbgemm.
+Measured on this project's 2-core AVX2 machines (Zen 1 and Zen 3 VMs), torch 2.13 (see the CPU
+engine issue's notes): torch's weight-only kernels `_weight_int8pack_mm` and
+`_weight_int4pack_mm_for_cpu` run 4x and 17x slower than an fp32 GEMM there (they are tuned for
+AVX-512), while fbgemm's int8 GEMM (activations quantized on the fly, integer multiply-adds like
+llama.cpp's Q8 dot products) runs the model's matmuls 2.5x faster than fp32 at batch 8 from a
+quarter of the bytes. So `packed` means int8 per output channel through fbgemm.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class DenseLinear:
 # 127-level weights need its `reduce_range` (7-bit activations, 2 * 127 * 127 < 2**15) to never
 # saturate. Measured on the default model: 63-level weights with 8-bit activations cost 1.1%
 # perplexity from the weights alone, 127-level weights 0.2%; 7-bit activations are made up for
-# by smoothing and, where that is not enough, a residual pass.
+# by a second level (see Int8Linear).
 _WEIGHT_LEVELS = 127
 # fbgemm's grid for an input whose range is pinned to [-1, 1] (reduce_range: 0..127): scale
 # 2/127, zero point 64 (63.5 rounded half to even); values quantize to rne(x * 63.5) in -64..63.
@@ -80,21 +80,30 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class InputScratch:
     """fbgemm inputs, (rows, width + 2) with the +1/-1 columns already set, shared by every
-    projection of a model: one per input width and pass, grown to the most rows seen (a
-    2,048-token prefill: 12.6 MB at width 1,536). A call is done with its buffer before the next
-    call starts (a model runs one step at a time), and fbgemm's output is a fresh tensor."""
+    projection of a model: one per input width, grown to the most rows seen (a 2,048-token
+    prefill with its residual rows: 25 MB at width 1,536). A call is done with its buffer before
+    the next call starts (a model runs one step at a time), and fbgemm's output is a fresh
+    tensor."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._buffers: dict[int, torch.Tensor] = {}
 
-    def rows(self, rows: int, width: int, which: int) -> torch.Tensor:
-        buffer = self._buffers.get((width, which))
+    def rows(self, rows: int, width: int) -> torch.Tensor:
+        buffer = self._buffers.get(width)
         if buffer is None or buffer.shape[0] < rows:
             buffer = torch.empty(rows, width + 2)
             buffer[:, width] = 1.0
             buffer[:, width + 1] = -1.0
-            self._buffers[(width, which)] = buffer
+            self._buffers[width] = buffer
         return buffer[:rows]
+
+
+def _scale_rows(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = x / max |x| per row; returns that max, (rows, 1)."""
+    # abs().amax(): the same values as the inf-norm, 5x faster at 32 rows here.
+    row_max = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
+    torch.div(x, row_max, out=out)
+    return row_max
 
 
 class Int8Linear:
@@ -106,15 +115,23 @@ class Int8Linear:
     (against zero weights), pin every batch's range to exactly [-1, 1]: per-token quantization,
     the same for a row whatever else is batched with it.
 
-    `residual_pass`: a second GEMM over what the first pass's 7-bit rounding left (rescaled to
-    [-1, 1] itself), for ~14-bit activations where 7 bits cost too much (see torch_weights).
+    Activations are two-level, ~14 bits: what the 7-bit rounding of each row drops (known in
+    advance: the grid is pinned), rescaled to [-1, 1] by its own maximum, rides the same GEMM as
+    extra rows, so the weights are read once per call. (A fixed 127x for the residual, its
+    bound, saves two ops but loses precision where rows are short: 13/16 greedy parity on the
+    tiny test checkpoints against 15/16.) Measured on the default model (mean KL divergence from
+    float32 per token of the shipped text, `loadtest.perplexity`): 7-bit rows everywhere cost
+    +12% perplexity; with SmoothQuant and two levels on Q/K/V and down only, 0.018 nats; two
+    levels everywhere, 0.0066 with SmoothQuant and 0.0049 without it (perplexity within 0.2%),
+    so there is no smoothing. With one level anywhere, a 1-ulp change upstream can move a value
+    a whole grid step: the shipped text's perplexity moved by 0.5% between two orders of the
+    same float operations.
     """
 
     def __init__(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
-        residual_pass: bool = False,
         scratch: InputScratch | None = None,
     ) -> None:
         """weight: (out, in) float; quantized here, symmetric, one scale per row."""
@@ -134,7 +151,6 @@ class Int8Linear:
         self._packed = torch.ops.quantized.linear_prepack(quantized, None)
         self.in_features, self.out_features = in_features, out_features
         self.bias = None if bias is None else bias.float()
-        self.residual_pass = residual_pass
         self.scratch = scratch if scratch is not None else InputScratch()
         # int8 values + a scale per row (what fbgemm keeps, less its column offsets).
         self._bytes = out_features * (in_features + 2) + out_features * 8
@@ -145,24 +161,19 @@ class Int8Linear:
         rows, scale = quantize_rows(weight)
         return rows * scale
 
-    def _pass(
-        self, x: torch.Tensor, which: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(W x, the rows as scaled to [-1, 1], their scale) for float32 rows x."""
-        # abs().amax(): the same values as the inf-norm, 5x faster at 32 rows here.
-        row_max = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
-        buffer = self.scratch.rows(x.shape[0], self.in_features, which)
-        scaled = torch.div(x, row_max, out=buffer[:, : self.in_features])
-        out = torch.ops.quantized.linear_dynamic(buffer, self._packed, True)
-        return out.mul_(row_max), scaled, row_max
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        out, scaled, row_max = self._pass(x.float())
-        if self.residual_pass:
-            # What fbgemm's rounding on its grid dropped, in x's own units.
-            on_grid = torch.round(scaled * _GRID).clamp_(_GRID_LOW, _GRID_HIGH).div_(_GRID)
-            out += self._pass(scaled.sub_(on_grid).mul_(row_max), which=1)[0]
+        dtype, x = x.dtype, x.float()
+        count, width = x.shape[0], self.in_features
+        buffer = self.scratch.rows(2 * count, width)
+        scaled, residual = buffer[:count, :width], buffer[count:, :width]
+        row_max = _scale_rows(x, scaled)
+        # fbgemm's grid for the scaled rows, then what it drops, in the scaled rows' units.
+        on_grid = torch.mul(scaled, _GRID, out=residual).round_()
+        on_grid.clamp_(_GRID_LOW, _GRID_HIGH).div_(_GRID)
+        torch.sub(scaled, on_grid, out=residual)
+        residual_max = _scale_rows(residual, residual)
+        both = torch.ops.quantized.linear_dynamic(buffer, self._packed, True)
+        out = both[:count].add_(both[count:].mul_(residual_max)).mul_(row_max)
         if self.bias is not None:
             out += self.bias
         return out.to(dtype)

@@ -17,7 +17,6 @@ from services.engine_worker.batch import RequestState, build_batch
 from services.engine_worker.kv_cache import KVCache, KVCacheShape
 from services.engine_worker.model import CausalLM
 from services.engine_worker.sampler import sample
-from services.engine_worker.smoothing import calibrated
 from services.engine_worker.torch_weights import TorchWeights
 from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig
@@ -38,8 +37,6 @@ class Runner:
         self.device = torch.device(os.environ.get("KVMESH_TORCH_DEVICE", "cpu"))
         if self.device.type != "cpu":
             weights = _moved(weights, self.device)
-        if config.weights == "packed":  # int8 activations: outliers moved into the weights first
-            weights = calibrated(arch, weights, kv_shape.block_size)
         torch_weights = TorchWeights.from_float(weights, config.weights, dtype)
         self.weights_resident_bytes = torch_weights.resident_bytes
         self.model = CausalLM(arch, torch_weights, max_model_len, dtype)
@@ -77,9 +74,9 @@ class Runner:
         )
         return batch.sampling_states, sample(logits.cpu(), batch.sampling_states, rng)
 
-    def prompt_logprobs(self, state: RequestState) -> torch.Tensor:
-        """(prompt_len - 1,) log-probability of each prompt token after the ones before it:
-        one prefill of `state` (on its blocks) with logits at every position."""
+    def prompt_log_softmax(self, state: RequestState) -> torch.Tensor:
+        """(prompt_len - 1, vocab): the next-token log-distribution after each prompt prefix,
+        from one prefill of `state` (on its blocks) with logits at every position."""
         tokens = len(state.token_ids)
         batch = build_batch(
             [(state, tokens)],
@@ -92,8 +89,7 @@ class Runner:
         logits = self.model.forward(
             batch.input_ids, batch.positions, self.kv_cache, batch.meta, rows
         )
-        targets = torch.tensor(state.token_ids[1:])
-        return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
+        return torch.log_softmax(logits, dim=-1)
 
 
 def _moved(value, device: torch.device):

@@ -23,10 +23,6 @@ from services.engine_worker.weights import ModelWeights
 from shared.errors import KvmeshError, Reason
 
 WEIGHT_FORMATS = ("packed", "float32", "bfloat16")
-# Q/K/V and down inputs keep ~14-bit activations (two passes): after smoothing, even 8 bits
-# there cost the default model 1.0% and 1.5% perplexity; gate/up, output projection and head
-# under 0.1%.
-RESIDUAL_PASS = True
 
 
 def resolve_weight_format(requested: str, quantize: str | None) -> str:
@@ -124,12 +120,10 @@ class TorchWeights:
         if fmt != "packed" and compute_dtype != torch.float32:
             dtype = compute_dtype  # float16/bfloat16 activations run same-dtype weights
 
-        def projection(
-            transposed: torch.Tensor, bias: torch.Tensor | None, residual: bool = False
-        ) -> Projection:
+        def projection(transposed: torch.Tensor, bias: torch.Tensor | None) -> Projection:
             weight = transposed.t()  # (out, in)
             if fmt == "packed":
-                return Int8Linear(weight, bias, residual_pass=residual, scratch=scratch)
+                return Int8Linear(weight, bias, scratch=scratch)
             return DenseLinear(weight.to(dtype).contiguous(), bias)
 
         layers = []
@@ -137,11 +131,11 @@ class TorchWeights:
             layers.append(
                 TorchLayer(
                     input_norm=layer.input_norm.to(compute_dtype),
-                    qkv=projection(layer.qkv, layer.qkv_bias, RESIDUAL_PASS),
+                    qkv=projection(layer.qkv, layer.qkv_bias),
                     o_proj=projection(layer.o_proj, layer.o_bias),
                     post_norm=layer.post_norm.to(compute_dtype),
                     gate_up=projection(layer.gate_up, None),
-                    down=projection(layer.down, None, RESIDUAL_PASS),
+                    down=projection(layer.down, None),
                 )
             )
         embed: DenseEmbedding | Int8Embedding

@@ -161,9 +161,9 @@ class Worker:
             scheduled = 1
         return state.token_ids[len(prompt_ids) :]
 
-    def prompt_logprobs(self, prompt_ids: list[int]) -> torch.Tensor:
-        """Each prompt token's log-probability given those before it (torch backend), on
-        scratch blocks, before any request runs: for perplexity checks."""
+    def prompt_log_softmax(self, prompt_ids: list[int]) -> torch.Tensor:
+        """(len - 1, vocab): the next-token log-distribution after each prefix of the prompt
+        (torch backend), on scratch blocks, before any request runs: for quality checks."""
         block = self.kv_shape.block_size
         num_blocks = -(-len(prompt_ids) // block)
         if len(prompt_ids) < 2 or num_blocks > self.kv_shape.num_blocks:
@@ -172,7 +172,7 @@ class Worker:
         state = RequestState(
             "score", list(prompt_ids), list(range(num_blocks)), 0, params, len(prompt_ids)
         )
-        return self.runner.prompt_logprobs(state)
+        return self.runner.prompt_log_softmax(state)
 
     def _check_fixture(self, index: int, fixture: WarmupFixture) -> None:
         found = self.greedy(list(fixture.prompt_ids), len(fixture.expected_ids))
