@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvmesh.engine import Engine
-from shared.config import CacheConfig, EngineConfig
+from shared.config import WEIGHT_FORMATS, CacheConfig, EngineConfig
 from shared.sampling import SamplingParams
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "quantized::")
@@ -51,9 +51,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default=None)
-    parser.add_argument(
-        "--weights", default="auto", choices=["auto", "packed", "float32", "bfloat16"]
-    )
+    parser.add_argument("--weights", default="auto", choices=["auto", *WEIGHT_FORMATS])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rows", type=int, default=15, help="ops listed")

@@ -67,6 +67,11 @@ class SchedulerConfig:
         )
 
 
+# How projection weights are held: int8 through fbgemm (CPU), or a float dtype. On a GPU the
+# weights run in the activation dtype, which is how float16 comes to be one of them.
+WEIGHT_FORMATS = ("packed", "float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The root: model artifact, backend, and the component configs."""
@@ -74,7 +79,7 @@ class EngineConfig:
     model: str | None = None  # GGUF file or HF directory; None = the default model
     backend: str = "torch"
     dtype: str = "float32"  # activations and the KV cache
-    weights: str = "auto"  # auto | packed | float32 | bfloat16 (torch backend; linear.py)
+    weights: str = "auto"  # auto or one of WEIGHT_FORMATS (linear.py)
     quantize: str | None = None  # int8: quantize a float checkpoint's projections at load
     max_model_len: int | None = None  # None = the model's own context length
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
@@ -87,8 +92,8 @@ class EngineConfig:
             f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}",
         )
         _require(
-            self.weights in ("auto", "packed", "float32", "bfloat16"),
-            f"weights must be auto, packed, float32 or bfloat16, got {self.weights!r}",
+            self.weights in ("auto", *WEIGHT_FORMATS),
+            f"weights must be auto or one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}",
         )
         _require(
             self.quantize in (None, "int8"),

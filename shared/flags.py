@@ -9,7 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from shared.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+from shared.config import (
+    WEIGHT_FORMATS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    parse_bytes,
+)
 
 # Gateway routing policies (services/gateway/router.py implements them).
 ROUTING_POLICIES = ("cache-aware", "round-robin", "least-loaded")
@@ -46,7 +52,7 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--weights",
         default=env_default("weights", "auto"),
-        choices=["auto", "packed", "float32", "bfloat16"],
+        choices=["auto", *WEIGHT_FORMATS],
         help="torch backend weight format; packed: int8 per output row through fbgemm, a "
         "quarter of float32's bytes; auto: packed with --quantize, else float32",
     )

@@ -20,9 +20,10 @@ from services.engine_worker.linear import (
     quantize_rows,
 )
 from services.engine_worker.weights import ModelWeights
+from shared.config import WEIGHT_FORMATS
 from shared.errors import KvmeshError, Reason
 
-WEIGHT_FORMATS = ("packed", "float32", "bfloat16")
+_FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_weight_format(requested: str, quantize: str | None) -> str:
@@ -115,7 +116,7 @@ class TorchWeights:
         """Projections in `fmt`; norms (and a dense embedding) in the compute dtype."""
         if fmt not in WEIGHT_FORMATS:
             raise ValueError(fmt)
-        dtype = torch.bfloat16 if fmt == "bfloat16" else torch.float32
+        dtype = _FLOAT_FORMATS.get(fmt, torch.float32)  # packed: quantized from float32
         scratch = InputScratch()  # one set of fbgemm input buffers for the whole model
         if fmt != "packed" and compute_dtype != torch.float32:
             dtype = compute_dtype  # float16/bfloat16 activations run same-dtype weights

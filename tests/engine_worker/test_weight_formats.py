@@ -152,3 +152,19 @@ def test_weight_format_choice() -> None:
     assert error.value.reason == Reason.INVALID_ARGUMENT
     with pytest.raises(KvmeshError, match="int4 has no fast kernel"):
         EngineConfig(quantize="int4")
+
+
+def test_float16_weights_are_a_format_of_their_own(tiny_llama_dir: str) -> None:
+    """A GPU backend runs its weights in the activation dtype; float16 must be a format the
+    config accepts (it was refused, and a float16 engine on the cupy backend failed to load)."""
+    engine = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="float16",
+            weights="float16",
+            cache=CacheConfig(kv_memory_bytes=8 << 20),
+        )
+    )
+    assert engine.manifest["weights"] == "float16"
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert len(engine.generate([[5, 9, 200, 17]], params)[0].token_ids) == 4
