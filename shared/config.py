@@ -99,4 +99,8 @@ class EngineConfig:
             self.quantize in (None, "int8"),
             f"quantize must be int8 (int4 has no fast kernel on AVX2 CPUs), got {self.quantize!r}",
         )
+        _require(
+            self.quantize is None or self.weights in ("auto", "packed"),
+            f"--quantize {self.quantize} needs --weights packed or auto",
+        )
         _require(self.max_model_len is None or self.max_model_len > 1, "max_model_len must be > 1")

@@ -52,7 +52,7 @@ class ServingConfig:
 
     backend: str | None = None
     dtype: str | None = None
-    weights: str | None = None  # auto | packed | float32 | bfloat16
+    weights: str | None = None  # auto or one of shared.config.WEIGHT_FORMATS
     quantize: str | None = None  # int8
     max_model_len: int | None = None
     kv_memory: str | None = None

@@ -21,13 +21,13 @@ from services.engine_worker.linear import (
 )
 from services.engine_worker.weights import ModelWeights
 from shared.config import WEIGHT_FORMATS
-from shared.errors import KvmeshError, Reason
 
 _FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_weight_format(requested: str, quantize: str | None) -> str:
-    """`auto`: float32, unless --quantize asks for packed weights.
+    """`auto`: float32, unless --quantize asks for packed weights (EngineConfig has checked
+    that the two agree).
 
     Packed stays opt-in, for quantized GGUFs too: its int8 rounding turns the float-level
     difference between a cold prefill and one over a cached prefix into different tokens now and
@@ -35,18 +35,9 @@ def resolve_weight_format(requested: str, quantize: str | None) -> str:
     tests caught it). Until prefill is bit-identical whatever the cache holds, the default is the
     path that computes the file's dequantized weights as transformers does.
     """
-    if requested not in ("auto", *WEIGHT_FORMATS):
-        raise KvmeshError(
-            Reason.INVALID_ARGUMENT,
-            f"unknown weights format {requested!r}; available: auto, {', '.join(WEIGHT_FORMATS)}",
-        )
-    if quantize is not None:
-        if requested not in ("auto", "packed"):
-            raise KvmeshError(
-                Reason.INVALID_ARGUMENT, f"--quantize {quantize} needs --weights packed or auto"
-            )
-        return "packed"
-    return "float32" if requested == "auto" else requested
+    if requested != "auto":
+        return requested
+    return "packed" if quantize is not None else "float32"
 
 
 class DenseEmbedding:

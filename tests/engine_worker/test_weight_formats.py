@@ -148,7 +148,7 @@ def test_weight_format_choice() -> None:
     assert resolve_weight_format("auto", "int8") == "packed"
     assert resolve_weight_format("packed", None) == "packed"
     with pytest.raises(KvmeshError) as error:
-        resolve_weight_format("float32", "int8")
+        EngineConfig(weights="float32", quantize="int8")
     assert error.value.reason == Reason.INVALID_ARGUMENT
     with pytest.raises(KvmeshError, match="int4 has no fast kernel"):
         EngineConfig(quantize="int4")
