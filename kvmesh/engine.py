@@ -16,7 +16,7 @@ from services.scheduler.scheduler import Scheduler
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, Reason
-from shared.outputs import RequestOutput
+from shared.outputs import RequestOutput, finish_reason_label
 from shared.sampling import SamplingParams
 from shared.step import TokenLogprobs
 from shared.text_tokenizer import TextTokenizer, load_tokenizer
@@ -73,6 +73,7 @@ class Engine:
     def _submit(
         self, prompt: PromptInput, sampling: SamplingParams, request_id: str | None, priority: int
     ) -> tuple[str, list[int]]:
+        sampling.validate()  # this engine is the edge: its caller is the user
         token_ids = to_token_ids(prompt, self.tokenizer, self.worker.architecture.vocab_size)
         if sampling.response_format is not None:  # compiled (and checked) before it queues
             self.worker.grammars().matcher(sampling.response_format)
@@ -115,7 +116,7 @@ class Engine:
                 completion.token_ids += output.new_token_ids
                 completion.logprobs += output.logprobs
                 if output.finish_reason is not None:
-                    completion.finish_reason = output.finish_reason.value
+                    completion.finish_reason = finish_reason_label(output.finish_reason)
                     completion.cached_tokens = output.num_cached_tokens
         for request_id in order:
             completion = completions[request_id]

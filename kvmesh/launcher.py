@@ -8,86 +8,19 @@ up. Stopping goes the other way: the gateway drains first so no new work reaches
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.local_redis import redis_command, wait_for_redis
-from shared.errors import KvmeshError, Reason
+from kvmesh.mesh_config import MeshConfig, ModelPair
+from kvmesh.service_process import ServiceProcess, free_port
+from shared.model_entry import ModelEntry
 from shared.model_paths import default_embedding_model_path, is_encoder
-from shared.model_repository import ModelEntry, ModelRepository
-from shared.tls import sync_channel, tls_config
+from shared.model_repository import ModelRepository
+from shared.tls import tls_config
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # the name clients use for the default embedding model
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
-
-
-@dataclass
-class MeshConfig:
-    model: str | None = None
-    workers: int = 1  # engine-worker + scheduler pairs (per model, with `models`)
-    # Repository models to serve (NAME or NAME@VERSION), each with its entry's serving config;
-    # the first is the default. Empty: `model` (a path, or the default model) alone.
-    models: list[str] = field(default_factory=list)
-    model_repo: str = "models"
-    # An embedding model beside the rest: "default" (all-MiniLM-L6-v2, from its package) or
-    # a path; repository entries in `models` that are encoders are embedders too.
-    embedder: str | None = None
-    embedder_args: list[str] = field(default_factory=list)  # e.g. ["--max-embed-batch-tokens", "1"]
-    redis_url: str | None = None  # None: start our own redis-server
-    host: str = "127.0.0.1"
-    gateway_port: int = 0  # 0: any free port
-    http_port: int | None = 0  # the gateway's OpenAI HTTP front; 0: any free port; None: off
-    worker_threads: int | None = None  # torch threads per engine-worker; None: cores / workers
-    worker_args: list[str] = field(default_factory=list)  # e.g. ["--kv-memory", "256MiB"]
-    scheduler_args: list[str] = field(default_factory=list)  # e.g. ["--max-num-seqs", "8"]
-    gateway_args: list[str] = field(default_factory=list)
-    log_dir: str | None = None  # None: a temporary directory
-    ready_timeout_s: float = 300.0
-    drain_seconds: float = 10.0
-    tracing: bool = True  # every service sends spans to the mesh's trace-collector
-
-
-@dataclass
-class ServiceProcess:
-    name: str
-    address: str | None  # gRPC address; None for redis
-    process: subprocess.Popen[bytes]
-    log_path: str
-    command: list[str]
-    env: dict[str, str]
-    metrics_url: str | None = None  # its Prometheus endpoint
-
-    def log_tail(self, lines: int = 20) -> str:
-        with open(self.log_path, errors="replace") as handle:
-            return "".join(handle.readlines()[-lines:])
-
-
-@dataclass
-class ModelPair:
-    """One engine-worker and the scheduler that drives it, serving one model version."""
-
-    name: str
-    version: str
-    worker: ServiceProcess
-    scheduler: ServiceProcess
-
-    @property
-    def gateway_spec(self) -> str:
-        assert self.scheduler.address is not None
-        return f"{self.name}@{self.version}={self.scheduler.address}"
 
 
 class Mesh:
@@ -167,7 +100,7 @@ class Mesh:
         deadline = time.monotonic() + config.ready_timeout_s
         for service in self.services:
             if service.address is not None:
-                self._wait_ready(service, deadline)
+                service.wait_ready(deadline)
         schedulers = [pair.gateway_spec for pair in self.pairs] or self.scheduler_addresses
         default = ["--default-model", entries[0].name] if entries else []
         default += ["--embedder", ",".join(embedders)] if embedders else []
@@ -193,7 +126,7 @@ class Mesh:
             ],
             port=config.gateway_port or None,
         )
-        self._wait_ready(self.services[-1], deadline)
+        self.services[-1].wait_ready(deadline)
 
     def start_pair(self, entry: ModelEntry, threads: int | None = None) -> ModelPair:
         """An engine-worker + scheduler for a repository version, with its serving config
@@ -260,13 +193,13 @@ class Mesh:
     def wait_ready(self, services: list[ServiceProcess]) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
         for service in services:
-            self._wait_ready(service, deadline)
+            service.wait_ready(deadline)
 
     def stop_pair(self, pair: ModelPair, timeout_s: float | None = None) -> None:
         """SIGTERM the scheduler (it finishes its own requests), then the worker."""
         timeout = self.config.drain_seconds + 5 if timeout_s is None else timeout_s
         for service in (pair.scheduler, pair.worker):
-            _terminate(service, timeout)
+            service.terminate(timeout)
             self.services.remove(service)
         self.scheduler_addresses.remove(pair.scheduler.address or "")
         self.worker_addresses.remove(pair.worker.address or "")
@@ -307,39 +240,7 @@ class Mesh:
 
     def _launch(self, name: str, address: str | None, command: list[str], env: dict) -> None:
         log_path = os.path.join(self.log_dir, f"{name}.log")
-        with open(log_path, "ab") as log_file:
-            process = subprocess.Popen(
-                command,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **env},
-                start_new_session=True,  # Ctrl-C reaches us only; we stop them in order
-            )
-        self.services.append(ServiceProcess(name, address, process, log_path, command, env))
-
-    def _wait_ready(self, service: ServiceProcess, deadline: float) -> None:
-        assert service.address is not None
-        with sync_channel(service.address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while True:
-                if service.process.poll() is not None:
-                    raise KvmeshError(
-                        Reason.INTERNAL,
-                        f"{service.name} exited with {service.process.returncode}; "
-                        f"its log ({service.log_path}) ends:\n{service.log_tail()}",
-                    )
-                try:
-                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise KvmeshError(
-                        Reason.MODEL_NOT_READY,
-                        f"{service.name} not ready in time; log: {service.log_path}",
-                    )
-                time.sleep(0.1)
+        self.services.append(ServiceProcess.start(name, address, command, env, log_path))
 
     def service(self, name: str) -> ServiceProcess:
         return next(s for s in self.services if s.name == name)
@@ -348,19 +249,9 @@ class Mesh:
         """Start a service again, same command, same port, after it died or was stopped
         (SIGKILL first if it still runs): what an orchestrator does for a crashed container."""
         service = self.service(name)
-        if service.process.poll() is None:
-            service.process.kill()
-        service.process.wait()
-        with open(service.log_path, "ab") as log_file:
-            service.process = subprocess.Popen(
-                service.command,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **service.env},
-                start_new_session=True,
-            )
+        service.restart()
         if wait_ready and service.address is not None:
-            self._wait_ready(service, time.monotonic() + self.config.ready_timeout_s)
+            service.wait_ready(time.monotonic() + self.config.ready_timeout_s)
         return service
 
     def stop(self, timeout_s: float | None = None) -> None:
@@ -368,16 +259,6 @@ class Mesh:
         whatever is still there after that."""
         timeout = self.config.drain_seconds + 5 if timeout_s is None else timeout_s
         for service in reversed(self.services):
-            _terminate(service, timeout)
+            service.terminate(timeout)
         self.services.clear()
         self.pairs.clear()
-
-
-def _terminate(service: ServiceProcess, timeout_s: float) -> None:
-    if service.process.poll() is None:
-        service.process.send_signal(signal.SIGTERM)
-        try:
-            service.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            service.process.kill()
-            service.process.wait()

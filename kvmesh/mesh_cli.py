@@ -12,8 +12,9 @@ import grpc
 
 from kvmesh.client import MeshClient, generate_request
 from kvmesh.control_server import serve_control
-from kvmesh.launcher import Mesh, MeshConfig, free_port
+from kvmesh.launcher import Mesh, MeshConfig
 from kvmesh.rollout import RolloutController
+from kvmesh.service_process import free_port
 from shared.errors import KvmeshError, Reason
 from shared.flags import (
     add_gateway_flags,
@@ -25,6 +26,7 @@ from shared.flags import (
     worker_flag_args,
 )
 from shared.model_repository import ModelRepository
+from shared.outputs import finish_reason_label
 from shared.pb.kvmesh.v1 import inference_pb2
 
 
@@ -164,10 +166,10 @@ def stream_to_terminal(
                 sys.stdout.flush()
             elif kind == "completed":
                 done = event.completed
-                reason = inference_pb2.FinishReason.Name(done.finish_reason)
+                reason = finish_reason_label(done.finish_reason)
                 sys.stdout.write("\n")
                 print(
-                    f"[{reason.removeprefix('FINISH_REASON_').lower()}; "
+                    f"[{reason}; "
                     f"{done.usage.prompt_tokens} prompt + {done.usage.completion_tokens} "
                     f"tokens; ttft {done.timings.ttft_ms:.0f} ms, "
                     f"total {done.timings.total_ms:.0f} ms]",

@@ -9,13 +9,8 @@ import sys
 
 from shared.errors import KvmeshError, Reason
 from shared.flags import env_default
-from shared.model_repository import (
-    ModelEntry,
-    ModelRepository,
-    ServingConfig,
-    WarmupFixture,
-    write_entry,
-)
+from shared.model_entry import ModelEntry, ServingConfig, WarmupFixture, write_entry
+from shared.model_repository import ModelRepository
 
 
 def add_models_parser(commands: argparse._SubParsersAction) -> None:

@@ -22,8 +22,8 @@ import grpc
 from kvmesh.launcher import Mesh, ModelPair
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
+from shared.model_entry import ModelEntry
 from shared.model_paths import is_encoder
-from shared.model_repository import ModelEntry
 from shared.pb.kvmesh.v1 import (
     common_pb2,
     inference_pb2,

@@ -16,6 +16,7 @@ from kvmesh.engine import Engine
 from loadtest.driver import LoadShape, RunResult
 from loadtest.targets import RequestRecord, Timer
 from loadtest.workload import RequestSpec
+from shared.outputs import finish_reason_label
 from shared.sampling import SamplingParams
 
 _Pending = tuple[RequestSpec, Timer, asyncio.Future, asyncio.AbstractEventLoop]
@@ -70,7 +71,7 @@ class EngineTarget:
                     timer.tokens(len(output.new_token_ids))
                 if output.finish_reason is not None:
                     del self._active[output.request_id]
-                    record = timer.end("completed", output.finish_reason.value)
+                    record = timer.end("completed", finish_reason_label(output.finish_reason))
                     loop.call_soon_threadsafe(future.set_result, record)
 
 

@@ -21,8 +21,9 @@ import grpc
 from kvmesh.launcher import Mesh, MeshConfig
 from kvmesh.models_cli import record_fixtures
 from kvmesh.rollout import RolloutController
+from shared.model_entry import ServingConfig
 from shared.model_paths import default_model_path
-from shared.model_repository import ModelRepository, ServingConfig
+from shared.model_repository import ModelRepository
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 PROMPTS = ["Name a color.", "What is 2 + 2?", "Say hello.", "Name a fruit."]

@@ -21,6 +21,7 @@ import grpc
 
 from loadtest.workload import RequestSpec
 from shared import grpc_errors
+from shared.outputs import finish_reason_label
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 
@@ -120,8 +121,8 @@ class GrpcTarget:
                         return timer.end("cancelled", "client")
                 elif kind == "completed":
                     timer.record.queue_s = event.completed.timings.queue_ms / 1e3
-                    reason = inference_pb2.FinishReason.Name(event.completed.finish_reason)
-                    return timer.end("completed", reason.removeprefix("FINISH_REASON_").lower())
+                    reason = finish_reason_label(event.completed.finish_reason)
+                    return timer.end("completed", reason)
                 elif kind == "cancelled":
                     return timer.end("cancelled", event.cancelled.reason)
                 elif kind == "failed":

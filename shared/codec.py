@@ -6,6 +6,12 @@ scheduler <-> worker. The wire messages mirror the frozen dataclasses field for 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from google.protobuf import json_format
+
+from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2
 from shared.sampling import ResponseFormat, SamplingParams
 from shared.step import (
@@ -41,6 +47,16 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
         if has("response_format")
         else None,
     )
+
+
+def default_sampling_to_pb(table: Mapping[str, Any]) -> common_pb2.SamplingParams:
+    """A model's default sampling (its entry's [sampling] table) as the wire message; an
+    unknown field or a wrong type is INVALID_SAMPLING_PARAMS. Ranges are the entry's to check
+    (`check_default_sampling`), once, when it is read."""
+    try:
+        return json_format.ParseDict(dict(table), common_pb2.SamplingParams())
+    except json_format.ParseError as error:
+        raise KvmeshError(Reason.INVALID_SAMPLING_PARAMS, str(error)) from None
 
 
 def response_format_from_pb(message: common_pb2.ResponseFormat) -> ResponseFormat:

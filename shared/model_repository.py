@@ -1,228 +1,31 @@
-"""The model repository: `<repo>/<name>/<version>/` holding an artifact and its `kvmesh.toml`.
+"""The model repository: `<repo>/<name>/<version>/` directories, each an entry (model_entry.py).
 
-An entry says what to serve and how (backend, dtype, context, KV budget, batching, default
-sampling, aliases), which bytes are the model (the sha256 of every artifact file), and which
-warm-up fixtures its output must match before it may serve. Loading verifies the digests: a
-corrupt or swapped file never serves.
-
-Shared because the CLI writes entries, the launcher reads their serving config, and the
-engine-worker verifies them at load.
+Versions are listed oldest first; adding a model copies (hard-links where it can) its artifact
+in as a new version with the digests of its files.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import shutil
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-import tomllib
+from shared.errors import KvmeshError, Reason
+from shared.model_entry import (
+    ModelEntry,
+    ServingConfig,
+    WarmupFixture,
+    artifact_files,
+    check_default_sampling,
+    check_name,
+    is_entry,
+    read_entry,
+    sha256_file,
+    write_entry,
+)
 
-from shared.errors import KvmeshError, ModelValidationError, Reason
-
-ENTRY_FILE = "kvmesh.toml"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_ARTIFACT_SUFFIXES = (".gguf", ".safetensors", ".json", ".txt", ".model")
-
-
-def sha256_file(path: str, chunk_bytes: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def check_name(kind: str, value: str) -> str:
-    """Names and versions become directory names and routing keys: keep them plain."""
-    if not _NAME.match(value):
-        raise KvmeshError(
-            Reason.INVALID_ARGUMENT,
-            f"{kind} {value!r}: use letters, digits, '.', '_' or '-' (at most 128)",
-        )
-    return value
-
-
-@dataclass(frozen=True)
-class ServingConfig:
-    """How the model serves; None leaves the flag's own default."""
-
-    backend: str | None = None
-    dtype: str | None = None
-    weights: str | None = None  # auto or one of shared.config.WEIGHT_FORMATS
-    quantize: str | None = None  # int8
-    max_model_len: int | None = None
-    kv_memory: str | None = None
-    block_size: int | None = None
-    max_batched_tokens: int | None = None
-    chunk_size: int | None = None
-
-    def worker_args(self) -> list[str]:
-        return _flags(
-            ("--backend", self.backend),
-            ("--dtype", self.dtype),
-            ("--weights", self.weights),
-            ("--quantize", self.quantize),
-            ("--max-model-len", self.max_model_len),
-            ("--kv-memory", self.kv_memory),
-            ("--block-size", self.block_size),
-        )
-
-    def scheduler_args(self) -> list[str]:
-        return _flags(
-            ("--max-batched-tokens", self.max_batched_tokens), ("--chunk-size", self.chunk_size)
-        )
-
-
-def _flags(*pairs: tuple[str, object]) -> list[str]:
-    return [part for flag, value in pairs if value is not None for part in (flag, str(value))]
-
-
-@dataclass(frozen=True)
-class WarmupFixture:
-    """A prompt whose greedy output must be exactly `expected_ids` before the model serves."""
-
-    prompt_ids: tuple[int, ...]
-    expected_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ModelEntry:
-    name: str
-    version: str
-    directory: str  # <repo>/<name>/<version>
-    artifact: str  # relative to the directory: a GGUF file or an HF directory
-    sha256: Mapping[str, str]  # artifact file (relative) -> digest
-    serving: ServingConfig = ServingConfig()
-    default_sampling: Mapping[str, Any] = field(default_factory=dict)
-    aliases: tuple[str, ...] = ()
-    fixtures: tuple[WarmupFixture, ...] = ()
-
-    @property
-    def artifact_path(self) -> str:
-        return os.path.join(self.directory, self.artifact)
-
-    @property
-    def label(self) -> str:
-        return f"{self.name}@{self.version}"
-
-    def verify(self) -> None:
-        """Every listed file present with its digest, and no artifact file unlisted."""
-        on_disk = set(artifact_files(self.directory, self.artifact))
-        for relative, expected in sorted(self.sha256.items()):
-            path = os.path.join(self.directory, relative)
-            if relative not in on_disk:
-                raise ModelValidationError(path, f"{self.label}: artifact file missing")
-            found = sha256_file(path)
-            if found != expected:
-                raise ModelValidationError(
-                    path,
-                    f"{self.label}: sha256 does not match the repository entry "
-                    "(corrupt or replaced file)",
-                    expected=expected,
-                    found=found,
-                )
-        unlisted = sorted(on_disk - set(self.sha256))
-        if unlisted:
-            raise ModelValidationError(
-                os.path.join(self.directory, unlisted[0]),
-                f"{self.label}: artifact file not in the entry's digests",
-            )
-
-    def to_toml(self) -> str:
-        lines = [
-            "# kvmesh model repository entry (`kvmesh models add` wrote it)",
-            "[model]",
-            f"name = {_toml(self.name)}",
-            f"version = {_toml(self.version)}",
-            f"artifact = {_toml(self.artifact)}",
-            f"aliases = {_toml(list(self.aliases))}",
-            "",
-            "[serving]",
-        ]
-        lines += [
-            f"{key} = {_toml(value)}"
-            for key, value in vars(self.serving).items()
-            if value is not None
-        ]
-        lines += ["", "[sampling]"]
-        lines += [f"{key} = {_toml(value)}" for key, value in self.default_sampling.items()]
-        lines += ["", "[sha256]"]
-        lines += [
-            f"{_toml(path)} = {_toml(digest)}" for path, digest in sorted(self.sha256.items())
-        ]
-        for fixture in self.fixtures:
-            lines += [
-                "",
-                "[[warmup]]",
-                f"prompt_ids = {_toml(list(fixture.prompt_ids))}",
-                f"expected_ids = {_toml(list(fixture.expected_ids))}",
-            ]
-        return "\n".join(lines) + "\n"
-
-
-def _toml(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-        return f'"{escaped}"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(item) for item in value) + "]"
-    raise TypeError(f"no TOML form for {type(value).__name__}")
-
-
-def artifact_files(directory: str, artifact: str) -> list[str]:
-    """The artifact's files, relative to the entry's directory, in path order."""
-    root = os.path.join(directory, artifact)
-    if os.path.isfile(root):
-        return [artifact]
-    found = []
-    for parent, _, names in os.walk(root):
-        for name in names:
-            if name.endswith(_ARTIFACT_SUFFIXES):
-                found.append(os.path.relpath(os.path.join(parent, name), directory))
-    return sorted(found)
-
-
-def is_entry(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, ENTRY_FILE))
-
-
-def artifact_location(path: str) -> str:
-    """A repository version's artifact; any other path as it is."""
-    return read_entry(path).artifact_path if is_entry(path) else path
-
-
-def read_entry(directory: str) -> ModelEntry:
-    path = os.path.join(directory, ENTRY_FILE)
-    try:
-        with open(path, "rb") as handle:
-            data = tomllib.load(handle)
-        model = data["model"]
-        serving = ServingConfig(**data.get("serving", {}))
-        fixtures = tuple(
-            WarmupFixture(tuple(f["prompt_ids"]), tuple(f["expected_ids"]))
-            for f in data.get("warmup", [])
-        )
-        return ModelEntry(
-            name=check_name("model name", model["name"]),
-            version=check_name("version", str(model["version"])),
-            directory=os.path.abspath(directory),
-            artifact=model["artifact"],
-            sha256=dict(data["sha256"]),
-            serving=serving,
-            default_sampling=dict(data.get("sampling", {})),
-            aliases=tuple(model.get("aliases", ())),
-            fixtures=fixtures,
-        )
-    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as error:
-        raise ModelValidationError(path, f"not a valid repository entry: {error!r}") from None
+DEFAULT_SERVING = ServingConfig()
 
 
 class ModelRepository:
@@ -273,13 +76,14 @@ class ModelRepository:
         source: str,
         *,
         version: str | None = None,
-        serving: ServingConfig = ServingConfig(),
+        serving: ServingConfig = DEFAULT_SERVING,
         default_sampling: Mapping[str, Any] | None = None,
         aliases: tuple[str, ...] = (),
         fixtures: tuple[WarmupFixture, ...] = (),
     ) -> ModelEntry:
         """Copy (hard-link where possible) the artifact in as a new version, with digests."""
         check_name("model name", name)
+        check_default_sampling(default_sampling or {})  # refused before anything is copied
         if not os.path.exists(source):
             raise KvmeshError(Reason.MODEL_NOT_FOUND, f"no model file or directory at {source}")
         if version is None:
@@ -314,14 +118,6 @@ class ModelRepository:
         )
         write_entry(entry)
         return entry
-
-
-def write_entry(entry: ModelEntry) -> None:
-    """Written to a temporary name and renamed: a reader never sees half an entry."""
-    path = os.path.join(entry.directory, ENTRY_FILE)
-    with open(path + ".tmp", "w", encoding="utf-8") as handle:
-        handle.write(entry.to_toml())
-    os.replace(path + ".tmp", path)
 
 
 def _link_or_copy(source: str, target: str) -> None:

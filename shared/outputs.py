@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
+from shared.pb.kvmesh.v1.common_pb2 import FinishReason  # the one definition: common.proto
 from shared.step import TokenLogprobs
 
+__all__ = ["FinishReason", "RequestOutput", "finish_reason_label"]
 
-class FinishReason(str, Enum):
-    STOP = "stop"  # EOS or a stop token id
-    LENGTH = "length"  # max_tokens or the model's context length
-    ABORT = "abort"  # cancelled by the client
+
+def finish_reason_label(reason: FinishReason) -> str:
+    """The lower-case name logs, metrics, spans and the OpenAI API use: "stop", "length"..."""
+    return FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
 @dataclass(frozen=True)

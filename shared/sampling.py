@@ -1,4 +1,9 @@
-"""Sampling parameters of one request, validated once at the edge."""
+"""Sampling parameters of one request, validated once at the edge.
+
+Construction does not validate: the scheduler and the engine-worker decode what the gateway
+already checked, and check nothing again. Whoever takes parameters from a user calls
+`validate()`: the gateway's admission, the in-process Engine, a model's defaults at load.
+"""
 
 from __future__ import annotations
 
@@ -21,11 +26,12 @@ class ResponseFormat:
 
     KINDS = ("json_schema", "json_object", "regex", "lark")
 
-    def __post_init__(self) -> None:
+    def validate(self) -> ResponseFormat:
         if self.kind not in self.KINDS:
             raise KvmeshError(Reason.INVALID_SCHEMA, f"response format must be one of {self.KINDS}")
         if self.kind != "json_object" and not self.spec:
             raise KvmeshError(Reason.INVALID_SCHEMA, f"a {self.kind} response format needs a spec")
+        return self
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,11 @@ class SamplingParams:
     response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    def validate(self) -> SamplingParams:
+        """Itself, when every field is in range; else INVALID_SAMPLING_PARAMS (or, for the
+        response format, INVALID_SCHEMA)."""
         if self.max_tokens < 1:
             raise _invalid(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not self.temperature >= 0.0:
@@ -71,7 +82,9 @@ class SamplingParams:
             raise _invalid(f"logprobs must be in [0, 20] or unset, got {self.logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
             raise _invalid("stop_token_ids must be non-negative")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.response_format is not None:
+            self.response_format.validate()
+        return self
 
     @property
     def greedy(self) -> bool:

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shared.error_boundary import KvmeshErrors
 from shared.errors import KvmeshError, Reason
 from shared.flags import env_default, env_int
 from shared.metrics import serve_metrics
@@ -91,8 +92,10 @@ class ServiceRuntime:
         self.service_name = service_name  # full proto name, e.g. kvmesh.v1.Scheduler
         self.public = public  # the gateway: TLS without client certificates unless asked
         self.address = f"{host}:{port}"
-        # Every service refuses bytes that are not its request message with INVALID_ARGUMENT.
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[UndecodableRequests()])
+        # Undecodable bytes are refused first; a KvmeshError raised by any servicer becomes the
+        # rich status in one place (servicers raise, they never abort by hand).
+        interceptors = [UndecodableRequests(), KvmeshErrors()]
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.draining = False

@@ -17,8 +17,8 @@ import pytest
 import tomllib
 import yaml
 
+from shared.model_entry import read_entry
 from shared.model_paths import default_model_path
-from shared.model_repository import read_entry
 from tests.k8s_render import render
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,8 +10,8 @@ from services.engine_worker.embed_server import EmbedderService
 from services.engine_worker.server import EngineWorkerService
 from shared.flags import add_worker_flags, engine_config, env_default, env_int
 from shared.logs import configure_logging
+from shared.model_entry import artifact_location
 from shared.model_paths import is_encoder, resolve_model_path
-from shared.model_repository import artifact_location
 from shared.pb.kvmesh.v1 import engine_worker_pb2_grpc
 from shared.service import ServiceRuntime, add_common_flags, start_observability
 

@@ -15,9 +15,9 @@ from typing import Any
 import cupy
 import numpy
 import torch
-from cupy.cuda import cublas
 
 from services.engine_worker.architecture import ModelArchitecture
+from services.engine_worker.cublas_gemm import CUDA_R_32F, gemm
 from services.engine_worker.gpu_batch import GpuBatch
 from services.engine_worker.kernels.bias_add import bias_add
 from services.engine_worker.kernels.embedding import embedding
@@ -35,11 +35,6 @@ from services.engine_worker.kernels.silu_and_mul import silu_and_mul
 from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.weights import ModelWeights
 
-_COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F: fp32 accumulation whatever the storage type
-_GEMM_DEFAULT = -1  # CUBLAS_GEMM_DEFAULT: cuBLAS picks (tensor cores for 16-bit)
-_CUDA_R_32F = 0
-_ONE = numpy.ones((), numpy.float32)  # host scalars cuBLAS reads (pointer mode host)
-_ZERO = numpy.zeros((), numpy.float32)
 _TORCH_STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.int16}
 
 
@@ -47,38 +42,6 @@ def to_device(tensor: torch.Tensor, spec: DTypeSpec) -> Any:
     """A CPU tensor of the compute dtype as a CuPy array of its storage type."""
     host = tensor.contiguous().view(_TORCH_STORAGE[spec.name]).numpy()
     return cupy.asarray(host).view(spec.storage)
-
-
-def gemm(x: Any, weight: Any, out: Any, spec: DTypeSpec, out_type: int | None = None) -> None:
-    """out (T, N) = x (T, K) @ weight (K, N), row-major, through cublasGemmEx: read as
-    column-major, that is out^T = weight^T @ x^T, so no transpose is needed."""
-    tokens, inner = x.shape
-    columns = weight.shape[1]
-    if not tokens:
-        return
-    handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-    cublas.gemmEx(
-        handle,
-        cublas.CUBLAS_OP_N,
-        cublas.CUBLAS_OP_N,
-        columns,
-        tokens,
-        inner,
-        _ONE.ctypes.data,
-        weight.data.ptr,
-        spec.cuda_type,
-        columns,
-        x.data.ptr,
-        spec.cuda_type,
-        inner,
-        _ZERO.ctypes.data,
-        out.data.ptr,
-        spec.cuda_type if out_type is None else out_type,
-        columns,
-        _COMPUTE_32F,
-        _GEMM_DEFAULT,
-    )
 
 
 @dataclass(frozen=True)
@@ -299,5 +262,5 @@ class CupyCausalLM:
         final = ws.final[:samples]
         add_rms_norm(final, x, w.final_norm, eps, spec, delta=proj, rows=batch.sample_rows)
         logits = ws.logits[:samples]
-        gemm(final, w.lm_head, logits, spec, out_type=_CUDA_R_32F)
+        gemm(final, w.lm_head, logits, spec, out_type=CUDA_R_32F)
         return logits

@@ -19,7 +19,6 @@ import numpy
 import torch
 
 from services.engine_worker.architecture import ModelArchitecture
-from services.engine_worker.batch import RequestState
 from services.engine_worker.cupy_graphs import DecodeGraphs
 from services.engine_worker.cupy_model import CupyCausalLM, DeviceBatch, GpuKVCache, Workspace
 from services.engine_worker.gpu_batch import GpuBatch, build_gpu_batch
@@ -28,6 +27,7 @@ from services.engine_worker.kernels.library import DTYPES
 from services.engine_worker.kernels.paged_decode_attention import num_splits
 from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.sampler import sample
+from services.engine_worker.step_inputs import RequestState
 from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig
 from shared.step import SampledToken, TokenLogprobs

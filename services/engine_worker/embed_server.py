@@ -17,9 +17,8 @@ from prometheus_client import Histogram
 
 from services.engine_worker.embed_batcher import EmbedBatcher
 from services.engine_worker.encoder import SentenceEncoder
-from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
-from shared.model_repository import is_entry, read_entry
+from shared.model_entry import is_entry, read_entry
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
 from shared.service import ServiceRuntime
 
@@ -99,12 +98,8 @@ class EmbedderService(engine_worker_pb2_grpc.EmbedderServicer):
         self, request: engine_worker_pb2.EmbedInputs, context: grpc.aio.ServicerContext
     ) -> engine_worker_pb2.EmbedVectors:
         with self.runtime.in_flight():
-            try:
-                inputs = self._token_ids(request)
-                vectors = await self.batcher.embed(inputs)
-            except KvmeshError as error:
-                await grpc_errors.abort(context, error)
-                raise
+            inputs = self._token_ids(request)
+            vectors = await self.batcher.embed(inputs)
         return engine_worker_pb2.EmbedVectors(
             embeddings=[
                 common_pb2.Embedding(values=vector, num_tokens=len(ids))
@@ -139,7 +134,5 @@ class EmbedderService(engine_worker_pb2_grpc.EmbedderServicer):
         self, request: engine_worker_pb2.EmbedderModelRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ModelInfo:
         if self.encoder is None:
-            await grpc_errors.abort(
-                context, KvmeshError(Reason.MODEL_NOT_READY, "loading", retryable=True)
-            )
+            raise KvmeshError(Reason.MODEL_NOT_READY, "loading", retryable=True)
         return self.info

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy
 
-from services.engine_worker.batch import RequestState
+from services.engine_worker.step_inputs import RequestState, flatten
 
 
 @dataclass(frozen=True)
@@ -55,55 +55,25 @@ def build_gpu_batch(
     scheduled: list[tuple[RequestState, int]], block_size: int, decode_width: int = 0
 ) -> GpuBatch:
     """decode_width: block-table width for decode rows (0: as wide as this step needs)."""
-    decodes = [(s, n) for s, n in scheduled if n == 1]
-    prefills = [(s, n) for s, n in scheduled if n > 1]
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    sample_rows: list[int] = []
-    sampling_states: list[RequestState] = []
-
-    def add_tokens(state: RequestState, start: int, stop: int) -> None:
-        input_ids.extend(state.token_ids[start:stop])
-        positions.extend(range(start, stop))
-        slots.extend(
-            state.block_ids[p // block_size] * block_size + p % block_size
-            for p in range(start, stop)
-        )
-        if stop == len(state.token_ids):
-            sample_rows.append(len(input_ids) - 1)
-            sampling_states.append(state)
-
-    decode_blocks, decode_lens = [], []
-    for state, _ in decodes:
-        position = state.num_computed_tokens
-        add_tokens(state, position, position + 1)
-        decode_blocks.append(state.block_ids[: position // block_size + 1])
-        decode_lens.append(position + 1)
-    prefill_blocks, prefill_lens, query_starts = [], [], [len(input_ids)]
-    max_query_len = 0
-    for state, num_new in prefills:
-        start = state.num_computed_tokens
-        context = start + num_new
-        add_tokens(state, start, context)
-        prefill_blocks.append(state.block_ids[: -(-context // block_size)])
-        prefill_lens.append(context)
-        query_starts.append(len(input_ids))
-        max_query_len = max(max_query_len, num_new)
+    flat = flatten(scheduled, block_size)
+    positions = numpy.asarray(flat.positions, dtype=numpy.int64)
+    slots = (
+        numpy.asarray(flat.token_blocks, dtype=numpy.int64) * block_size + positions % block_size
+    )
+    query_lens = numpy.diff(numpy.asarray(flat.prefill_query_starts, dtype=numpy.int64))
+    decode_widest = max((len(b) for b in flat.decode_blocks), default=1)
     return GpuBatch(
-        input_ids=numpy.asarray(input_ids, dtype=numpy.int32),
-        positions=numpy.asarray(positions, dtype=numpy.int32),
-        slots=numpy.asarray(slots, dtype=numpy.int64),
-        decode_block_tables=_table(
-            decode_blocks, decode_width or max((len(b) for b in decode_blocks), default=1)
-        ),
-        decode_context_lens=numpy.asarray(decode_lens, dtype=numpy.int32),
+        input_ids=numpy.asarray(flat.input_ids, dtype=numpy.int32),
+        positions=positions.astype(numpy.int32),
+        slots=slots,
+        decode_block_tables=_table(flat.decode_blocks, decode_width or decode_widest),
+        decode_context_lens=numpy.asarray(flat.decode_context_lens, dtype=numpy.int32),
         prefill_block_tables=_table(
-            prefill_blocks, max((len(b) for b in prefill_blocks), default=1)
+            flat.prefill_blocks, max((len(b) for b in flat.prefill_blocks), default=1)
         ),
-        prefill_query_starts=numpy.asarray(query_starts, dtype=numpy.int32),
-        prefill_context_lens=numpy.asarray(prefill_lens, dtype=numpy.int32),
-        max_query_len=max_query_len,
-        sample_rows=numpy.asarray(sample_rows, dtype=numpy.int32),
-        sampling_states=tuple(sampling_states),
+        prefill_query_starts=numpy.asarray(flat.prefill_query_starts, dtype=numpy.int32),
+        prefill_context_lens=numpy.asarray(flat.prefill_context_lens, dtype=numpy.int32),
+        max_query_len=int(query_lens.max()) if query_lens.size else 0,
+        sample_rows=numpy.asarray(flat.sample_rows, dtype=numpy.int32),
+        sampling_states=tuple(flat.sampling_states),
     )

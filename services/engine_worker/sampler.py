@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from services.engine_worker.batch import RequestState
 from services.engine_worker.grammar import allowed_tokens
+from services.engine_worker.step_inputs import RequestState
 from shared.sampling import SamplingParams
 from shared.step import SampledToken, TokenLogprobs
 

@@ -15,13 +15,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import grpc
-from google.protobuf import json_format
 from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
 from services.engine_worker.worker import Worker
-from shared import grpc_errors
-from shared.codec import plan_from_pb, response_format_from_pb, result_to_pb
+from shared.codec import (
+    default_sampling_to_pb,
+    plan_from_pb,
+    response_format_from_pb,
+    result_to_pb,
+)
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, Reason
 from shared.metrics import TOKEN_SECONDS
@@ -64,9 +67,7 @@ def model_info(worker: Worker, served_name: str | None = None) -> common_pb2.Mod
         vocab_size=worker.architecture.vocab_size,
         eos_token_ids=worker.architecture.eos_token_ids,
         aliases=manifest.aliases,
-        default_sampling=json_format.ParseDict(
-            manifest.default_sampling or {}, common_pb2.SamplingParams()
-        ),
+        default_sampling=default_sampling_to_pb(manifest.default_sampling or {}),
         task="generate",
     )
 
@@ -142,15 +143,11 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
         request_iterator: AsyncIterator[engine_worker_pb2.StepPlan],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[engine_worker_pb2.StepResult]:
-        try:
-            worker = self._ready_worker()
-            if self._driven:
-                raise KvmeshError(
-                    Reason.INVALID_ARGUMENT, "another scheduler already drives this worker"
-                )
-        except KvmeshError as error:
-            await grpc_errors.abort(context, error)
-            return
+        worker = self._ready_worker()
+        if self._driven:
+            raise KvmeshError(
+                Reason.INVALID_ARGUMENT, "another scheduler already drives this worker"
+            )
         self._driven = True
         log.info("scheduler attached", extra={"peer": context.peer()})
         # Counted as in flight: a SIGTERM drain waits until the scheduler, seeing this worker
@@ -173,44 +170,31 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
     async def GetInfo(
         self, request: engine_worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
     ) -> engine_worker_pb2.WorkerInfo:
-        try:
-            worker = self._ready_worker()
-            return engine_worker_pb2.WorkerInfo(model=model_info(worker, self.served_name))
-        except KvmeshError as error:
-            await grpc_errors.abort(context, error)
-            raise
+        worker = self._ready_worker()
+        return engine_worker_pb2.WorkerInfo(model=model_info(worker, self.served_name))
 
     async def PrepareFormat(
         self, request: common_pb2.ResponseFormat, context: grpc.aio.ServicerContext
     ) -> engine_worker_pb2.PrepareFormatResponse:
-        try:
-            worker = self._ready_worker()
-            response_format = response_format_from_pb(request)
-            grammars = await asyncio.to_thread(worker.grammars)
-            if grammars.compiled(response_format):
-                return engine_worker_pb2.PrepareFormatResponse()
-            started = time.perf_counter()
-            # Its own thread: the torch thread keeps stepping the batch meanwhile.
-            await asyncio.to_thread(grammars.matcher, response_format)
-        except KvmeshError as error:
-            await grpc_errors.abort(context, error)
-            raise
+        worker = self._ready_worker()
+        response_format = response_format_from_pb(request)
+        grammars = await asyncio.to_thread(worker.grammars)
+        if grammars.compiled(response_format):
+            return engine_worker_pb2.PrepareFormatResponse()
+        started = time.perf_counter()
+        # Its own thread: the torch thread keeps stepping the batch meanwhile.
+        await asyncio.to_thread(grammars.matcher, response_format)
         seconds = time.perf_counter() - started
         return engine_worker_pb2.PrepareFormatResponse(compile_seconds=seconds)
 
     async def Warmup(
         self, request: engine_worker_pb2.WarmupRequest, context: grpc.aio.ServicerContext
     ) -> engine_worker_pb2.WarmupResponse:
-        try:
-            worker = self._ready_worker()
-        except KvmeshError as error:
-            await grpc_errors.abort(context, error)
-            raise
+        worker = self._ready_worker()
         if self._driven:
             # Warm-up writes scratch blocks; while a scheduler runs steps they may hold its KV.
-            await grpc_errors.abort(
-                context,
-                KvmeshError(Reason.INVALID_ARGUMENT, "warm-up needs an idle worker (no scheduler)"),
+            raise KvmeshError(
+                Reason.INVALID_ARGUMENT, "warm-up needs an idle worker (no scheduler)"
             )
         started = time.perf_counter()
         await self._in_torch_thread(worker.warm_up)

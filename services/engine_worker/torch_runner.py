@@ -13,10 +13,11 @@ import os
 import torch
 
 from services.engine_worker.architecture import ModelArchitecture
-from services.engine_worker.batch import RequestState, build_batch
+from services.engine_worker.batch import build_batch
 from services.engine_worker.kv_cache import KVCache, KVCacheShape
 from services.engine_worker.model import CausalLM
 from services.engine_worker.sampler import sample
+from services.engine_worker.step_inputs import RequestState
 from services.engine_worker.torch_weights import TorchWeights
 from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig

@@ -15,17 +15,17 @@ import torch
 
 from services.engine_worker.artifacts import artifact_files, open_artifact
 from services.engine_worker.backends import BACKENDS, resolve_backend
-from services.engine_worker.batch import RequestState
 from services.engine_worker.capacity import check_memory_fits
 from services.engine_worker.grammar import GrammarCompiler
 from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.manifest import ModelManifest
+from services.engine_worker.step_inputs import RequestState
 from services.engine_worker.torch_weights import resolve_weight_format
 from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, ModelValidationError, Reason
+from shared.model_entry import ModelEntry, WarmupFixture, is_entry, read_entry, sha256_file
 from shared.model_paths import resolve_model_path
-from shared.model_repository import ModelEntry, WarmupFixture, is_entry, read_entry, sha256_file
 from shared.sampling import SamplingParams
 from shared.step import SampledToken, StepPlan, StepResult
 from shared.text_tokenizer import load_tokenizer
@@ -207,14 +207,7 @@ class Worker:
             self.requests.pop(request_id, None)
         scheduled: list[tuple[RequestState, int]] = []
         for new in plan.new_requests:
-            state = RequestState(
-                new.request_id,
-                list(new.token_ids),
-                list(new.block_ids),
-                new.num_computed_tokens,
-                new.sampling,
-                new.prompt_len,
-            )
+            state = RequestState.from_plan(new)
             if new.sampling.response_format is not None:
                 state.matcher = self.grammars().matcher(new.sampling.response_format)
                 state.matcher.consume_tokens(state.token_ids[new.prompt_len :])  # recompute

@@ -7,15 +7,17 @@ import asyncio
 import logging
 import os
 
-from services.gateway.backends import Backends
-from services.gateway.generate import GatewayPolicy
+from services.gateway.catalog import ModelCatalog
 from services.gateway.limits import RequestLimits
 from services.gateway.model_admin import ModelAdminService
 from services.gateway.openai_http import OpenAIFront
+from services.gateway.policy import GatewayPolicy
 from services.gateway.rate_limits import RateLimiter
+from services.gateway.registry import BackendRegistry
 from services.gateway.router import Router, Watermarks
 from services.gateway.server import InferenceService
 from services.gateway.tenants import ApiKeys
+from services.gateway.tokenizer_link import TokenizerLink
 from shared.flags import add_gateway_flags, env_default, env_int
 from shared.logs import configure_logging
 from shared.pb.kvmesh.v1 import inference_pb2_grpc, model_admin_pb2_grpc
@@ -63,27 +65,29 @@ async def serve(args: argparse.Namespace) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port, public=True)
     schedulers = [spec for spec in args.scheduler.split(",") if spec]
     embedders = [spec for spec in args.embedder.split(",") if spec]
-    backends = Backends(args.tokenizer, schedulers, args.default_model, embedders)
+    tokenizer = TokenizerLink(args.tokenizer)
+    registry = BackendRegistry(tokenizer, schedulers, embedders)
+    catalog = ModelCatalog(registry, args.default_model)
     link = RedisLink(args.redis, degraded=DEGRADED) if args.redis else None
     if link is None:
         log.warning("no --redis: routing and admission use this gateway's local view only")
     policy = gateway_policy(args, link)
-    service = InferenceService(runtime, backends, policy)
+    service = InferenceService(runtime, catalog, tokenizer, policy)
     generate = service.generate  # one handler for gRPC and HTTP: one admission, one in-flight
     runtime.add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server, service)
     runtime.add_servicer(
         model_admin_pb2_grpc.add_ModelAdminServicer_to_server,
-        ModelAdminService(backends, policy.api_keys),
+        ModelAdminService(catalog, policy.api_keys),
     )
     await runtime.start()
-    front = OpenAIFront(generate, backends)
+    front = OpenAIFront(generate, catalog)
     if args.http_port:
         await front.start(args.host, args.http_port)
-    backends.start(runtime.set_ready)
+    registry.start(runtime.set_ready)
 
     async def close() -> None:
         await front.close()
-        await backends.close()
+        await registry.close()
         await policy.rate_limiter.close()
 
     await runtime.serve_until_signalled(args.drain_seconds, on_drain=close)

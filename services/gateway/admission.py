@@ -1,22 +1,38 @@
-"""Checking and resolving a GenerateRequest before anything is queued.
+"""Admitting a Generate request: one `GenerateCall` in, one `Admitted` out.
 
-Defaults are resolved here once (every sampling field set, a seed chosen when none was given)
-so the execution record can state exactly what ran.
+In order: authenticate the tenant, bound this gateway's in-flight requests, check the input,
+resolve the sampling parameters (validated here, once for the whole mesh: the scheduler and
+the worker decode what the gateway sent and trust it), tokenize, charge the tenant's rate
+limits, route (which refuses when every scheduler is past the watermarks), submit. Nothing is
+queued anywhere until every check passed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
+import time
+from dataclasses import dataclass
 
 import grpc
 
 from services.gateway.call_context import CallContext
-from services.gateway.text_stream import tokenizer_failure
+from services.gateway.catalog import ModelCatalog
+from services.gateway.connections import SchedulerBackend
+from services.gateway.policy import GatewayPolicy
+from services.gateway.rate_limits import Grant
+from services.gateway.request_record import ActiveRequest, Admitted, upstream_request_id
+from services.gateway.request_telemetry import RequestTelemetry
+from services.gateway.router import Routed
+from services.gateway.tenants import Tenant
+from services.gateway.tokenizer_link import TokenizerLink
+from shared import grpc_errors
 from shared.codec import sampling_from_pb, sampling_to_pb
 from shared.errors import KvmeshError, Reason
-from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, scheduler_pb2
 from shared.sampling import SamplingParams
+from shared.service import ServiceRuntime
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -24,18 +40,19 @@ MAX_STOP_STRING_CHARS = 256
 
 def resolve_sampling(
     message: common_pb2.SamplingParams, model_defaults: common_pb2.SamplingParams | None = None
-) -> common_pb2.SamplingParams:
-    """Validated, every field set, with a seed: the parameters in force. Fields the request
-    leaves unset take the model's defaults (its repository entry), then the engine's."""
+) -> SamplingParams:
+    """The parameters in force: fields the request leaves unset take the model's defaults (its
+    repository entry, checked when the model loaded), then the engine's; validated; a seed
+    chosen when none was given, so the execution record can say exactly what ran."""
     if model_defaults is not None and model_defaults.ListFields():
         merged = common_pb2.SamplingParams()
         merged.CopyFrom(model_defaults)
         merged.MergeFrom(message)
         message = merged
-    params: SamplingParams = sampling_from_pb(message)
+    params = sampling_from_pb(message).validate()
     if params.seed is None:
         params = dataclasses.replace(params, seed=random.getrandbits(63))
-    return sampling_to_pb(params)
+    return params
 
 
 def check_stop_strings(stops: list[str]) -> None:
@@ -59,43 +76,175 @@ def time_remaining(context: CallContext, timeout_ms: int) -> float | None:
     return remaining
 
 
-async def prompt_token_ids(
-    request: inference_pb2.GenerateRequest | inference_pb2.TokenizeRequest,
-    tokenizer: tokenizer_pb2_grpc.TokenizerStub,
-    model: common_pb2.ModelInfo,
-    timeout: float | None,
-    metadata: tuple[tuple[str, str], ...] = (),
-) -> list[int]:
-    kind = request.WhichOneof("input")
-    if kind == "token_ids":
-        ids = list(request.token_ids.ids)  # type: ignore[union-attr]
-        bad = [t for t in ids if t >= model.vocab_size]
-        if bad:
+@dataclass
+class GenerateCall:
+    """One Generate call, as every step of its admission reads it."""
+
+    request: inference_pb2.GenerateRequest
+    context: CallContext
+    request_id: str  # the client's, or one made up for it
+    received: float  # time.monotonic() at arrival
+    telemetry: RequestTelemetry
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A request that passed every check needing no other service."""
+
+    tenant: Tenant
+    candidates: list[SchedulerBackend]  # ready schedulers of the model version chosen
+    model: common_pb2.ModelInfo
+    sampling: SamplingParams
+
+
+class Admission:
+    def __init__(
+        self,
+        runtime: ServiceRuntime,
+        catalog: ModelCatalog,
+        tokenizer: TokenizerLink,
+        policy: GatewayPolicy,
+    ) -> None:
+        self.runtime = runtime
+        self.catalog = catalog
+        self.tokenizer = tokenizer
+        self.policy = policy
+        # Open requests by (tenant, request id): a tenant sees and aborts only its own.
+        self.active: dict[tuple[str, str], ActiveRequest] = {}
+        self._num_admitting = 0
+        self._releases: set[asyncio.Task[None]] = set()
+
+    async def admit(self, call: GenerateCall) -> Admitted:
+        """The accepted request, or a KvmeshError saying why not (nothing left queued)."""
+        with call.telemetry.phase("admission"):
+            checked = self._check(call)
+        self._num_admitting += 1
+        try:
+            return await self._place(call, checked)
+        finally:
+            self._num_admitting -= 1
+
+    def _check(self, call: GenerateCall) -> Checked:
+        request = call.request
+        self.runtime.refuse_if_draining()
+        tenant = self.policy.api_keys.authenticate(call.context.invocation_metadata())
+        self.policy.limits.check_size(request.ByteSize())
+        if (tenant.name, call.request_id) in self.active:
+            raise KvmeshError(Reason.INVALID_ARGUMENT, f"request id {call.request_id!r} is in use")
+        if len(self.active) + self._num_admitting >= self.policy.max_in_flight:
             raise KvmeshError(
-                Reason.INVALID_ARGUMENT,
-                f"token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})",
+                Reason.OVERLOADED,
+                f"this gateway already holds {self.policy.max_in_flight} requests",
+                retryable=True,
+                retry_after_ms=1000,
             )
-    elif kind == "text":
-        encode = tokenizer_pb2.EncodeRequest(text=request.text, model=model.name)
-        ids = await _encode(tokenizer, encode, timeout, metadata)
-    elif kind == "chat":
-        encode = tokenizer_pb2.EncodeRequest(chat=request.chat, model=model.name)
-        ids = await _encode(tokenizer, encode, timeout, metadata)
-    else:
-        raise KvmeshError(Reason.INVALID_ARGUMENT, "give text, chat or token_ids as the input")
-    if not ids:
-        raise KvmeshError(Reason.EMPTY_PROMPT, "the prompt has no tokens")
-    return ids
+        check_stop_strings(list(request.stop))
+        candidates = self.catalog.schedulers(request.model)
+        model = candidates[0].model
+        assert model is not None
+        sampling = resolve_sampling(request.sampling, model.default_sampling)
+        self.tokenizer.require()
+        return Checked(tenant, candidates, model, sampling)
 
+    async def _place(self, call: GenerateCall, checked: Checked) -> Admitted:
+        """Tokenize, charge the tenant's rate limits, route and submit."""
+        request, telemetry, model = call.request, call.telemetry, checked.model
+        remaining = time_remaining(call.context, request.timeout_ms)
+        telemetry.prompt(request.text)
+        with telemetry.phase("tokenize") as span:
+            metadata = telemetry.phase_metadata(span)
+            token_ids = await self.tokenizer.prompt_token_ids(request, model, remaining, metadata)
+            span.set_attribute("gen_ai.usage.input_tokens", len(token_ids))
+        sampling = checked.sampling
+        self.policy.limits.check_tokens(len(token_ids), sampling.max_tokens)
+        with telemetry.phase("rate_limit"):
+            grant = await self.policy.rate_limiter.admit(
+                checked.tenant, call.request_id, len(token_ids) + sampling.max_tokens
+            )
+        try:
+            with telemetry.phase("route") as span:
+                route = await self.policy.router.route(
+                    checked.candidates, token_ids, checked.tenant.cache_salt
+                )
+                span.set_attributes(route.span_attributes())
+            if remaining is not None:
+                remaining -= time.monotonic() - call.received
+            admitted = await self._submit(call, checked, Routed(route), token_ids, grant, remaining)
+        except BaseException:
+            self.release(grant, 0)
+            raise
+        telemetry.admitted(
+            {
+                "gen_ai.request.model": model.name,
+                "gen_ai.response.model": model.name,
+                "gen_ai.request.max_tokens": sampling.max_tokens,
+                "gen_ai.request.temperature": sampling.temperature,
+                "gen_ai.request.top_p": sampling.top_p,
+                "gen_ai.request.seed": admitted.sampling_pb.seed,
+                "gen_ai.usage.input_tokens": len(token_ids),
+                "kvmesh.tenant": checked.tenant.name,
+                **route.span_attributes(),
+            }
+        )
+        return admitted
 
-async def _encode(
-    tokenizer: tokenizer_pb2_grpc.TokenizerStub,
-    request: tokenizer_pb2.EncodeRequest,
-    timeout: float | None,
-    metadata: tuple[tuple[str, str], ...],
-) -> list[int]:
-    try:
-        reply = await tokenizer.Encode(request, timeout=timeout, metadata=metadata)
-    except grpc.RpcError as error:
-        raise tokenizer_failure(error) from None
-    return list(reply.token_ids)
+    async def _submit(
+        self,
+        call: GenerateCall,
+        checked: Checked,
+        routed: Routed,
+        token_ids: list[int],
+        grant: Grant | None,
+        remaining: float | None,
+    ) -> Admitted:
+        """Sends the request to its scheduler and waits for the scheduler to accept it."""
+        backend = routed.route.backend
+        upstream_id = upstream_request_id(
+            call.request_id, checked.tenant, bool(call.request.request_id)
+        )
+        sampling_pb = sampling_to_pb(checked.sampling)  # once: sent here, recorded at the end
+        submit = backend.stub.Submit(
+            scheduler_pb2.SubmitRequest(
+                request_id=upstream_id,
+                token_ids=token_ids,
+                sampling=sampling_pb,
+                priority=call.request.priority,
+                cache_salt=checked.tenant.cache_salt,
+                tenant=checked.tenant.name,
+            ),
+            timeout=remaining,
+            metadata=call.telemetry.metadata(),
+        )
+        try:
+            first = await submit.read()
+            if first is grpc.aio.EOF or first.WhichOneof("event") != "accepted":
+                raise KvmeshError(Reason.INTERNAL, "the scheduler did not accept the request")
+        except grpc.RpcError as error:
+            routed.ended()
+            raise grpc_errors.from_rpc_error(error) from None
+        except BaseException:
+            submit.cancel()  # the client left before acceptance: do not leave it queued
+            routed.ended()
+            raise
+        routed.accepted()
+        return Admitted(
+            routed,
+            checked.tenant,
+            grant,
+            checked.sampling,
+            sampling_pb,
+            token_ids,
+            submit,
+            first.accepted.queue_position,
+            upstream_id,
+            backend.model or checked.model,
+        )
+
+    def release(self, grant: Grant | None, tokens_used: int) -> None:
+        """Return the tenant's charge in the background: a stream's cleanup never waits on
+        Redis, and a cancelled stream still releases."""
+        if grant is None:
+            return
+        task = asyncio.create_task(self.policy.rate_limiter.release(grant, tokens_used))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)

@@ -13,15 +13,20 @@ import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from services.gateway.backends import Backends
+from typing import Protocol
 
 log = logging.getLogger("kvmesh.gateway.discovery")
 Resolver = Callable[[str, int], Awaitable[set[str]]]
 DNS_PREFIX = "dns:///"
 DRAIN_TIMEOUT_S = 120.0
+
+
+class BackendSet(Protocol):
+    """What discovery changes: the gateway's registry of backends."""
+
+    async def add(self, address: str, name: str, version: str) -> None: ...
+
+    async def remove(self, address: str, drain_timeout_s: float) -> int: ...
 
 
 def is_dns_spec(spec: str) -> bool:
@@ -42,7 +47,7 @@ async def resolve(host: str, port: int) -> set[str]:
 class DnsDiscovery:
     def __init__(
         self,
-        backends: Backends,
+        backends: BackendSet,
         spec: str,
         interval_s: float = 5.0,
         resolver: Resolver = resolve,

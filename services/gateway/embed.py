@@ -7,7 +7,8 @@ import logging
 
 import grpc
 
-from services.gateway.backends import Backends, EmbedderBackend
+from services.gateway.catalog import ModelCatalog
+from services.gateway.connections import EmbedderBackend
 from shared import grpc_errors
 from shared.pb.kvmesh.v1 import engine_worker_pb2, inference_pb2
 
@@ -15,10 +16,10 @@ log = logging.getLogger("kvmesh.gateway.embed")
 
 
 async def embed(
-    backends: Backends, request: inference_pb2.EmbedRequest, timeout: float | None
+    catalog: ModelCatalog, request: inference_pb2.EmbedRequest, timeout: float | None
 ) -> inference_pb2.EmbedResponse:
     # The inputs themselves (count, length, token ids) are the embedding worker's to check.
-    candidates = backends.serving(request.model, task="embed")
+    candidates = catalog.serving(request.model, task="embed")
     backend = min(candidates, key=lambda b: b.in_flight)
     assert isinstance(backend, EmbedderBackend) and backend.model is not None
     model = backend.model

@@ -25,18 +25,18 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.gateway.backends import Backends
 from services.gateway.call_context import HttpCall
+from services.gateway.catalog import ModelCatalog
 from services.gateway.embed import embed
 from services.gateway.generate import GenerateHandler
 from services.gateway.openai_embeddings import parse_embeddings
 from services.gateway.openai_protocol import (
     OpenAIRequest,
-    ResponseBuilder,
     parse_body,
     parse_chat,
     parse_completion,
 )
+from services.gateway.openai_responses import ResponseBuilder
 from services.gateway.stall import ClientStalled, write_or_stall
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
@@ -124,9 +124,9 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
 
 
 class OpenAIFront:
-    def __init__(self, generate: GenerateHandler, backends: Backends) -> None:
+    def __init__(self, generate: GenerateHandler, catalog: ModelCatalog) -> None:
         self.generate = generate
-        self.backends = backends
+        self.catalog = catalog
         self.started = int(time.time())
         self._runner: web.AppRunner | None = None
 
@@ -173,11 +173,11 @@ class OpenAIFront:
         with runtime.in_flight():
             runtime.refuse_if_draining()
             parsed = parse_embeddings(parse_body(await request.read()))
-            reply = await embed(self.backends, parsed.embed, timeout=None)
+            reply = await embed(self.catalog, parsed.embed, timeout=None)
         return web.json_response(parsed.response(reply))
 
     def _max_model_len(self, model: str) -> int:
-        info = self.backends.pick(model).model
+        info = self.catalog.pick(model).model
         assert info is not None
         return info.max_model_len
 
@@ -255,7 +255,7 @@ class OpenAIFront:
     async def list_models(self, request: web.Request) -> web.Response:
         self.generate.policy.api_keys.authenticate(self._call(request).invocation_metadata())
         # Each model by name (its traffic split chooses the version), then each version.
-        served = self.backends.models()
+        served = self.catalog.models()
         by_name: dict[str, dict[str, Any]] = {}
         for model in served:
             by_name.setdefault(model.name, self._model(model, model.name))
@@ -265,7 +265,7 @@ class OpenAIFront:
     async def get_model(self, request: web.Request) -> web.Response:
         self.generate.policy.api_keys.authenticate(self._call(request).invocation_metadata())
         name = request.match_info["model"]
-        info = self.backends.pick(name).model
+        info = self.catalog.pick(name).model
         assert info is not None
         return web.json_response(self._model(info, name))
 
@@ -281,11 +281,7 @@ class OpenAIFront:
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while this gateway takes requests (a scheduler ready, not draining), else 503."""
-        serving = (
-            not self.generate.runtime.draining
-            and self.backends.tokenizer_ready
-            and any(s.ready for s in self.backends.schedulers)
-        )
+        serving = not self.generate.runtime.draining and self.catalog.registry.ready
         return web.json_response(
             {"status": "serving" if serving else "not_serving"}, status=200 if serving else 503
         )

@@ -15,7 +15,7 @@ import json
 import jsonschema
 
 from shared.errors import KvmeshError, Reason
-from shared.pb.kvmesh.v1 import common_pb2
+from shared.sampling import ResponseFormat
 
 # Schema text -> its validator; a schema is checked by the worker's compiler before it runs.
 _MAX_CACHED_SCHEMAS = 256
@@ -27,7 +27,7 @@ def _validator(schema_text: str) -> jsonschema.protocols.Validator:
     return jsonschema.validators.validator_for(schema)(schema)
 
 
-def output_problem(response_format: common_pb2.ResponseFormat, text: str) -> str | None:
+def output_problem(response_format: ResponseFormat, text: str) -> str | None:
     """Why `text` does not satisfy the format, or None when it does (or is not checked here)."""
     if response_format.kind not in ("json_schema", "json_object"):
         return None
@@ -44,7 +44,7 @@ def output_problem(response_format: common_pb2.ResponseFormat, text: str) -> str
     return f"the output does not match the schema at {where}: {mismatch.message}"
 
 
-def check_output(response_format: common_pb2.ResponseFormat, text: str) -> None:
+def check_output(response_format: ResponseFormat, text: str) -> None:
     problem = output_problem(response_format, text)
     if problem is not None:
         raise KvmeshError(Reason.INVALID_OUTPUT, problem)

@@ -7,16 +7,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.gateway.backends import Routed, SchedulerBackend
+from services.gateway.connections import SchedulerBackend
 from services.gateway.rate_limits import Grant
+from services.gateway.router import Routed
 from services.gateway.tenants import Tenant
 from shared.errors import KvmeshError, Reason
+from shared.outputs import FinishReason, finish_reason_label
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, scheduler_pb2
-
-FINISH_REASONS = {
-    scheduler_pb2.SCHEDULER_FINISH_REASON_STOP: inference_pb2.FINISH_REASON_STOP,
-    scheduler_pb2.SCHEDULER_FINISH_REASON_LENGTH: inference_pb2.FINISH_REASON_LENGTH,
-}
+from shared.sampling import SamplingParams
 
 
 @dataclass
@@ -38,7 +36,8 @@ class Admitted:
     routed: Routed
     tenant: Tenant
     grant: Grant | None  # the rate-limit charge, released when the request ends
-    sampling: common_pb2.SamplingParams  # every field set, the seed chosen
+    sampling: SamplingParams  # validated, the model's defaults merged, the seed chosen
+    sampling_pb: common_pb2.SamplingParams  # the same, encoded once: sent up and recorded
     token_ids: list[int]
     submit: grpc.aio.UnaryStreamCall  # the scheduler's token stream; cancelling aborts
     queue_position: int
@@ -67,15 +66,31 @@ class Progress:
         )
 
 
+def accepted_event(
+    request_id: str, admitted: Admitted, trace_id: str
+) -> inference_pb2.GenerateEvent:
+    return inference_pb2.GenerateEvent(
+        accepted=inference_pb2.Accepted(
+            request_id=request_id,
+            queue_position=admitted.queue_position,
+            prompt_tokens=len(admitted.token_ids),
+            model=admitted.model.name,
+            model_version=admitted.model.version,
+            routing=admitted.routed.route.to_pb(),
+            trace_id=trace_id,
+        )
+    )
+
+
 def completed_event(
-    reason: int,
+    reason: FinishReason,
     stop_string: str,
     finished: scheduler_pb2.SubmitFinished | None,
     progress: Progress,
     admitted: Admitted,
 ) -> inference_pb2.GenerateEvent:
     now = time.monotonic()
-    backend, sampling, model = admitted.backend, admitted.sampling, admitted.model
+    backend, sampling, model = admitted.backend, admitted.sampling_pb, admitted.model
     timings = inference_pb2.Timings(
         total_ms=(now - progress.received) * 1e3,
         ttft_ms=((progress.first_token_at or now) - progress.received) * 1e3,
@@ -86,7 +101,7 @@ def completed_event(
         timings.decode_ms = finished.decode_ms
     return inference_pb2.GenerateEvent(
         completed=inference_pb2.Completed(
-            finish_reason=reason,  # type: ignore[arg-type]
+            finish_reason=reason,
             stop_string=stop_string,
             usage=progress.usage(),
             timings=timings,
@@ -110,8 +125,7 @@ def terminal_reason(event: inference_pb2.GenerateEvent) -> str:
     """The reason label of a terminal event: finish reason, cancel reason or error reason."""
     kind = event.WhichOneof("event")
     if kind == "completed":
-        name = inference_pb2.FinishReason.Name(event.completed.finish_reason)
-        return name.removeprefix("FINISH_REASON_").lower()
+        return finish_reason_label(event.completed.finish_reason)
     if kind == "cancelled":
         return event.cancelled.reason or "abort"
     return event.failed.error.reason or "internal"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as redis
 
-from services.gateway.backends import SchedulerBackend
+from services.gateway.connections import SchedulerBackend
 from shared import redis_keys
 from shared.block_hash import hash_full_blocks
 from shared.errors import KvmeshError, Reason
@@ -111,6 +111,37 @@ class RouteDecision:
             matched_tokens=self.matched_blocks * self.block_size,
             reason=self.reason,
         )
+
+
+@dataclass
+class Routed:
+    """A request counted against the scheduler it was routed to, until it ends: the load this
+    gateway adds there before the scheduler's own report can show it."""
+
+    route: RouteDecision
+    in_transit: bool = True  # not yet accepted by the scheduler
+    pending: bool = True  # no first token yet
+
+    def __post_init__(self) -> None:
+        backend = self.route.backend
+        backend.in_flight += 1
+        backend.in_transit += 1
+        backend.pending_tokens += self.route.uncached_tokens
+
+    def accepted(self) -> None:
+        if self.in_transit:
+            self.in_transit = False
+            self.route.backend.in_transit -= 1
+
+    def started(self) -> None:
+        self.accepted()
+        if self.pending:
+            self.pending = False
+            self.route.backend.pending_tokens -= self.route.uncached_tokens
+
+    def ended(self) -> None:
+        self.started()
+        self.route.backend.in_flight -= 1
 
 
 class Router:

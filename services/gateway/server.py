@@ -1,4 +1,8 @@
-"""The public kvmesh.v1.Inference service: thin handlers over the admission and relay code."""
+"""The public kvmesh.v1.Inference service: thin handlers over admission, relay and catalog.
+
+Handlers raise KvmeshError; the server's error boundary (shared/error_boundary.py) turns it
+into the rich status.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,13 @@ import contextlib
 
 import grpc
 
-from services.gateway.admission import prompt_token_ids
-from services.gateway.backends import Backends
+from services.gateway.catalog import ModelCatalog
 from services.gateway.embed import embed
-from services.gateway.generate import GatewayPolicy, GenerateHandler
+from services.gateway.generate import GenerateHandler
+from services.gateway.policy import GatewayPolicy
 from services.gateway.stall import ClientStalled, stalled_error, write_or_stall
-from services.gateway.tenants import Tenant
+from services.gateway.tokenizer_link import TokenizerLink
 from shared import grpc_errors
-from shared.errors import KvmeshError
 from shared.pb.kvmesh.v1 import (
     common_pb2,
     inference_pb2,
@@ -25,19 +28,17 @@ from shared.service import ServiceRuntime
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
     def __init__(
-        self, runtime: ServiceRuntime, backends: Backends, policy: GatewayPolicy | None = None
+        self,
+        runtime: ServiceRuntime,
+        catalog: ModelCatalog,
+        tokenizer: TokenizerLink,
+        policy: GatewayPolicy | None = None,
     ) -> None:
         self.runtime = runtime
-        self.backends = backends
+        self.catalog = catalog
+        self.tokenizer = tokenizer
         self.policy = policy or GatewayPolicy()
-        self.generate = GenerateHandler(runtime, backends, self.policy)
-
-    async def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant:
-        try:
-            return self.policy.api_keys.authenticate(context.invocation_metadata())
-        except KvmeshError as error:
-            await grpc_errors.abort(context, error)
-            raise
+        self.generate = GenerateHandler(runtime, catalog, tokenizer, self.policy)
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -46,22 +47,19 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         # timeout can then be given up, and the call still ends with a status.
         stall_s = self.policy.stall_timeout_s
         events = self.generate(request, context)
-        try:
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    try:
-                        await write_or_stall(context.write(event), stall_s)
-                    except ClientStalled as stalled:
-                        with contextlib.suppress(ClientStalled):
-                            await events.athrow(stalled)
-                        raise stalled_error(stall_s) from None
-        except KvmeshError as error:  # refused before the stream started, or stalled
-            await grpc_errors.abort(context, error)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                try:
+                    await write_or_stall(context.write(event), stall_s)
+                except ClientStalled as stalled:
+                    with contextlib.suppress(ClientStalled):
+                        await events.athrow(stalled)
+                    raise stalled_error(stall_s) from None
 
     async def Abort(
         self, request: inference_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.AbortResponse:
-        tenant = await self._authenticate(context)
+        tenant = self.policy.api_keys.authenticate(context.invocation_metadata())
         # Another tenant's request is as unknown as one that never existed.
         active = self.generate.active.get((tenant.name, request.request_id))
         if active is None:
@@ -71,56 +69,41 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 scheduler_pb2.SchedulerAbortRequest(request_id=active.upstream_id), timeout=5
             )
         except grpc.RpcError as error:
-            await grpc_errors.abort(context, grpc_errors.from_rpc_error(error))
-            raise
+            raise grpc_errors.from_rpc_error(error) from None
         return inference_pb2.AbortResponse(found=reply.found)
 
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
-        await self._authenticate(context)
+        self.policy.api_keys.authenticate(context.invocation_metadata())
         return inference_pb2.ListModelsResponse(
-            models=self.backends.models(), versions=self.backends.versions()
+            models=self.catalog.models(), versions=self.catalog.versions()
         )
 
     async def GetModel(
         self, request: inference_pb2.GetModelRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ModelInfo:
-        await self._authenticate(context)
-        try:
-            model = self.backends.pick(request.name).model
-        except KvmeshError as error:
-            await grpc_errors.abort(context, error)
-            raise
+        self.policy.api_keys.authenticate(context.invocation_metadata())
+        model = self.catalog.pick(request.name).model
         assert model is not None
         return model
 
     async def Embed(
         self, request: inference_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.EmbedResponse:
-        await self._authenticate(context)
+        self.policy.api_keys.authenticate(context.invocation_metadata())
         with self.runtime.in_flight():
-            try:
-                self.runtime.refuse_if_draining()
-                self.policy.limits.check_size(request.ByteSize())
-                return await embed(self.backends, request, context.time_remaining())
-            except KvmeshError as error:
-                await grpc_errors.abort(context, error)
-                raise
+            self.runtime.refuse_if_draining()
+            self.policy.limits.check_size(request.ByteSize())
+            return await embed(self.catalog, request, context.time_remaining())
 
     async def _token_ids(
         self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tuple[list[int], common_pb2.ModelInfo]:
-        await self._authenticate(context)
-        try:
-            model = self.backends.pick(request.model).model
-            assert model is not None
-            ids = await prompt_token_ids(
-                request, self.backends.tokenizer, model, context.time_remaining()
-            )
-        except KvmeshError as error:
-            await grpc_errors.abort(context, error)
-            raise
+        self.policy.api_keys.authenticate(context.invocation_metadata())
+        model = self.catalog.pick(request.model).model
+        assert model is not None
+        ids = await self.tokenizer.prompt_token_ids(request, model, context.time_remaining())
         return ids, model
 
     async def Tokenize(

@@ -29,11 +29,11 @@ async def serve(args: argparse.Namespace) -> None:
         max_waiting=args.max_waiting,
     )
     runtime.add_servicer(scheduler_pb2_grpc.add_SchedulerServicer_to_server, service)
-    REGISTRY.register(SchedulerMetrics(asyncio.get_running_loop(), service.load_report))
+    REGISTRY.register(SchedulerMetrics(asyncio.get_running_loop(), service.reporter.report))
     await runtime.start()
-    tasks = [asyncio.create_task(service.run())]
+    tasks = [asyncio.create_task(service.loop.run())]
     if args.redis:
-        publisher = RedisPublisher(args.redis, args.advertise or runtime.address, service)
+        publisher = RedisPublisher(args.redis, args.advertise or runtime.address, service.reporter)
         tasks.append(asyncio.create_task(publisher.run()))
     await runtime.serve_until_signalled(args.drain_seconds)
     for task in tasks:

@@ -14,25 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis.asyncio as redis
 
+from services.scheduler.load_report import LoadReporter
+from services.scheduler.step_loop import StepLoop
 from shared import redis_keys
 from shared.redis_link import RedisLink
-
-if TYPE_CHECKING:
-    from services.scheduler.server import SchedulerService
 
 FLUSH_S = 0.1  # at most this stale while steps run
 DEGRADED = "the scheduler's load and prefix cache are not published; it serves on regardless"
 
 
 class RedisPublisher:
-    def __init__(self, url: str, address: str, service: SchedulerService) -> None:
+    def __init__(self, url: str, address: str, reporter: LoadReporter) -> None:
         self.link = RedisLink(url, degraded=DEGRADED)
         self.address = address
-        self.service = service
+        self.reporter = reporter
+        self.loop: StepLoop = reporter.loop
         self.load_key = redis_keys.scheduler_load(address)
         self._prefix_keys: set[str] = set()
         self.num_flushes = 0
@@ -43,16 +43,16 @@ class RedisPublisher:
             while True:
                 await asyncio.sleep(FLUSH_S)
                 now = time.monotonic()
-                stepped = self.service.counters.steps != last_steps
+                stepped = self.loop.counters.steps != last_steps
                 if stepped or now - last_flush >= redis_keys.HEARTBEAT_S:
-                    last_steps, last_flush = self.service.counters.steps, now
+                    last_steps, last_flush = self.loop.counters.steps, now
                     await self.flush()
         finally:
             await self.link.close()
 
     async def flush(self) -> None:
-        scheduler = self.service.scheduler
-        model = self.service.model
+        scheduler = self.loop.scheduler
+        model = self.loop.model
         events = scheduler.block_manager.events if scheduler is not None else None
         if events is not None and events.needs_resync and model is not None:
             name = model.name
@@ -60,7 +60,7 @@ class RedisPublisher:
                 events.request_resync()
                 return
         delta = events.drain() if events is not None else None
-        report = self.service.load_report()
+        report = self.reporter.report()
         fields: dict[Any, Any] = {  # redis-py types keys invariantly
             "waiting": report.num_waiting,
             "waiting_tokens": report.num_waiting_tokens,
@@ -68,10 +68,10 @@ class RedisPublisher:
             "free_blocks": report.num_free_blocks,
             "blocks": report.num_blocks,
             "queue_ms": round(report.queue_time_estimate_ms, 1),
-            "drain_per_s": round(self.service.queue_estimate.drain_per_s, 3),
+            "drain_per_s": round(self.loop.queue_estimate.drain_per_s, 3),
             "slot_releases_s": ",".join(f"{s:.3f}" for s in report.slot_releases_s),
             "max_waiting": report.max_waiting,
-            "max_running": self.service.config.max_num_seqs,
+            "max_running": self.loop.config.max_num_seqs,
             "ready": int(report.worker_ready),
         }
 
@@ -101,7 +101,7 @@ class RedisPublisher:
     async def _resync(self, client: redis.Redis, model: str) -> bool:
         pattern = redis_keys.prefix_blocks_pattern(model, self.address)
         stale = [key async for key in client.scan_iter(match=pattern, count=1000)]
-        scheduler = self.service.scheduler
+        scheduler = self.loop.scheduler
         if scheduler is None:
             return True
         # Snapshot and clear the flag with no await in between: every event after this

@@ -18,6 +18,7 @@ from prometheus_client import Counter, Histogram
 
 from services.scheduler.request import Request
 from shared.metrics import REQUEST_SECONDS, TOKEN_SECONDS, exemplar
+from shared.outputs import finish_reason_label
 from shared.pb.kvmesh.v1 import engine_worker_pb2, scheduler_pb2
 from shared.step import NewRequestPlan, RunningRequestPlan, StepPlan
 from shared.telemetry import context_from_metadata, trace_id_hex, traceparent_of
@@ -170,6 +171,5 @@ def terminal_outcome(terminal: scheduler_pb2.SubmitEvent) -> tuple[str, str]:
     """(outcome, reason) of a terminal event, for the trace."""
     if terminal.WhichOneof("event") == "failed":
         return "failed", terminal.failed.reason
-    reason = scheduler_pb2.SchedulerFinishReason.Name(terminal.finished.finish_reason)
-    reason = reason.removeprefix("SCHEDULER_FINISH_REASON_").lower()
+    reason = finish_reason_label(terminal.finished.finish_reason)
     return ("cancelled" if reason == "abort" else "completed"), reason

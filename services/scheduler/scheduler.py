@@ -106,7 +106,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        return self._finish(request, FinishReason.ABORT, ())
+        return self._finish(request, FinishReason.FINISH_REASON_ABORT, ())
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -234,13 +234,13 @@ class Scheduler:
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         sampling = request.sampling
         if token_id in self.eos_token_ids and not sampling.ignore_eos:
-            return FinishReason.STOP
+            return FinishReason.FINISH_REASON_STOP
         if token_id in sampling.stop_token_ids:
-            return FinishReason.STOP
+            return FinishReason.FINISH_REASON_STOP
         if request.num_output_tokens >= sampling.max_tokens:
-            return FinishReason.LENGTH
+            return FinishReason.FINISH_REASON_LENGTH
         if request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
+            return FinishReason.FINISH_REASON_LENGTH
         return None
 
     def _finish(

@@ -10,8 +10,8 @@ from services.tokenizer.server import LoadedTokenizer, TokenizerService
 from shared.errors import KvmeshError, Reason
 from shared.flags import env_default
 from shared.logs import configure_logging
+from shared.model_entry import artifact_location
 from shared.model_paths import resolve_model_path
-from shared.model_repository import artifact_location
 from shared.pb.kvmesh.v1 import tokenizer_pb2_grpc
 from shared.service import ServiceRuntime, add_common_flags, start_observability
 from shared.text_tokenizer import load_tokenizer

@@ -13,7 +13,6 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Histogram
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer
-from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.metrics import TOKEN_SECONDS
 from shared.pb.kvmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
@@ -90,7 +89,6 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
                 token_ids = self.encode(request)
             except KvmeshError as error:
                 span.set_attribute("kvmesh.error.reason", error.reason.value)
-                await grpc_errors.abort(context, error)
                 raise
             ENCODE_SECONDS.observe(time.perf_counter() - started)
             TOKENS.labels("encode").inc(len(token_ids))
@@ -126,11 +124,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
                     started = time.perf_counter()
                     if first:
                         first = False
-                        try:
-                            tokenizer = self.loaded(message.model).tokenizer
-                        except KvmeshError as error:
-                            await grpc_errors.abort(context, error)
-                            raise
+                        tokenizer = self.loaded(message.model).tokenizer
                         # A model without a tokenizer still serves token-id clients: no text.
                         detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer else None
                     text = detokenizer.push(message.token_ids) if detokenizer else ""
@@ -154,11 +148,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     async def GetInfo(
         self, request: tokenizer_pb2.TokenizerInfoRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizerInfo:
-        try:
-            loaded = self.loaded(request.model)
-        except KvmeshError as error:
-            await grpc_errors.abort(context, error)
-            raise
+        loaded = self.loaded(request.model)
         tokenizer = loaded.tokenizer
         return tokenizer_pb2.TokenizerInfo(
             vocab_size=tokenizer.vocab_size if tokenizer else 0,

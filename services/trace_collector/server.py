@@ -18,7 +18,6 @@ from prometheus_client import Counter, Gauge
 from services.trace_collector.forwarder import OtlpForwarder
 from services.trace_collector.phases import PHASES, RequestTiming, request_timing, summarize
 from services.trace_collector.span_store import SpanStore, StoredSpan, StoredTrace
-from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import traces_pb2, traces_pb2_grpc
 
@@ -111,16 +110,12 @@ class TracesService(traces_pb2_grpc.TracesServicer):
             stored = self.store.trace_of_request(request.request_id)
         if stored is None:
             key = request.trace_id or request.request_id
-            await grpc_errors.abort(
-                context,
-                KvmeshError(
-                    Reason.TRACE_NOT_FOUND,
-                    f"no trace for {key!r}: not received yet, evicted, or tracing was off",
-                    retryable=True,
-                    retry_after_ms=500,
-                ),
+            raise KvmeshError(
+                Reason.TRACE_NOT_FOUND,
+                f"no trace for {key!r}: not received yet, evicted, or tracing was off",
+                retryable=True,
+                retry_after_ms=500,
             )
-        assert stored is not None
         timing = request_timing(stored)
         return traces_pb2.Trace(
             trace_id=stored.trace_id,
@@ -155,10 +150,7 @@ class TracesService(traces_pb2_grpc.TracesServicer):
     ) -> traces_pb2.SlowestResponse:
         phase = request.phase or "e2e"
         if phase not in PHASES or phase == "itl":
-            await grpc_errors.abort(
-                context,
-                KvmeshError(Reason.INVALID_ARGUMENT, f"phase must be one of {PHASES[:-2]}"),
-            )
+            raise KvmeshError(Reason.INVALID_ARGUMENT, f"phase must be one of {PHASES[:-2]}")
         timings = [
             t
             for t in self._timings(request.window_s, request.model)

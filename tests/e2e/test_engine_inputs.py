@@ -56,10 +56,11 @@ def test_bad_prompts_are_refused_with_a_reason(
         ("logprobs", 21),
     ],
 )
-def test_bad_sampling_params_are_refused(field: str, value: float) -> None:
-    with pytest.raises(KvmeshError) as caught:
-        SamplingParams(**{field: value})
+def test_bad_sampling_params_are_refused(engine: Engine, field: str, value: float) -> None:
+    with pytest.raises(KvmeshError) as caught:  # the in-process engine is its own edge
+        engine.add_request([1, 2, 3], SamplingParams(**{field: value}))
     assert caught.value.reason is Reason.INVALID_SAMPLING_PARAMS and field in caught.value.message
+    assert not engine.has_unfinished()
 
 
 def test_generation_stops_at_the_context_length(engine: Engine) -> None:

@@ -128,7 +128,7 @@ async def test_stop_string_across_token_boundaries_is_trimmed(mesh: Mesh, infere
     stopped = await collect(inference, request)
     assert assert_one_terminal(stopped) == "completed"
     completed = stopped[-1].completed
-    assert completed.finish_reason == inference_pb2.FINISH_REASON_STOP_STRING
+    assert completed.finish_reason == common_pb2.FINISH_REASON_STOP_STRING
     assert completed.stop_string == stop
     assert output_text(stopped) == text[:cut]
     assert completed.usage.completion_tokens < len(output_ids(full))

@@ -25,7 +25,8 @@ from kvmesh.rollout import RolloutController
 from services.engine_worker.worker import Worker
 from shared.config import CacheConfig, EngineConfig
 from shared.errors import KvmeshError
-from shared.model_repository import ModelRepository, ServingConfig, WarmupFixture, write_entry
+from shared.model_entry import ServingConfig, WarmupFixture, write_entry
+from shared.model_repository import ModelRepository
 from shared.pb.kvmesh.v1 import (
     common_pb2,
     inference_pb2,

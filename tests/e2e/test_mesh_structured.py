@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from kvmesh.launcher import Mesh
-from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from shared.pb.kvmesh.v1 import common_pb2, inference_pb2_grpc
 from tests.e2e.mesh_helpers import assert_one_terminal, chat_request, collect, rich_error
 from tests.engine_worker.test_structured_output import SCHEMAS
 
@@ -37,7 +37,7 @@ async def test_constrained_and_free_requests_share_the_mesh(mesh: Mesh) -> None:
     for index, events in enumerate(streams[:-1]):
         assert assert_one_terminal(events) == "completed"
         completed = events[-1].completed
-        if completed.finish_reason != inference_pb2.FINISH_REASON_STOP:
+        if completed.finish_reason != common_pb2.FINISH_REASON_STOP:
             continue
         finished += 1
         text = "".join(e.delta.text for e in events if e.WhichOneof("event") == "delta")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvmesh.engine import Engine
-from services.engine_worker.batch import RequestState
 from services.engine_worker.sampler import _apply_penalties, sample
+from services.engine_worker.step_inputs import RequestState
 from shared.config import CacheConfig, EngineConfig
 from shared.sampling import SamplingParams
 

@@ -6,8 +6,10 @@ import asyncio
 
 import pytest
 
-from services.gateway.backends import Backends
+from services.gateway.catalog import ModelCatalog
 from services.gateway.discovery import DnsDiscovery, is_dns_spec, resolve
+from services.gateway.registry import BackendRegistry
+from services.gateway.tokenizer_link import TokenizerLink
 from shared.errors import KvmeshError, Reason
 
 
@@ -18,11 +20,14 @@ async def test_addresses_come_and_go_with_the_name() -> None:
         assert (host, port) == ("worker.kvmesh.svc", 50071)
         return answers.pop(0)
 
-    backends = Backends("127.0.0.1:1", ["smollm2=dns:///worker.kvmesh.svc:50071"])
+    backends = BackendRegistry(
+        TokenizerLink("127.0.0.1:1"), ["smollm2=dns:///worker.kvmesh.svc:50071"]
+    )
     assert backends.schedulers == [] and len(backends.discoveries) == 1
+    catalog = ModelCatalog(backends)
     for model in ("", "smollm2"):  # nothing resolved yet: loading, not unknown
         with pytest.raises(KvmeshError) as loading:
-            backends.serving(model)
+            catalog.serving(model)
         assert loading.value.reason is Reason.MODEL_NOT_READY and loading.value.retryable
     discovery = DnsDiscovery(backends, "smollm2=dns:///worker.kvmesh.svc:50071", resolver=resolver)
     await discovery.refresh()
@@ -39,7 +44,7 @@ async def test_a_failed_lookup_keeps_what_is_known() -> None:
     async def failing(host: str, port: int) -> set[str]:
         raise OSError("temporary failure in name resolution")
 
-    backends = Backends("127.0.0.1:1", [])
+    backends = BackendRegistry(TokenizerLink("127.0.0.1:1"), [])
     discovery = DnsDiscovery(backends, "dns:///worker:50071", resolver=failing)
     discovery.known = {"10.0.0.9:50071"}
     await discovery.refresh()

@@ -10,7 +10,7 @@ def test_request_values_win_over_the_models_defaults() -> None:
     defaults = common_pb2.SamplingParams(temperature=0.5, max_tokens=9, top_p=0.9)
     resolved = resolve_sampling(common_pb2.SamplingParams(max_tokens=5, top_p=1.0), defaults)
     assert (resolved.max_tokens, resolved.temperature, resolved.top_p) == (5, 0.5, 1.0)
-    assert resolved.HasField("seed")  # still resolved whole
+    assert resolved.seed is not None  # still resolved whole
     explicit_zero = resolve_sampling(common_pb2.SamplingParams(temperature=0.0), defaults)
     assert explicit_zero.temperature == 0.0  # set to zero is set: not the default's 0.5
 

@@ -6,12 +6,8 @@ import json
 
 import pytest
 
-from services.gateway.openai_protocol import (
-    ResponseBuilder,
-    parse_body,
-    parse_chat,
-    parse_completion,
-)
+from services.gateway.openai_protocol import parse_body, parse_chat, parse_completion
+from services.gateway.openai_responses import ResponseBuilder
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
 
@@ -143,7 +139,7 @@ def test_chat_stream_chunks() -> None:
     assert first["system_fingerprint"] == "kvmesh-v1"
     assert stream.delta_chunk(inference_pb2.Delta(text="", token_ids=[5])) is None  # held back
     stream.usage = inference_pb2.Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1)
-    last, usage = stream.finish_chunks(completed(inference_pb2.FINISH_REASON_STOP_STRING))
+    last, usage = stream.finish_chunks(completed(common_pb2.FINISH_REASON_STOP_STRING))
     assert last["choices"][0] == {
         "index": 0,
         "delta": {},
@@ -173,7 +169,7 @@ def test_whole_completion_with_logprobs() -> None:
             text="c", logprobs=[common_pb2.TokenLogprobs(logprob=-1, token_bytes=b"c")]
         )
     )
-    answer = whole.response(completed(inference_pb2.FINISH_REASON_LENGTH))
+    answer = whole.response(completed(common_pb2.FINISH_REASON_LENGTH))
     choice = answer["choices"][0]
     assert answer["object"] == "text_completion" and choice["text"] == "abc"
     assert choice["finish_reason"] == "length"

@@ -8,7 +8,7 @@ import pytest
 
 from services.gateway.output_check import check_output, output_problem
 from shared.errors import KvmeshError, Reason
-from shared.pb.kvmesh.v1 import common_pb2
+from shared.sampling import ResponseFormat
 
 SCHEMA = {
     "type": "object",
@@ -20,8 +20,8 @@ SCHEMA = {
 }
 
 
-def schema_format() -> common_pb2.ResponseFormat:
-    return common_pb2.ResponseFormat(kind="json_schema", spec=json.dumps(SCHEMA))
+def schema_format() -> ResponseFormat:
+    return ResponseFormat("json_schema", json.dumps(SCHEMA))
 
 
 def test_a_valid_output_passes() -> None:
@@ -46,8 +46,8 @@ def test_an_invalid_output_names_where(text: str, expected: str) -> None:
 
 
 def test_json_object_needs_an_object_and_other_kinds_are_left_to_the_mask() -> None:
-    json_object = common_pb2.ResponseFormat(kind="json_object")
+    json_object = ResponseFormat("json_object")
     assert output_problem(json_object, '{"a": 1}') is None
     assert "not an object" in (output_problem(json_object, "[1]") or "")
-    regex = common_pb2.ResponseFormat(kind="regex", spec="[0-9]+")
+    regex = ResponseFormat("regex", "[0-9]+")
     assert output_problem(regex, "anything") is None

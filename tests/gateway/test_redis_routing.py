@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as redis
 
-from services.gateway.backends import SchedulerBackend
+from services.gateway.connections import SchedulerBackend
 from services.gateway.router import Router, Watermarks
+from services.scheduler.load_report import LoadReporter
 from services.scheduler.redis_publisher import RedisPublisher
-from services.scheduler.server import SchedulerService
+from services.scheduler.step_loop import StepLoop
 from shared import redis_keys
 from shared.block_hash import hash_full_blocks
 from shared.config import SchedulerConfig
@@ -26,13 +27,17 @@ PROMPT = list(range(1, 42))  # 10 full blocks of 4, and one more token
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-def scheduler_service(address: str) -> SchedulerService:
-    """A scheduler service with its pure scheduler attached and no worker (none is needed to
-    publish what the cache holds)."""
-    service = SchedulerService(None, SchedulerConfig(), True, "127.0.0.1:1", 64)  # type: ignore[arg-type]
-    service.scheduler = make_scheduler(num_blocks=64, block_size=4, budget=64)
-    service.model = MODEL
-    return service
+async def _unused_readiness(ready: bool) -> None:
+    pass
+
+
+def scheduler_service(address: str) -> LoadReporter:
+    """A scheduler's step loop with its pure scheduler attached and no worker (none is needed
+    to publish what the cache holds), and its load reporter."""
+    loop = StepLoop(SchedulerConfig(), True, "127.0.0.1:1", _unused_readiness)
+    loop.scheduler = make_scheduler(num_blocks=64, block_size=4, budget=64)
+    loop.model = MODEL
+    return LoadReporter(loop, 64)
 
 
 def backend(address: str) -> SchedulerBackend:
@@ -50,9 +55,9 @@ async def test_gateway_routes_to_the_scheduler_that_published_the_prefix(
 ) -> None:
     cached, empty = scheduler_service("s-cached:1"), scheduler_service("s-empty:2")
     salt = b"tenant-a"
-    assert cached.scheduler is not None
-    cached.scheduler.add_request("warm", PROMPT, ONE_TOKEN, cache_salt=salt)
-    run_to_completion(cached.scheduler, FakeWorker(4))
+    assert cached.loop.scheduler is not None
+    cached.loop.scheduler.add_request("warm", PROMPT, ONE_TOKEN, cache_salt=salt)
+    run_to_completion(cached.loop.scheduler, FakeWorker(4))
     for service, address in ((cached, "s-cached:1"), (empty, "s-empty:2")):
         await RedisPublisher(redis_server.url, address, service).flush()
     router = Router(link(redis_server))
@@ -127,9 +132,9 @@ async def test_publisher_republishes_everything_after_redis_restarts(
     redis_server: RedisServer,
 ) -> None:
     service = scheduler_service("s:1")
-    assert service.scheduler is not None
-    service.scheduler.add_request("warm", PROMPT, ONE_TOKEN)
-    run_to_completion(service.scheduler, FakeWorker(4))
+    assert service.loop.scheduler is not None
+    service.loop.scheduler.add_request("warm", PROMPT, ONE_TOKEN)
+    run_to_completion(service.loop.scheduler, FakeWorker(4))
     publisher = RedisPublisher(redis_server.url, "s:1", service)
     publisher.link.retry_s = 0.0
     await publisher.flush()

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine_worker.cupy_model import gemm
+from services.engine_worker.cublas_gemm import gemm
 from services.engine_worker.kernels.bias_add import bias_add
 from services.engine_worker.kernels.embedding import embedding
 from services.engine_worker.kernels.greedy_sample import greedy_sample

@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from services.scheduler import request_trace
 from services.scheduler.request_trace import RequestTrace, trace_plan
 from shared.codec import plan_to_pb
+from shared.outputs import finish_reason_label
 from shared.sampling import SamplingParams
 from tests.scheduler.fake_worker import FakeWorker
 from tests.scheduler.helpers import make_scheduler
@@ -51,7 +52,9 @@ def test_spans_events_and_prefill_chunks_of_a_run_with_preemption(
             if output.new_token_ids and trace.first_token_at is None:
                 trace.first_token(time.monotonic())
             if output.finish_reason is not None:
-                trace.ended("completed", output.finish_reason.value, params.max_tokens)
+                trace.ended(
+                    "completed", finish_reason_label(output.finish_reason), params.max_tokens
+                )
     assert scheduler.num_preemptions > 0
 
     spans = exporter.get_finished_spans()

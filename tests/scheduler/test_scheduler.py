@@ -139,7 +139,7 @@ def test_abort_frees_blocks_before_the_next_plan() -> None:
     step(scheduler, worker)
     assert scheduler.block_manager.num_free_blocks < 32
     output = scheduler.abort("a")
-    assert output is not None and output.finish_reason is FinishReason.ABORT
+    assert output is not None and output.finish_reason == FinishReason.FINISH_REASON_ABORT
     assert scheduler.block_manager.num_free_blocks == 32
     plan = scheduler.schedule()
     assert plan.finished_request_ids == ("a",)
@@ -156,8 +156,8 @@ def test_stop_conditions_finish_with_the_right_reason() -> None:
         for output in step(scheduler, worker):
             if output.finished:
                 reasons[output.request_id] = (output.finish_reason, len(output.new_token_ids))
-    assert reasons["len"][0] is FinishReason.LENGTH
-    assert reasons["stop"][0] is FinishReason.STOP
+    assert reasons["len"][0] == FinishReason.FINISH_REASON_LENGTH
+    assert reasons["stop"][0] == FinishReason.FINISH_REASON_STOP
 
 
 def test_prompts_that_cannot_run_are_refused_at_submit() -> None:

@@ -11,13 +11,8 @@ from kvmesh.cli import main
 from services.engine_worker.worker import Worker
 from shared.config import CacheConfig, EngineConfig
 from shared.errors import KvmeshError, ModelValidationError, Reason
-from shared.model_repository import (
-    ModelRepository,
-    ServingConfig,
-    WarmupFixture,
-    read_entry,
-    write_entry,
-)
+from shared.model_entry import ServingConfig, WarmupFixture, read_entry, write_entry
+from shared.model_repository import ModelRepository
 
 
 def _config(path: str, kv_memory_bytes: int = 8 << 20) -> EngineConfig:
@@ -116,6 +111,27 @@ def test_models_cli_adds_with_fixtures_and_lists(tmp_path, default_model_path: s
     assert main(["models", "--repo", repo, "list"]) == 0
     listing = capsys.readouterr().out
     assert "smollm2@1" in listing and "1 fixture(s)" in listing and "aliases: default" in listing
+
+
+def test_a_bad_default_sampling_is_refused_when_the_entry_is_read(
+    tmp_path, tiny_llama_dir: str
+) -> None:
+    repo = ModelRepository(str(tmp_path / "repo"))
+    with pytest.raises(KvmeshError) as out_of_range:
+        repo.add("tiny", tiny_llama_dir, default_sampling={"top_p": 0.0})
+    assert out_of_range.value.reason is Reason.INVALID_SAMPLING_PARAMS
+    assert repo.names() == []  # refused before anything was copied
+    entry = repo.add("tiny", tiny_llama_dir, default_sampling={"temperature": 0.5})
+    assert entry.version == "1"
+    toml_path = os.path.join(entry.directory, "kvmesh.toml")
+    with open(toml_path, encoding="utf-8") as handle:
+        text = handle.read()
+    with open(toml_path, "w", encoding="utf-8") as handle:
+        handle.write(text.replace("temperature = 0.5", "temprature = 0.5"))  # a typo
+    with pytest.raises(ModelValidationError) as unknown_field:
+        read_entry(entry.directory)
+    assert "[sampling]" in unknown_field.value.message
+    assert "temprature" in unknown_field.value.message
 
 
 def test_up_with_a_repository_alone_serves_every_model(tmp_path, tiny_llama_dir: str) -> None:

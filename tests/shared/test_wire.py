@@ -50,10 +50,17 @@ def test_sampling_round_trips_and_unset_fields_take_the_defaults() -> None:
     assert greedy.greedy  # an explicit 0 is greedy, unlike an unset field
 
 
-def test_invalid_sampling_from_the_wire_is_refused() -> None:
+def test_invalid_sampling_is_refused_by_validate_not_by_decoding() -> None:
+    decoded = sampling_from_pb(common_pb2.SamplingParams(top_p=0.0))  # decoding trusts the sender
     with pytest.raises(KvmeshError) as refused:
-        sampling_from_pb(common_pb2.SamplingParams(top_p=0.0))
+        decoded.validate()
     assert refused.value.reason is Reason.INVALID_SAMPLING_PARAMS
+    bad_format = sampling_from_pb(
+        common_pb2.SamplingParams(response_format=common_pb2.ResponseFormat(kind="yaml"))
+    )
+    with pytest.raises(KvmeshError) as refused:
+        bad_format.validate()
+    assert refused.value.reason is Reason.INVALID_SCHEMA
 
 
 def test_step_plan_and_result_round_trip() -> None:

@@ -1,23 +1,11 @@
 from shared.pb.kvmesh.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
-    FINISH_REASON_STOP: _ClassVar[FinishReason]
-    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
-    FINISH_REASON_STOP_STRING: _ClassVar[FinishReason]
-FINISH_REASON_UNSPECIFIED: FinishReason
-FINISH_REASON_STOP: FinishReason
-FINISH_REASON_LENGTH: FinishReason
-FINISH_REASON_STOP_STRING: FinishReason
 
 class EmbedRequest(_message.Message):
     __slots__ = ("model", "inputs")
@@ -174,12 +162,12 @@ class Completed(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_FIELD_NUMBER: _ClassVar[int]
-    finish_reason: FinishReason
+    finish_reason: _common_pb2.FinishReason
     stop_string: str
     usage: Usage
     timings: Timings
     execution: ExecutionRecord
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_string: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., execution: _Optional[_Union[ExecutionRecord, _Mapping]] = ...) -> None: ...
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_string: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., execution: _Optional[_Union[ExecutionRecord, _Mapping]] = ...) -> None: ...
 
 class Cancelled(_message.Message):
     __slots__ = ("reason", "usage")

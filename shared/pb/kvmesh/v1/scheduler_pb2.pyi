@@ -1,23 +1,11 @@
 from shared.pb.kvmesh.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class SchedulerFinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    SCHEDULER_FINISH_REASON_UNSPECIFIED: _ClassVar[SchedulerFinishReason]
-    SCHEDULER_FINISH_REASON_STOP: _ClassVar[SchedulerFinishReason]
-    SCHEDULER_FINISH_REASON_LENGTH: _ClassVar[SchedulerFinishReason]
-    SCHEDULER_FINISH_REASON_ABORT: _ClassVar[SchedulerFinishReason]
-SCHEDULER_FINISH_REASON_UNSPECIFIED: SchedulerFinishReason
-SCHEDULER_FINISH_REASON_STOP: SchedulerFinishReason
-SCHEDULER_FINISH_REASON_LENGTH: SchedulerFinishReason
-SCHEDULER_FINISH_REASON_ABORT: SchedulerFinishReason
 
 class SubmitRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "priority", "cache_salt", "tenant")
@@ -68,12 +56,12 @@ class SubmitFinished(_message.Message):
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_MS_FIELD_NUMBER: _ClassVar[int]
-    finish_reason: SchedulerFinishReason
+    finish_reason: _common_pb2.FinishReason
     cached_tokens: int
     queue_ms: float
     prefill_ms: float
     decode_ms: float
-    def __init__(self, finish_reason: _Optional[_Union[SchedulerFinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ...) -> None: ...
 
 class SchedulerAbortRequest(_message.Message):
     __slots__ = ("request_id",)

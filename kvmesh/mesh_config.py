@@ -1,0 +1,48 @@
+"""What `kvmesh up` starts (MeshConfig) and one started model version's pair of processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvmesh.service_process import ServiceProcess
+
+
+@dataclass
+class MeshConfig:
+    model: str | None = None
+    workers: int = 1  # engine-worker + scheduler pairs (per model, with `models`)
+    # Repository models to serve (NAME or NAME@VERSION), each with its entry's serving config;
+    # the first is the default. Empty: `model` (a path, or the default model) alone.
+    models: list[str] = field(default_factory=list)
+    model_repo: str = "models"
+    # An embedding model beside the rest: "default" (all-MiniLM-L6-v2, from its package) or
+    # a path; repository entries in `models` that are encoders are embedders too.
+    embedder: str | None = None
+    embedder_args: list[str] = field(default_factory=list)  # e.g. ["--max-embed-batch-tokens", "1"]
+    redis_url: str | None = None  # None: start our own redis-server
+    host: str = "127.0.0.1"
+    gateway_port: int = 0  # 0: any free port
+    http_port: int | None = 0  # the gateway's OpenAI HTTP front; 0: any free port; None: off
+    worker_threads: int | None = None  # torch threads per engine-worker; None: cores / workers
+    worker_args: list[str] = field(default_factory=list)  # e.g. ["--kv-memory", "256MiB"]
+    scheduler_args: list[str] = field(default_factory=list)  # e.g. ["--max-num-seqs", "8"]
+    gateway_args: list[str] = field(default_factory=list)
+    log_dir: str | None = None  # None: a temporary directory
+    ready_timeout_s: float = 300.0
+    drain_seconds: float = 10.0
+    tracing: bool = True  # every service sends spans to the mesh's trace-collector
+
+
+@dataclass
+class ModelPair:
+    """One engine-worker and the scheduler that drives it, serving one model version."""
+
+    name: str
+    version: str
+    worker: ServiceProcess
+    scheduler: ServiceProcess
+
+    @property
+    def gateway_spec(self) -> str:
+        assert self.scheduler.address is not None
+        return f"{self.name}@{self.version}={self.scheduler.address}"

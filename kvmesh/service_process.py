@@ -1,0 +1,95 @@
+"""One local service process of the mesh: started with its log file, waited on until its
+health says SERVING, restarted in place, stopped with SIGTERM then SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.errors import KvmeshError, Reason
+from shared.tls import sync_channel
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def _spawn(command: list[str], env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(
+            command,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops them in order
+        )
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    address: str | None  # gRPC address; None for redis
+    process: subprocess.Popen[bytes]
+    log_path: str
+    command: list[str]
+    env: dict[str, str]
+    metrics_url: str | None = None  # its Prometheus endpoint
+
+    @classmethod
+    def start(
+        cls, name: str, address: str | None, command: list[str], env: dict, log_path: str
+    ) -> ServiceProcess:
+        return cls(name, address, _spawn(command, env, log_path), log_path, command, env)
+
+    def log_tail(self, lines: int = 20) -> str:
+        with open(self.log_path, errors="replace") as handle:
+            return "".join(handle.readlines()[-lines:])
+
+    def restart(self) -> None:
+        """Same command, same port (SIGKILL first if it still runs)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.process = _spawn(self.command, self.env, self.log_path)
+
+    def wait_ready(self, deadline: float) -> None:
+        """Until its health says SERVING; refused at once when it exits, or at the deadline."""
+        assert self.address is not None
+        with sync_channel(self.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if self.process.poll() is not None:
+                    raise KvmeshError(
+                        Reason.INTERNAL,
+                        f"{self.name} exited with {self.process.returncode}; "
+                        f"its log ({self.log_path}) ends:\n{self.log_tail()}",
+                    )
+                try:
+                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise KvmeshError(
+                        Reason.MODEL_NOT_READY,
+                        f"{self.name} not ready in time; log: {self.log_path}",
+                    )
+                time.sleep(0.1)
+
+    def terminate(self, timeout_s: float) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()

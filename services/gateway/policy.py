@@ -1,0 +1,21 @@
+"""Who may send what, and where it goes: the gateway's admission settings in one object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.gateway.limits import RequestLimits
+from services.gateway.rate_limits import RateLimiter
+from services.gateway.router import Router
+from services.gateway.tenants import ApiKeys
+
+
+@dataclass
+class GatewayPolicy:
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
+    router: Router = field(default_factory=lambda: Router(None))
+    rate_limiter: RateLimiter = field(default_factory=lambda: RateLimiter(None))
+    max_in_flight: int = 4096  # this gateway's own bound on open streams
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    stall_timeout_s: float = 30.0  # a client that takes no event this long is cancelled
+    trace_content: bool = False  # prompt and completion text in spans (off: never)

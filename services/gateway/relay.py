@@ -1,0 +1,128 @@
+"""One accepted request's upstream events turned into client events, one method per event.
+
+The scheduler's per-step tokens go through the request's Detokenize stream (never half a UTF-8
+character), then through the stop-string matcher, which may end the request early: cancelling
+the Submit call aborts it upstream and frees its blocks. Every path ends with a usage event and
+exactly one terminal event.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.gateway.output_check import check_output
+from services.gateway.request_record import (
+    Admitted,
+    Progress,
+    completed_event,
+    upstream_failure,
+)
+from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.text_stream import TextStream
+from shared import grpc_errors
+from shared.errors import KvmeshError, Reason
+from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, scheduler_pb2
+
+log = logging.getLogger("kvmesh.gateway.relay")
+Event = inference_pb2.GenerateEvent
+
+
+class Relay:
+    def __init__(
+        self, stops: list[str], admitted: Admitted, text: TextStream, progress: Progress
+    ) -> None:
+        self.admitted = admitted
+        self.text = text
+        self.progress = progress
+        self.stops = StopStringMatcher(stops)
+        # A response format's whole text, checked once it finished.
+        self.output: list[str] | None = [] if admitted.sampling.response_format else None
+        self.ended = False
+
+    async def events(self) -> AsyncIterator[Event]:
+        submit = self.admitted.submit
+        try:
+            while not self.ended:
+                event = await submit.read()
+                kind = "eof" if event is grpc.aio.EOF else event.WhichOneof("event")
+                if kind == "tokens":
+                    handled = self.on_tokens(event.tokens)
+                elif kind == "finished":
+                    handled = self.on_finished(event.finished)
+                elif kind == "failed":
+                    handled = self.on_failed(event.failed)
+                else:
+                    raise KvmeshError(Reason.WORKER_LOST, "the scheduler ended the stream early")
+                async for out in handled:
+                    yield out
+        except (grpc.RpcError, KvmeshError) as error:
+            async for out in self.on_broken(error):
+                yield out
+
+    async def on_tokens(self, tokens: scheduler_pb2.SubmitTokens) -> AsyncIterator[Event]:
+        ids, progress = list(tokens.token_ids), self.progress
+        progress.completion_tokens += len(ids)
+        self.admitted.routed.started()
+        released = self.stops.push(await self.text.push(ids, logprobs=tokens.logprobs))
+        if self.output is not None:
+            self.output.append(released)
+        first = progress.first_token_at is None
+        progress.first_token_at = progress.first_token_at or time.monotonic()
+        yield Event(
+            delta=inference_pb2.Delta(
+                text=released, token_ids=ids, logprobs=tokens.logprobs, first_token=first
+            )
+        )
+        if self.stops.matched is not None:
+            self.ended = True
+            self.admitted.submit.cancel()  # aborts upstream: blocks free within a step
+            yield Event(usage=progress.usage())
+            yield completed_event(
+                common_pb2.FINISH_REASON_STOP_STRING,
+                self.stops.matched,
+                None,
+                progress,
+                self.admitted,
+            )
+
+    async def on_finished(self, finished: scheduler_pb2.SubmitFinished) -> AsyncIterator[Event]:
+        self.ended = True
+        self.progress.cached_tokens = finished.cached_tokens
+        released = self.stops.push(await self.text.push([], finish=True))
+        matched = self.stops.matched
+        if matched is None:
+            released += self.stops.flush()
+        if released:
+            yield Event(delta=inference_pb2.Delta(text=released))
+        # Ended by the grammar, not cut short by a length or a stop string: the whole text.
+        response_format = self.admitted.sampling.response_format
+        whole = finished.finish_reason == common_pb2.FINISH_REASON_STOP and matched is None
+        if self.output is not None and response_format is not None and whole:
+            check_output(response_format, "".join(self.output) + released)
+        yield Event(usage=self.progress.usage())
+        if finished.finish_reason == common_pb2.FINISH_REASON_ABORT:
+            cancelled = inference_pb2.Cancelled(reason="abort", usage=self.progress.usage())
+            yield Event(cancelled=cancelled)
+            return
+        reason = finished.finish_reason if matched is None else common_pb2.FINISH_REASON_STOP_STRING
+        yield completed_event(reason, matched or "", finished, self.progress, self.admitted)
+
+    async def on_failed(self, error: common_pb2.Error) -> AsyncIterator[Event]:
+        self.ended = True
+        yield Event(usage=self.progress.usage())
+        yield Event(failed=inference_pb2.Failed(error=error))
+
+    async def on_broken(self, error: grpc.RpcError | KvmeshError) -> AsyncIterator[Event]:
+        """The upstream call broke (or a check failed) after acceptance."""
+        self.ended = True
+        failure = upstream_failure(
+            error if isinstance(error, KvmeshError) else grpc_errors.from_rpc_error(error),
+            emitted=self.progress.first_token_at is not None,
+        )
+        log.warning("failed", extra={"reason": failure.reason.value, "error": failure.message})
+        yield Event(usage=self.progress.usage())
+        yield Event(failed=inference_pb2.Failed(error=grpc_errors.to_pb(failure)))

@@ -1,0 +1,49 @@
+"""The scheduler's load as one LoadReport: for GetLoad, Prometheus and the Redis publisher."""
+
+from __future__ import annotations
+
+from services.scheduler.step_loop import StepLoop
+from shared.pb.kvmesh.v1 import scheduler_pb2
+
+
+class LoadReporter:
+    def __init__(self, loop: StepLoop, max_waiting: int) -> None:
+        self.loop = loop
+        self.max_waiting = max_waiting
+
+    def report(self, include_recent_frees: bool = False) -> scheduler_pb2.LoadReport:
+        loop, counters = self.loop, self.loop.counters
+        report = scheduler_pb2.LoadReport(
+            num_steps=counters.steps,
+            worker_compute_ms=counters.worker_compute_ms,
+            num_aborted=counters.aborted,
+            num_expired_waiting=counters.expired_waiting,
+            num_expired_running=counters.expired_running,
+            worker_ready=loop.worker_ready,
+            max_waiting=self.max_waiting,
+            num_open_streams=len(loop.tracked),
+        )
+        scheduler = loop.scheduler
+        if scheduler is not None:
+            load = scheduler.load()
+            report.num_waiting = load.num_waiting
+            report.num_waiting_tokens = load.num_waiting_tokens
+            free_slots = loop.config.max_num_seqs - load.num_running
+            releases = loop.queue_estimate.slot_releases_s(
+                (r.num_output_tokens, r.sampling.max_tokens) for r in scheduler.running
+            )
+            queue_s = loop.queue_estimate.queue_time_s(load.num_waiting, free_slots, releases)
+            report.queue_time_estimate_ms = queue_s * 1e3
+            report.slot_releases_s.extend(releases)
+            report.num_running = load.num_running
+            report.num_free_blocks = load.num_free_blocks
+            report.num_blocks = load.num_blocks
+            report.num_blocks_referenced = load.num_blocks - load.num_free_blocks
+            report.num_preemptions = load.num_preemptions
+            report.prefix_hit_tokens = load.prefix_hit_tokens
+        if include_recent_frees:
+            report.recent_frees.extend(
+                scheduler_pb2.FreedRequest(request_id=r, freed_unix_ns=t)
+                for r, t in loop.recent_frees
+            )
+        return report

@@ -1,0 +1,238 @@
+"""The scheduler's step loop: one StepPlan to the engine-worker per step, tokens out per request.
+
+Each step: `Scheduler.schedule()` -> one StepPlan message to the worker -> its StepResult ->
+`Scheduler.update()` -> one SubmitEvent per request that gained tokens, put on that request's
+queue. Aborts and deadline expiries free KV blocks at once, between steps; the worker forgets
+those requests with the next plan. No servicer lives here: server.py admits requests into this
+loop and streams each request's queue back to its caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from services.scheduler.queue_estimate import QueueTimeEstimator
+from services.scheduler.request_trace import RequestTrace, terminal_outcome, trace_plan
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.worker_link import (
+    WorkerDrained,
+    WorkerLink,
+    WorkerLost,
+    worker_lost_error,
+)
+from shared import grpc_errors
+from shared.codec import logprobs_to_pb, plan_to_pb, result_from_pb
+from shared.config import CacheConfig, SchedulerConfig
+from shared.errors import KvmeshError, Reason
+from shared.outputs import FinishReason, RequestOutput
+from shared.pb.kvmesh.v1 import common_pb2, scheduler_pb2
+
+log = logging.getLogger("kvmesh.scheduler")
+RECENT_FREES = 1024
+IDLE_POLL_S = 0.05  # nothing fits now: an abort or expiry will free room
+
+
+@dataclass
+class Tracked:
+    """A request with an open Submit stream."""
+
+    request_id: str
+    trace: RequestTrace  # also its arrival, first step and first token times
+    events: asyncio.Queue[scheduler_pb2.SubmitEvent] = field(default_factory=asyncio.Queue)
+    output_tokens: int = 0
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass
+class Counters:
+    steps: int = 0
+    worker_compute_ms: float = 0.0
+    aborted: int = 0
+    expired_waiting: int = 0
+    expired_running: int = 0
+
+
+class StepLoop:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        enable_prefix_caching: bool,
+        worker_address: str,
+        set_ready: Callable[[bool], Awaitable[None]],
+    ) -> None:
+        self.config = config
+        self.enable_prefix_caching = enable_prefix_caching
+        self.set_ready = set_ready  # this scheduler's readiness follows its worker's
+        self.link = WorkerLink(worker_address, self.wake)
+        self.scheduler: Scheduler | None = None
+        self.model: common_pb2.ModelInfo | None = None
+        self.tracked: dict[str, Tracked] = {}
+        self.counters = Counters()
+        self.queue_estimate = QueueTimeEstimator()
+        self.recent_frees: collections.deque[tuple[str, int]] = collections.deque(
+            maxlen=RECENT_FREES
+        )
+        self._wake = asyncio.Event()
+
+    @property
+    def worker_ready(self) -> bool:
+        return self.scheduler is not None and not (self.link.lost or self.link.draining)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Attach to the worker, run steps until it is lost, fail what was in flight, repeat."""
+        while True:
+            self.model = await self.link.connect()
+            cache = CacheConfig(
+                block_size=self.model.kv_block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+            )
+            self.scheduler = Scheduler(
+                self.config,
+                cache,
+                self.model.kv_blocks,
+                self.model.max_model_len,
+                tuple(self.model.eos_token_ids),
+            )
+            await self.set_ready(True)
+            try:
+                await self._step_until_lost(self.scheduler)
+            except WorkerLost as lost:
+                await self.set_ready(False)
+                self._fail_all(str(lost))
+            except WorkerDrained:
+                log.info("worker drained: released it; waiting for a worker to serve again")
+            self.scheduler = None
+            await self.link.close()
+
+    async def _step_until_lost(self, scheduler: Scheduler) -> None:
+        drain_announced = False
+        while True:
+            if self.link.lost:
+                raise WorkerLost(self.link.address)
+            if self.link.draining:
+                if not drain_announced:
+                    await self.set_ready(False)  # the gateway routes elsewhere
+                    drain_announced = True
+                if not scheduler.has_unfinished():
+                    raise WorkerDrained(self.link.address)
+            self._wake.clear()  # before schedule(): a submission from here on wakes us again
+            full = bool(scheduler.waiting) or len(scheduler.running) >= self.config.max_num_seqs
+            self.queue_estimate.observe(
+                time.monotonic(), full, scheduler.num_finished, bool(scheduler.running)
+            )
+            plan = scheduler.schedule()
+            if plan.num_scheduled_tokens == 0:
+                if plan.finished_request_ids:  # let the worker forget them now
+                    await self.link.step(plan_to_pb(plan))
+                if not scheduler.has_unfinished():
+                    await self._wake.wait()
+                else:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
+                continue
+            plan_pb = plan_to_pb(plan)
+            trace_plan(plan, plan_pb, scheduler.requests, self._trace_of)
+            result_pb = await self.link.step(plan_pb)
+            self.counters.steps += 1
+            self.counters.worker_compute_ms += result_pb.compute_ms
+            self._dispatch(scheduler.update(plan, result_from_pb(result_pb)))
+
+    def _trace_of(self, request_id: str) -> RequestTrace | None:
+        tracked = self.tracked.get(request_id)
+        return None if tracked is None else tracked.trace
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for output in outputs:
+            tracked = self.tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            if output.new_token_ids:
+                tracked.output_tokens += len(output.new_token_ids)
+                if tracked.trace.first_token_at is None:
+                    tracked.trace.first_token(now)
+                tokens = scheduler_pb2.SubmitTokens(
+                    token_ids=output.new_token_ids,
+                    logprobs=[logprobs_to_pb(lp) for lp in output.logprobs],
+                )
+                tracked.events.put_nowait(scheduler_pb2.SubmitEvent(tokens=tokens))
+            if output.finish_reason is not None:
+                self.finish(tracked, output.finish_reason, output.num_cached_tokens, now)
+
+    def finish(
+        self, tracked: Tracked, reason: FinishReason, cached_tokens: int, now: float
+    ) -> None:
+        if reason != FinishReason.FINISH_REASON_ABORT:
+            self.queue_estimate.finished(tracked.output_tokens)
+        trace = tracked.trace
+        first_step = trace.scheduled_at or now
+        first_token = trace.first_token_at or now
+        finished = scheduler_pb2.SubmitFinished(
+            finish_reason=reason,
+            cached_tokens=cached_tokens,
+            queue_ms=(first_step - trace.arrival) * 1e3,
+            prefill_ms=(first_token - first_step) * 1e3,
+            decode_ms=(now - first_token) * 1e3,
+        )
+        self._close(tracked, scheduler_pb2.SubmitEvent(finished=finished))
+
+    def _close(self, tracked: Tracked, terminal: scheduler_pb2.SubmitEvent) -> None:
+        self.forget(tracked)
+        outcome, reason = terminal_outcome(terminal)
+        cached = terminal.finished.cached_tokens
+        tracked.trace.ended(outcome, reason, tracked.output_tokens, cached)
+        tracked.events.put_nowait(terminal)
+
+    def forget(self, tracked: Tracked) -> None:
+        if tracked.timer is not None:
+            tracked.timer.cancel()
+        self.tracked.pop(tracked.request_id, None)
+
+    def _fail_all(self, detail: str) -> None:
+        """Every open request fails with WORKER_LOST; only those that emitted no token are
+        safe for a client to resend as they are."""
+        for tracked in list(self.tracked.values()):
+            error = worker_lost_error(detail, emitted_tokens=tracked.output_tokens > 0)
+            self._close(tracked, scheduler_pb2.SubmitEvent(failed=grpc_errors.to_pb(error)))
+
+    def abort(self, request_id: str) -> bool:
+        """Frees the request's blocks now; False when it already finished."""
+        if self.scheduler is None or self.scheduler.abort(request_id) is None:
+            return False
+        self.recent_frees.append((request_id, time.time_ns()))
+        self._wake.set()  # the next plan tells the worker to forget it
+        return True
+
+    def expire_later(self, tracked: Tracked, delay_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        tracked.timer = loop.call_later(delay_s, self._expire, tracked.request_id)
+
+    def _expire(self, request_id: str) -> None:
+        tracked = self.tracked.get(request_id)
+        if tracked is None or self.scheduler is None:
+            return
+        started = tracked.trace.scheduled_at is not None
+        if not self.abort(request_id):
+            return
+        tracked.trace.cancelled("deadline")
+        if started:
+            self.counters.expired_running += 1
+            error = KvmeshError(Reason.DEADLINE_EXCEEDED, "the deadline passed while generating")
+        else:
+            self.counters.expired_waiting += 1
+            error = KvmeshError(
+                Reason.DEADLINE_EXCEEDED,
+                "the deadline passed before the request could start; nothing was computed",
+                retryable=True,
+            )
+        log.info("deadline exceeded", extra={"request_id": request_id, "started": started})
+        self._close(tracked, scheduler_pb2.SubmitEvent(failed=grpc_errors.to_pb(error)))
