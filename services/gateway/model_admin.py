@@ -20,7 +20,6 @@ DEFAULT_DRAIN_TIMEOUT_S = 60.0
 class ModelAdminService(model_admin_pb2_grpc.ModelAdminServicer):
     def __init__(self, catalog: ModelCatalog, api_keys: ApiKeys) -> None:
         self.catalog = catalog
-        self.registry = catalog.registry
         self.api_keys = api_keys
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
@@ -39,7 +38,7 @@ class ModelAdminService(model_admin_pb2_grpc.ModelAdminServicer):
         if request.task not in ("", "generate", "embed"):
             raise KvmeshError(Reason.INVALID_ARGUMENT, "task is 'generate' or 'embed'")
         task = request.task or "generate"
-        await self.registry.add(request.address, request.model, request.version, task)
+        await self.catalog.registry.add(request.address, request.model, request.version, task)
         return model_admin_pb2.AddBackendResponse()
 
     async def RemoveBackend(
@@ -47,7 +46,7 @@ class ModelAdminService(model_admin_pb2_grpc.ModelAdminServicer):
     ) -> model_admin_pb2.RemoveBackendResponse:
         self._authorize(context)
         timeout = request.drain_timeout_s or DEFAULT_DRAIN_TIMEOUT_S
-        left = await self.registry.remove(request.address, timeout)
+        left = await self.catalog.registry.remove(request.address, timeout)
         return model_admin_pb2.RemoveBackendResponse(streams_left=left)
 
     async def SetTraffic(
@@ -55,5 +54,5 @@ class ModelAdminService(model_admin_pb2_grpc.ModelAdminServicer):
     ) -> model_admin_pb2.SetTrafficResponse:
         self._authorize(context)
         self.catalog.traffic.set(request.model, dict(request.percent))
-        await self.registry.notify()
+        await self.catalog.registry.notify()
         return model_admin_pb2.SetTrafficResponse()

@@ -45,7 +45,7 @@ class BackendRegistry:
 
     @property
     def ready(self) -> bool:
-        return self.tokenizer.ready and any(s.ready for s in self.schedulers + self.embedders)
+        return self.tokenizer.ready and any(backend.ready for backend in self.all())
 
     def start(self, on_change: ReadinessCallback) -> None:
         """`on_change(ready, per-model readiness)` after every change of either."""

@@ -41,11 +41,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> None:
         self.runtime = runtime
         self.max_waiting = max_waiting
-        self.loop = StepLoop(config, enable_prefix_caching, worker_address, self._set_ready)
+        self.loop = StepLoop(config, enable_prefix_caching, worker_address, runtime.set_ready)
         self.reporter = LoadReporter(self.loop, max_waiting)
-
-    async def _set_ready(self, ready: bool) -> None:
-        await self.runtime.set_ready(ready)
 
     def _admit(
         self,
