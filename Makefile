@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout test-multihost check-kernels test-gpu bench-kernels bench-gpu bench-peers bench-cpu profile-step perplexity soak clean
+.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-overload bench-fairness test-multihost check-kernels test-gpu bench-kernels bench-gpu bench-peers bench-cpu profile-step perplexity soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,15 @@ bench-embed: $(STAMP)
 # Deploy v2 and roll back under steady streams: rollout seconds, TTFT during vs before.
 bench-rollout: $(STAMP)
 	$(BIN)/python -m loadtest.rollout_bench
+
+# 3x capacity offered: TTFT p50/p99 of what was served against the queue SLO, refusal latency.
+bench-overload: $(STAMP)
+	$(BIN)/python -m loadtest.overload_bench
+
+# Tenant A floods at 5x capacity beside tenant B's light load: B's TTFT alone, beside the flood
+# (fair share) and beside the same flood in its own tenant (FCFS), one run; about 3 minutes.
+bench-fairness: $(STAMP)
+	$(BIN)/python -m loadtest.fairness_bench
 
 # gRPC streams vs the OpenAI HTTP front (SSE), same load, same mesh, same run; a few minutes.
 bench-http: $(STAMP)

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvmesh import run_file
 from loadtest.bench import BenchPlan, run, write_report
 from loadtest.driver import LoadShape
 from loadtest.report import DEFINITIONS, Slo, markdown_table
@@ -20,7 +21,12 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser(
         "bench", help="send a workload to a server (kvmesh gRPC or any OpenAI HTTP API)"
     )
-    bench.add_argument("target", help="grpc://HOST:PORT (kvmesh) or http://HOST:PORT/v1 (OpenAI)")
+    bench.add_argument(
+        "target",
+        nargs="?",
+        help="grpc://HOST:PORT (kvmesh) or http://HOST:PORT/v1 (OpenAI); default: the mesh "
+        "`kvmesh up` started",
+    )
     bench.add_argument(
         "--workload", default="sharegpt", help="a name in loadtest/workloads or a TOML path"
     )
@@ -59,7 +65,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             for c in args.concurrency
         ]
     plan = BenchPlan(
-        target=args.target,
+        target=args.target or f"grpc://{run_file.gateway(None)}",
         workload=Workload.load(args.workload),
         loads=loads,
         slo=Slo(_ms(args.slo_ttft_ms), _ms(args.slo_tpot_ms), _ms(args.slo_e2e_ms)),

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from kvmesh import run_file
 from kvmesh.bench_cli import add_bench_parser, run_bench_command
 from kvmesh.convert import add_convert_parser, run_convert
 from kvmesh.mesh_cli import add_remote_flags, add_up_parser, run_chat, run_remote_generate, run_up
@@ -91,7 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     add_engine_flags(generate)
     add_remote_flags(generate)
     chat = commands.add_parser("chat", help="a conversation with a running mesh (--addr)")
-    chat.add_argument("--addr", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    chat.add_argument(
+        "--addr",
+        help="gateway HOST:PORT (default: the mesh `kvmesh up` started, else 127.0.0.1:50051)",
+    )
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--stop", action="append", default=[])
     chat.add_argument("--timeout", type=float)
@@ -138,6 +142,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.addr:
         if args.prompts_file:
             raise SystemExit("kvmesh generate --addr: give a PROMPT (--prompts-file is local)")
+        args.addr = run_file.gateway(args.addr)
         return run_remote_generate(args, _remote_sampling(args))
     sampling = _sampling(args)
     engine = Engine(engine_config(args))
@@ -188,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             return _run_generate(args)
         if args.command == "chat":
+            args.addr = run_file.gateway(args.addr, "127.0.0.1:50051")
             return run_chat(args, _remote_sampling(args))
         if args.command == "up":
             return run_up(args)

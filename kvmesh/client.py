@@ -39,6 +39,7 @@ def generate_request(
 
 class MeshClient:
     def __init__(self, address: str) -> None:
+        self.address = address
         self.channel = sync_channel(address)  # TLS as configured by KVMESH_TLS_*
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
 
@@ -58,7 +59,7 @@ class MeshClient:
         try:
             yield from self.stub.Generate(request, timeout=timeout)
         except grpc.RpcError as error:
-            raise grpc_errors.from_rpc_error(error) from None
+            raise grpc_errors.from_call_to(error, "gateway", self.address) from None
 
     def models(self) -> list[common_pb2.ModelInfo]:
         return list(self.stub.ListModels(inference_pb2.ListModelsRequest(), timeout=10).models)

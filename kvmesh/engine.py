@@ -31,6 +31,7 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     cached_tokens: int = 0
+    error: str | None = None  # the reason, when a step could not compute it (it then has none)
 
     @property
     def usage(self) -> dict[str, int]:
@@ -118,6 +119,8 @@ class Engine:
                 if output.finish_reason is not None:
                     completion.finish_reason = finish_reason_label(output.finish_reason)
                     completion.cached_tokens = output.num_cached_tokens
+                if output.failure is not None:
+                    completion.error = output.failure.reason
         for request_id in order:
             completion = completions[request_id]
             if self.tokenizer is not None:
@@ -142,6 +145,10 @@ class Engine:
                 for output in self.step():
                     if output.request_id != request_id:
                         continue
+                    if output.failure is not None:
+                        finished = True
+                        reason = Reason(output.failure.reason)
+                        raise KvmeshError(reason, "the engine could not compute this request")
                     if text := detokenizer.push(output.new_token_ids):
                         yield text
                     finished = output.finished

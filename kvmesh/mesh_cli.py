@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import threading
 import time
 
 import grpc
 
+from kvmesh import run_file
 from kvmesh.client import MeshClient, generate_request
 from kvmesh.control_server import serve_control
 from kvmesh.launcher import Mesh, MeshConfig
@@ -77,7 +77,13 @@ def add_up_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def add_remote_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--addr", help="gateway HOST:PORT of a running mesh (see `kvmesh up`)")
+    parser.add_argument(
+        "--addr",
+        nargs="?",
+        const="up",
+        help="gateway HOST:PORT of a running mesh; alone: the mesh `kvmesh up` started "
+        "(without it, generate runs the engine in this process)",
+    )
     parser.add_argument(
         "--stop", action="append", default=[], help="stop string (repeatable; mesh only)"
     )
@@ -111,43 +117,68 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
     )
 
 
+def mesh_addresses(mesh: Mesh, control: str) -> dict[str, object]:
+    """What `kvmesh up` prints and records: every address a client or an operator needs."""
+    return {
+        "gateway": mesh.gateway_address,
+        "http": mesh.http_url,
+        "collector": mesh.collector_address,
+        "redis": mesh.redis_url or "",
+        "control": control,
+        "logs": mesh.log_dir,
+        "metrics": {s.name: s.metrics_url for s in mesh.services if s.metrics_url},
+    }
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_up(args: argparse.Namespace) -> int:
     mesh = Mesh(mesh_config(args))
     print(f"kvmesh: starting the mesh (logs in {mesh.log_dir})", file=sys.stderr)
     started = time.perf_counter()
-    stop = threading.Event()
     control: grpc.Server | None = None
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Set, not inherited: a shell starts a background job with SIGINT ignored, and a script's
+    # Ctrl-C or kill must still drain and stop the mesh. Both interrupt whatever runs.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupted)
     try:
         mesh.start()
+        control_address = ""
+        if args.control_port >= 0 and not args.prompt:  # --prompt: stopped right after
+            control_address = f"{args.host}:{args.control_port or free_port(args.host)}"
+            control = serve_control(RolloutController(mesh), control_address)
+        addresses = mesh_addresses(mesh, control_address)
+        recorded = run_file.write(addresses)
+        print(f"kvmesh: ready in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+        for name, value in addresses.items():
+            if isinstance(value, dict):
+                for service, url in value.items():
+                    print(f"kvmesh:   {name} {service}: {url}", file=sys.stderr)
+            elif value:
+                print(f"kvmesh:   {name}: {value}", file=sys.stderr)
         print(
-            f"kvmesh: ready in {time.perf_counter() - started:.1f}s; "
-            f"gateway at {mesh.gateway_address}"
-            + (f", OpenAI HTTP at {mesh.http_url}" if mesh.http_url else "")
-            + "; traces: kvmesh trace --collector "
-            f"{mesh.collector_address} REQUEST_ID",
+            f"kvmesh: recorded in {recorded}: `kvmesh chat`, `kvmesh trace --summary` and "
+            "`kvmesh bench` find this mesh there",
             file=sys.stderr,
         )
-        if args.control_port >= 0 and not args.prompt:  # --prompt: stopped right after
-            control_port = args.control_port or free_port(args.host)
-            control = serve_control(RolloutController(mesh), f"{args.host}:{control_port}")
-            print(
-                f"kvmesh: rollouts: kvmesh models deploy NAME VERSION --control "
-                f"{args.host}:{control_port}",
-                file=sys.stderr,
-            )
         print(mesh.gateway_address, flush=True)
         if args.prompt:
             messages = [{"role": "user", "content": args.prompt}]
             request = generate_request(messages=messages, max_tokens=128, temperature=0.0)
             return stream_to_terminal(mesh.gateway_address, request, None)
         print("kvmesh: Ctrl-C drains and stops every service", file=sys.stderr)
-        while not stop.wait(0.5):
-            pass
+        while True:
+            time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
+        # A second signal while draining must not cut the drain short.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
         print("kvmesh: draining and stopping", file=sys.stderr)
+        run_file.remove()
         if control is not None:
             control.stop(grace=1.0)
         mesh.stop()

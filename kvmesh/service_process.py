@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.errors import KvmeshError, Reason
+from shared.parent_watch import PARENT_ENV, parent_death_signal
 from shared.tls import sync_channel
 
 
@@ -24,13 +26,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _spawn(command: list[str], env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:
+    # Ctrl-C reaches the launcher only (a session of its own); it stops them in order. Killed
+    # outright, the launcher takes them along: ours watch it, redis-server gets the kernel's
+    # parent-death signal.
+    ours = command[0] == sys.executable
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(
             command,
             stdout=log_file,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **env},
-            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops them in order
+            env={**os.environ, **env, PARENT_ENV: str(os.getpid())},
+            start_new_session=True,
+            preexec_fn=None if ours else parent_death_signal(),
         )
 
 

@@ -9,9 +9,11 @@ import os
 
 import grpc
 
+from kvmesh import run_file
 from shared import grpc_errors
 from shared.pb.kvmesh.v1 import traces_pb2, traces_pb2_grpc
 
+DEFAULT_COLLECTOR = "127.0.0.1:4317"
 BAR_WIDTH = 48
 SVG_ROW = 22
 SVG_LABEL = 260
@@ -31,8 +33,9 @@ def add_trace_parser(commands: argparse._SubParsersAction) -> None:
     trace.add_argument("request", nargs="?", help="request id (or trace id) to draw")
     trace.add_argument(
         "--collector",
-        default=os.environ.get("KVMESH_COLLECTOR", "127.0.0.1:4317"),
-        help="trace-collector HOST:PORT",
+        default=os.environ.get("KVMESH_COLLECTOR"),
+        help="trace-collector HOST:PORT (default: the one `kvmesh up` started, else "
+        f"{DEFAULT_COLLECTOR})",
     )
     trace.add_argument("--summary", action="store_true", help="p50/p95/p99 per phase")
     trace.add_argument("--slowest", type=int, metavar="N", help="the N slowest requests")
@@ -43,6 +46,7 @@ def add_trace_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_trace(args: argparse.Namespace) -> int:
+    args.collector = args.collector or run_file.address_of("collector", DEFAULT_COLLECTOR)
     with grpc.insecure_channel(args.collector) as channel:
         stub = traces_pb2_grpc.TracesStub(channel)
         try:
@@ -64,7 +68,7 @@ def run_trace(args: argparse.Namespace) -> int:
                 raise SystemExit("kvmesh trace: give a request id, --summary or --slowest N")
             trace = _get_trace(stub, args.request)
         except grpc.RpcError as error:
-            raise grpc_errors.from_rpc_error(error) from None
+            raise grpc_errors.from_call_to(error, "trace-collector", args.collector) from None
     print(format_waterfall(trace))
     if args.svg:
         with open(args.svg, "w", encoding="utf-8") as out:

@@ -15,6 +15,7 @@ from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2
 from shared.sampling import ResponseFormat, SamplingParams
 from shared.step import (
+    FailedRequest,
     NewRequestPlan,
     RunningRequestPlan,
     SampledToken,
@@ -160,8 +161,14 @@ def result_to_pb(result: StepResult, compute_ms: float = 0.0) -> engine_worker_p
         if token.logprobs is not None:
             message.logprobs.CopyFrom(logprobs_to_pb(token.logprobs))
         sampled.append(message)
+    failed = [
+        engine_worker_pb2.FailedRequest(
+            request_id=f.request_id, reason=f.reason, error_type=f.error_type
+        )
+        for f in result.failed
+    ]
     return engine_worker_pb2.StepResult(
-        step_id=result.step_id, sampled=sampled, compute_ms=compute_ms
+        step_id=result.step_id, sampled=sampled, compute_ms=compute_ms, failed=failed
     )
 
 
@@ -176,4 +183,5 @@ def result_from_pb(message: engine_worker_pb2.StepResult) -> StepResult:
             )
             for s in message.sampled
         ),
+        tuple(FailedRequest(f.request_id, f.reason, f.error_type) for f in message.failed),
     )

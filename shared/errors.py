@@ -28,6 +28,11 @@ class Reason(str, Enum):
     PERMISSION_DENIED = "PERMISSION_DENIED"  # a valid key without the right (admin calls)
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     WORKER_LOST = "WORKER_LOST"  # the scheduler or engine-worker serving it stopped responding
+    # The engine raised computing this request (a grammar, the sampler, non-finite logits): the
+    # request ends, the rest of its batch goes on. Not retryable: it would fail again.
+    EXECUTION_FAILED = "EXECUTION_FAILED"
+    OUT_OF_MEMORY = "OUT_OF_MEMORY"  # the device (or host) ran out of memory computing it
+    UNREACHABLE = "UNREACHABLE"  # a service at a known address did not answer (not a model)
     CLIENT_STALLED = "CLIENT_STALLED"  # the client stopped reading its stream
     # A finished output that fails its response format's own check: a bug, never sent as valid.
     INVALID_OUTPUT = "INVALID_OUTPUT"

@@ -31,6 +31,10 @@ def env_int(flag: str, default: int | None) -> int | None:
     return None if value is None else int(value)
 
 
+def env_float(flag: str, default: float) -> float:
+    return float(env_default(flag, str(default)) or default)
+
+
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument(

@@ -37,6 +37,9 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
     Reason.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
     Reason.WORKER_LOST: grpc.StatusCode.UNAVAILABLE,
+    Reason.EXECUTION_FAILED: grpc.StatusCode.INTERNAL,
+    Reason.OUT_OF_MEMORY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.UNREACHABLE: grpc.StatusCode.UNAVAILABLE,
     Reason.CLIENT_STALLED: grpc.StatusCode.CANCELLED,
     Reason.INVALID_OUTPUT: grpc.StatusCode.INTERNAL,
     Reason.INTERNAL: grpc.StatusCode.INTERNAL,
@@ -118,6 +121,21 @@ def from_rpc_error(error: grpc.RpcError) -> KvmeshError:
     if code == grpc.StatusCode.UNAVAILABLE:
         return KvmeshError(Reason.MODEL_NOT_READY, details, retryable=True, retry_after_ms=500)
     return KvmeshError(Reason.INTERNAL, f"{code}: {details}")
+
+
+def from_call_to(error: grpc.RpcError, service: str, address: str) -> KvmeshError:
+    """A client's view of a failed call to `service` at `address`: the service's own reason,
+    or UNREACHABLE naming both when nothing answered there (never MODEL_NOT_READY: no model
+    was asked)."""
+    code = error.code() if hasattr(error, "code") else None
+    if code == grpc.StatusCode.UNAVAILABLE and rich_status_of(error) is None:
+        return KvmeshError(
+            Reason.UNREACHABLE,
+            f"no {service} answers at {address} (is the mesh up? `kvmesh up` prints its addresses)",
+            retryable=True,
+            retry_after_ms=1000,
+        )
+    return from_rpc_error(error)
 
 
 def rich_status_of(error: grpc.RpcError) -> status_pb2.Status | None:

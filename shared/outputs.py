@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.pb.kvmesh.v1.common_pb2 import FinishReason  # the one definition: common.proto
-from shared.step import TokenLogprobs
+from shared.step import FailedRequest, TokenLogprobs
 
 __all__ = ["FinishReason", "RequestOutput", "finish_reason_label"]
 
@@ -24,7 +24,8 @@ class RequestOutput:
     logprobs: tuple[TokenLogprobs, ...] = ()
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache; set when finished
+    failure: FailedRequest | None = None  # the step could not compute it: it ended failed
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.finish_reason is not None or self.failure is not None

@@ -24,6 +24,7 @@ from shared.error_boundary import KvmeshErrors
 from shared.errors import KvmeshError, Reason
 from shared.flags import env_default, env_int
 from shared.metrics import serve_metrics
+from shared.parent_watch import watch_parent
 from shared.telemetry import configure_tracing
 from shared.tls import server_credentials, tls_config
 from shared.undecodable import UndecodableRequests
@@ -121,6 +122,7 @@ class ServiceRuntime:
         if bound == 0:
             raise OSError(f"cannot bind {self.address}")
         await self.server.start()
+        watch_parent()  # started by a launcher: gone when it is
         await self.health.set(LIVENESS, _SERVING)
         await self.set_ready(False)
         log.info("listening", extra={"address": self.address, "tls": tls is not None})

@@ -69,8 +69,18 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class FailedRequest:
+    """A request the step could not compute. It alone ends; the rest of the batch goes on."""
+
+    request_id: str
+    reason: str  # Reason.EXECUTION_FAILED or Reason.OUT_OF_MEMORY
+    error_type: str  # the exception's class, for logs and spans; never shown to the client
+
+
+@dataclass(frozen=True)
 class StepResult:
     """What the worker returns for a plan; requests mid-prefill (chunked) sample nothing."""
 
     step_id: int
     sampled: tuple[SampledToken, ...]
+    failed: tuple[FailedRequest, ...] = ()

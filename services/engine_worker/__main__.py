@@ -8,7 +8,8 @@ import logging
 
 from services.engine_worker.embed_server import EmbedderService
 from services.engine_worker.server import EngineWorkerService
-from shared.flags import add_worker_flags, engine_config, env_default, env_int
+from services.engine_worker.step_failures import BreakerDefaults, CircuitBreaker, FaultInjector
+from shared.flags import add_worker_flags, engine_config, env_default, env_float, env_int
 from shared.logs import configure_logging
 from shared.model_entry import artifact_location
 from shared.model_paths import is_encoder, resolve_model_path
@@ -30,7 +31,16 @@ async def serve(args: argparse.Namespace) -> None:
         runtime.add_servicer(engine_worker_pb2_grpc.add_EmbedderServicer_to_server, service)
     else:
         runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port)
-        service = EngineWorkerService(runtime, engine_config(args), args.served_model_name)
+        breaker = CircuitBreaker(
+            args.breaker_failures, args.breaker_window_seconds, args.breaker_cooldown_seconds
+        )
+        service = EngineWorkerService(
+            runtime,
+            engine_config(args),
+            args.served_model_name,
+            breaker,
+            FaultInjector.parse(args.inject_fault_token),
+        )
         runtime.add_servicer(engine_worker_pb2_grpc.add_EngineWorkerServicer_to_server, service)
     await runtime.start()
     loading = asyncio.create_task(service.load())
@@ -43,6 +53,34 @@ async def serve(args: argparse.Namespace) -> None:
     await runtime.serve_until_signalled(args.drain_seconds)
     if loading.done() and not loading.cancelled() and loading.exception() is not None:
         raise SystemExit(2)
+
+
+def add_failure_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("failures")
+    group.add_argument(
+        "--breaker-failures",
+        type=int,
+        default=env_int("breaker-failures", BreakerDefaults.max_failures),
+        help="failed requests within --breaker-window-seconds that turn this worker not ready "
+        "(its scheduler drains it, traffic moves); 0: never",
+    )
+    group.add_argument(
+        "--breaker-window-seconds",
+        type=float,
+        default=env_float("breaker-window-seconds", BreakerDefaults.window_s),
+    )
+    group.add_argument(
+        "--breaker-cooldown-seconds",
+        type=float,
+        default=env_float("breaker-cooldown-seconds", BreakerDefaults.cooldown_s),
+        help="how long a tripped worker stays not ready before it serves again",
+    )
+    group.add_argument(
+        "--inject-fault-token",
+        default=env_default("inject-fault-token", None),
+        help="tests only: TOKEN_ID[:AFTER] fails every request whose prompt holds TOKEN_ID once "
+        "it has AFTER output tokens (default 1)",
+    )
 
 
 def main() -> None:
@@ -62,6 +100,7 @@ def main() -> None:
         help="embedding models: padded tokens (inputs x longest) per forward pass; 1: one "
         "input at a time",
     )
+    add_failure_flags(parser)
     args = parser.parse_args()
     configure_logging("engine-worker", args.log_level)
     start_observability("engine-worker", args)

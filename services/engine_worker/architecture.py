@@ -54,6 +54,22 @@ class ModelArchitecture:
     def kv_bytes_per_token(self, element_size: int) -> int:
         return 2 * self.num_layers * self.kv_size * element_size
 
+    @property
+    def num_parameters(self) -> int:
+        """Counted from the shapes, before any tensor is read (the fit check needs it first)."""
+        hidden, q, kv = self.hidden_size, self.q_size, self.kv_size
+        attention = hidden * q + 2 * hidden * kv + q * hidden
+        attention += (q + 2 * kv) * self.qkv_bias + hidden * self.o_bias
+        layer = attention + 3 * hidden * self.intermediate_size + 2 * hidden
+        embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * layer + hidden
+
+    def step_workspace_bytes(self, max_tokens: int, max_seqs: int, element_size: int) -> int:
+        """A step's largest activations: every projection's output for `max_tokens` rows, and
+        float32 logits for `max_seqs` sampled rows (an upper bound, not an exact count)."""
+        row = 3 * self.hidden_size + self.q_size + 2 * self.kv_size + 2 * self.intermediate_size
+        return max_tokens * row * element_size + max_seqs * self.vocab_size * 4
+
     def check(self, path: str) -> None:
         for name in (
             "vocab_size",

@@ -25,11 +25,16 @@ def available_bytes(backend: str) -> int:
     return 1 << 62  # not Linux: nothing to ask
 
 
-def check_memory_fits(needed_bytes: int, backend: str, what: str) -> None:
+def check_memory_fits(parts: dict[str, int], backend: str) -> None:
+    """Everything the model will hold at once, against what the device has free now: asked
+    before the first allocation, so a model that cannot fit is refused, not half loaded."""
+    needed = sum(parts.values())
     available = available_bytes(backend)
-    if needed_bytes > available:
+    if needed > available:
+        listed = ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in parts.items())
         raise KvmeshError(
             Reason.MODEL_DOES_NOT_FIT,
-            f"{what} needs {needed_bytes / 2**20:.0f} MiB but {available / 2**20:.0f} MiB are "
-            "free on this machine: lower kv_memory or serve the model elsewhere",
+            f"the model needs {needed / 2**20:.0f} MiB ({listed}) but "
+            f"{available / 2**20:.0f} MiB are free on this machine: lower --kv-memory, "
+            "--max-num-batched-tokens or the weights' precision, or serve it elsewhere",
         )

@@ -30,7 +30,7 @@ from services.engine_worker.sampler import sample
 from services.engine_worker.step_inputs import RequestState
 from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig
-from shared.step import SampledToken, TokenLogprobs
+from shared.step import FailedRequest, SampledToken, TokenLogprobs
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -83,7 +83,7 @@ class Runner:
 
     def step(
         self, scheduled: list[tuple[RequestState, int]], rng: torch.Generator
-    ) -> tuple[tuple[RequestState, ...], list[SampledToken]]:
+    ) -> tuple[tuple[RequestState, ...], list[SampledToken | FailedRequest]]:
         batch = build_gpu_batch(scheduled, self.block_size)
         logits = None
         if self.graphs is not None and batch.decode_only:
@@ -118,11 +118,13 @@ class Runner:
         with self.stream:
             return self.model.forward(DeviceBatch.upload(batch), self.cache, workspace)
 
-    def _sample(self, logits: Any, batch: GpuBatch, rng: torch.Generator) -> list[SampledToken]:
+    def _sample(
+        self, logits: Any, batch: GpuBatch, rng: torch.Generator
+    ) -> list[SampledToken | FailedRequest]:
         states = batch.sampling_states
         fast = [row for row, state in enumerate(states) if on_gpu_sampler(state)]
         slow = [row for row, state in enumerate(states) if not on_gpu_sampler(state)]
-        results: list[SampledToken | None] = [None] * len(states)
+        results: list[SampledToken | FailedRequest | None] = [None] * len(states)
         with self.stream:
             if fast:
                 rows = cupy.asarray(numpy.asarray(fast, dtype=numpy.int32))

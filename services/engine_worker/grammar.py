@@ -13,21 +13,29 @@ from __future__ import annotations
 import collections
 import json
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import llguidance
 import numpy as np
 import torch
+from prometheus_client import Histogram
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 from shared.errors import KvmeshError, Reason
+from shared.metrics import TOKEN_SECONDS
 from shared.sampling import ResponseFormat
 from shared.text_tokenizer import TextTokenizer
 
 MAX_CACHED_FORMATS = 256
+MASK_SECONDS = Histogram(
+    "kvmesh_grammar_mask_seconds",
+    "Computing one constrained row's allowed-token mask before sampling",
+    buckets=TOKEN_SECONDS,
+)
 ANY_JSON_OBJECT = json.dumps({"type": "object"})
 # Compact JSON: free whitespace lets a sampling model wander in newlines up to max_tokens.
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
@@ -89,7 +97,10 @@ class GrammarCompiler:
 
 def allowed_tokens(matcher: llguidance.LLMatcher, vocab_size: int) -> torch.Tensor:
     """(vocab,) bool: the tokens the matcher allows next."""
+    started = time.perf_counter()
     bits = np.unpackbits(
         np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little"
     )
-    return torch.from_numpy(bits[:vocab_size].astype(bool))
+    allowed = torch.from_numpy(bits[:vocab_size].astype(bool))
+    MASK_SECONDS.observe(time.perf_counter() - started)
+    return allowed

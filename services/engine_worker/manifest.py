@@ -29,6 +29,10 @@ class ModelManifest:
     repository_version: str = ""  # the repository entry's version; "" when loaded from a path
     aliases: tuple[str, ...] = ()
     default_sampling: dict[str, Any] | None = None  # the entry's [sampling] table
+    runtime: dict[str, str] | None = None  # software versions (kvmesh, torch, llguidance...)
+    device: str = ""
+    threads: int = 0  # torch intra-op threads
+    tokenizer_digest: str = ""
 
     @property
     def artifact_digest(self) -> str:

@@ -6,14 +6,15 @@ does not depend on the batch around it, nor on preemption and recompute.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from services.engine_worker.grammar import allowed_tokens
+from services.engine_worker.step_failures import NonFiniteLogits, failure_of
 from services.engine_worker.step_inputs import RequestState
 from shared.sampling import SamplingParams
-from shared.step import SampledToken, TokenLogprobs
+from shared.step import FailedRequest, SampledToken, TokenLogprobs
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive indices apart
 
@@ -24,14 +25,20 @@ def token_generator(seed: int, output_index: int) -> torch.Generator:
 
 def sample(
     logits: torch.Tensor, states: Sequence[RequestState], rng: torch.Generator
-) -> list[SampledToken]:
-    """logits: (S, vocab) float32, one row per state. Logprobs come from the model's own
-    distribution; a response format only narrows what may be sampled."""
+) -> list[SampledToken | FailedRequest]:
+    """logits: (S, vocab) float32, one row per state; one outcome per state, in order. Logprobs
+    come from the model's own distribution; a response format only narrows what may be
+    sampled. Each row's own work runs in its own error boundary: a row that raises (a grammar,
+    a penalty, non-finite logits) becomes a FailedRequest and the other rows keep their token."""
     raw = logits
+    outcomes: list[SampledToken | FailedRequest | None] = [None] * len(states)
+    for row in (~torch.isfinite(raw).all(dim=-1)).nonzero().flatten().tolist():
+        outcomes[row] = failure_of(states[row].request_id, NonFiniteLogits("non-finite logits"))
     constrained = [row for row, s in enumerate(states) if s.matcher is not None]
     if constrained:
         logits = logits.clone()
-        for row in constrained:
+
+        def mask(row: int) -> None:
             matcher = states[row].matcher
             assert matcher is not None
             allowed = allowed_tokens(matcher, logits.shape[-1])
@@ -39,8 +46,12 @@ def sample(
             # rather than from an all -inf row.
             if allowed.any():
                 logits[row].masked_fill_(~allowed, float("-inf"))
+
+        _each_row(constrained, states, outcomes, mask)
     plain_greedy = [
-        i for i, s in enumerate(states) if s.sampling.greedy and not s.sampling.has_penalties
+        i
+        for i, s in enumerate(states)
+        if s.sampling.greedy and not s.sampling.has_penalties and outcomes[i] is None
     ]
     chosen = [0] * len(states)
     if plain_greedy:
@@ -48,18 +59,39 @@ def sample(
         for row, token in zip(plain_greedy, argmax, strict=True):
             chosen[row] = token
     greedy_set = set(plain_greedy)
-    for row, state in enumerate(states):
-        if row not in greedy_set:
-            chosen[row] = _sample_row(logits[row], state, rng)
-    results = []
-    for row, state in enumerate(states):
+
+    def draw(row: int) -> None:
+        chosen[row] = _sample_row(logits[row], states[row], rng)
+
+    _each_row([r for r in range(len(states)) if r not in greedy_set], states, outcomes, draw)
+
+    def finish(row: int) -> None:
+        state = states[row]
         logprobs = None
         if state.sampling.logprobs is not None:
             logprobs = _logprobs(raw[row], chosen[row], state.sampling.logprobs)
-        results.append(SampledToken(state.request_id, chosen[row], logprobs))
         if state.matcher is not None:
             state.matcher.consume_token(chosen[row])
-    return results
+        outcomes[row] = SampledToken(state.request_id, chosen[row], logprobs)
+
+    _each_row(range(len(states)), states, outcomes, finish)
+    return [outcome for outcome in outcomes if outcome is not None]
+
+
+def _each_row(
+    rows: Iterable[int],
+    states: Sequence[RequestState],
+    outcomes: list[SampledToken | FailedRequest | None],
+    work: Callable[[int], None],
+) -> None:
+    """`work(row)` for each row that has not failed yet; a row that raises fails alone."""
+    for row in rows:
+        if outcomes[row] is not None:
+            continue
+        try:
+            work(row)
+        except Exception as error:  # one request's failure, kept to that request
+            outcomes[row] = failure_of(states[row].request_id, error)
 
 
 def _sample_row(logits: torch.Tensor, state: RequestState, rng: torch.Generator) -> int:

@@ -18,6 +18,10 @@ import grpc
 from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
+from services.engine_worker.step_failures import (
+    CircuitBreaker,
+    FaultInjector,
+)
 from services.engine_worker.worker import Worker
 from shared.codec import (
     default_sampling_to_pb,
@@ -30,6 +34,7 @@ from shared.errors import KvmeshError, Reason
 from shared.metrics import TOKEN_SECONDS
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
 from shared.service import ServiceRuntime
+from shared.step import StepResult
 from shared.telemetry import context_from_traceparent
 
 log = logging.getLogger("kvmesh.engine_worker")
@@ -41,7 +46,21 @@ STEP_SECONDS = Histogram(
 BATCH_SIZE = Histogram(
     "kvmesh_step_batch_size", "Requests in one step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)
 )
-TOKENS_COMPUTED = Counter("kvmesh_tokens_computed", "Tokens through the model (prompt and output)")
+STEP_FAILURES = Counter(
+    "kvmesh_step_failed_requests",
+    "Requests a step could not compute (each failed alone)",
+    ["reason"],
+)
+TOKENS_COMPUTED = Counter(
+    "kvmesh_tokens_computed",
+    "Tokens through the model: prefill (prompts, chunks, recomputation) or decode",
+    ["phase"],
+)
+SCHEMA_COMPILE_SECONDS = Histogram(
+    "kvmesh_schema_compile_seconds",
+    "Compiling a response format's grammar (once per distinct format)",
+    buckets=TOKEN_SECONDS,
+)
 
 
 def model_info(worker: Worker, served_name: str | None = None) -> common_pb2.ModelInfo:
@@ -69,6 +88,10 @@ def model_info(worker: Worker, served_name: str | None = None) -> common_pb2.Mod
         aliases=manifest.aliases,
         default_sampling=default_sampling_to_pb(manifest.default_sampling or {}),
         task="generate",
+        runtime=manifest.runtime or {},
+        device=manifest.device,
+        threads=manifest.threads,
+        tokenizer_digest=manifest.tokenizer_digest,
     )
 
 
@@ -78,11 +101,16 @@ def record_step(
     """Step metrics, and one span per traced prefill chunk (the step's whole compute time:
     the chunk shares the forward pass with the rest of the batch)."""
     batch_size = len(plan.new_requests) + len(plan.running_requests)
-    tokens = sum(r.num_scheduled_tokens for r in plan.new_requests)
-    tokens += sum(r.num_scheduled_tokens for r in plan.running_requests)
+    prefill = sum(r.num_scheduled_tokens for r in plan.new_requests)
+    prefill += sum(
+        r.num_scheduled_tokens for r in plan.running_requests if r.num_scheduled_tokens > 1
+    )
+    decode = sum(1 for r in plan.running_requests if r.num_scheduled_tokens == 1)
+    tokens = prefill + decode
     STEP_SECONDS.observe(seconds)
     BATCH_SIZE.observe(batch_size)
-    TOKENS_COMPUTED.inc(tokens)
+    TOKENS_COMPUTED.labels("prefill").inc(prefill)
+    TOKENS_COMPUTED.labels("decode").inc(decode)
     ended_ns = started_ns + round(seconds * 1e9)
     for chunk in plan.prefill_traces:
         span = tracer.start_span(
@@ -105,11 +133,18 @@ def record_step(
 
 class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
     def __init__(
-        self, runtime: ServiceRuntime, config: EngineConfig, served_name: str | None = None
+        self,
+        runtime: ServiceRuntime,
+        config: EngineConfig,
+        served_name: str | None = None,
+        breaker: CircuitBreaker | None = None,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.runtime = runtime
         self.config = config
         self.served_name = served_name  # the name clients use, when not the artifact's own
+        self.breaker = breaker or CircuitBreaker()
+        self.faults = faults
         self.worker: Worker | None = None
         self._driven = False  # one scheduler at a time owns the KV pool
         # Every torch call from one OS thread: OpenMP keeps a thread team per calling thread, and
@@ -122,6 +157,7 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
     async def load(self) -> None:
         try:
             self.worker = await self._in_torch_thread(Worker, self.config)
+            self.worker.faults = self.faults
         except KvmeshError as error:
             log.error("model refused", extra={"reason": error.reason.value, "error": error.message})
             raise
@@ -161,11 +197,35 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
                     seconds = time.perf_counter() - started
                     record_step(message, seconds, started_ns, self.runtime.address)
                     yield result_to_pb(result, seconds * 1e3)
+                    if result.failed:
+                        await self._count_failures(result)
             finally:
                 # Queued behind a step still running in the torch thread, never beside it.
                 self._torch_thread.submit(worker.requests.clear)  # the next scheduler: empty
                 self._driven = False
                 log.info("scheduler detached")
+
+    async def _count_failures(self, result: StepResult) -> None:
+        for failure in result.failed:
+            STEP_FAILURES.labels(failure.reason).inc()
+        if not self.breaker.record(len(result.failed)):
+            return
+        log.error(
+            "circuit breaker open: too many failed requests; not ready",
+            extra={
+                "failures": self.breaker.max_failures,
+                "window_s": self.breaker.window_s,
+                "cooldown_s": self.breaker.cooldown_s,
+            },
+        )
+        await self.runtime.set_ready(False)  # the scheduler drains us, the gateway moves on
+        asyncio.get_running_loop().call_later(
+            self.breaker.cooldown_s, lambda: asyncio.ensure_future(self._close_breaker())
+        )
+
+    async def _close_breaker(self) -> None:
+        log.info("circuit breaker closed: ready again")
+        await self.runtime.set_ready(True)
 
     async def GetInfo(
         self, request: engine_worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
@@ -185,6 +245,7 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
         # Its own thread: the torch thread keeps stepping the batch meanwhile.
         await asyncio.to_thread(grammars.matcher, response_format)
         seconds = time.perf_counter() - started
+        SCHEMA_COMPILE_SECONDS.observe(seconds)
         return engine_worker_pb2.PrepareFormatResponse(compile_seconds=seconds)
 
     async def Warmup(

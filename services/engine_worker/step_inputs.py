@@ -28,6 +28,10 @@ class RequestState:
     prompt_len: int
     matcher: llguidance.LLMatcher | None = None  # a response format's state, if it has one
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
     @classmethod
     def from_plan(cls, new: NewRequestPlan) -> RequestState:
         """The one place a planned request becomes the worker's state (its matcher, if it

@@ -21,7 +21,7 @@ from services.engine_worker.step_inputs import RequestState
 from services.engine_worker.torch_weights import TorchWeights
 from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig
-from shared.step import SampledToken
+from shared.step import FailedRequest, SampledToken
 
 
 class Runner:
@@ -52,8 +52,9 @@ class Runner:
 
     def step(
         self, scheduled: list[tuple[RequestState, int]], rng: torch.Generator
-    ) -> tuple[tuple[RequestState, ...], list[SampledToken]]:
-        """Runs the scheduled tokens; returns the requests that sampled, and their tokens."""
+    ) -> tuple[tuple[RequestState, ...], list[SampledToken | FailedRequest]]:
+        """Runs the scheduled tokens; returns the requests that sampled, and for each its token
+        or, when its own sampling raised, its failure."""
         arch = self.arch
         batch = build_batch(
             scheduled,

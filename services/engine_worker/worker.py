@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import os
 import threading
 import time
@@ -19,6 +20,8 @@ from services.engine_worker.capacity import check_memory_fits
 from services.engine_worker.grammar import GrammarCompiler
 from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.manifest import ModelManifest
+from services.engine_worker.runtime_facts import device_name, runtime_versions, tokenizer_digest
+from services.engine_worker.step_failures import FaultInjector, InjectedFault, failure_of
 from services.engine_worker.step_inputs import RequestState
 from services.engine_worker.torch_weights import resolve_weight_format
 from services.engine_worker.weights import ModelWeights
@@ -27,9 +30,10 @@ from shared.errors import KvmeshError, ModelValidationError, Reason
 from shared.model_entry import ModelEntry, WarmupFixture, is_entry, read_entry, sha256_file
 from shared.model_paths import resolve_model_path
 from shared.sampling import SamplingParams
-from shared.step import SampledToken, StepPlan, StepResult
+from shared.step import FailedRequest, NewRequestPlan, SampledToken, StepPlan, StepResult
 from shared.text_tokenizer import load_tokenizer
 
+log = logging.getLogger("kvmesh.engine_worker")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -59,13 +63,22 @@ class Worker:
         if self.backend != "torch" or os.environ.get("KVMESH_TORCH_DEVICE", "cpu") != "cpu":
             weights_format = config.dtype  # packed weights are a CPU format (fbgemm)
         load_dtype = torch.float32 if weights_format == "packed" else self.dtype
+        # Weights (packed ones are quantized from a float32 copy: that copy is the peak), the
+        # KV budget, taken whole, and a step's workspace: checked before any of them is
+        # allocated, never found short later while another model's worker serves traffic.
+        limits = config.scheduler
+        check_memory_fits(
+            {
+                "weights": arch.num_parameters * load_dtype.itemsize,
+                "KV cache": kv_shape.num_bytes(self.dtype.itemsize),
+                "step workspace": arch.step_workspace_bytes(
+                    limits.max_num_batched_tokens, limits.max_num_seqs, self.dtype.itemsize
+                ),
+            },
+            self.backend,
+        )
         weights = ModelWeights.build(arch, artifact.load, load_dtype)
         num_parameters = weights.num_parameters
-        # The KV budget is taken whole now, or the model is refused: never later, by running
-        # out while another model's worker on this machine serves traffic.
-        check_memory_fits(
-            kv_shape.num_bytes(self.dtype.itemsize), self.backend, "the KV cache budget"
-        )
         runner_module = importlib.import_module(BACKENDS[self.backend])
         self.runner = runner_module.Runner(
             arch,
@@ -79,6 +92,7 @@ class Worker:
         self.kv_shape = kv_shape
         load_seconds = time.perf_counter() - started
         self.requests: dict[str, RequestState] = {}
+        self.faults: FaultInjector | None = None  # a test hook; off unless a flag sets it
         self._rng = torch.Generator().manual_seed(0)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()  # built once, from whichever thread asks first
@@ -87,10 +101,11 @@ class Worker:
         entry = self.entry
         for index, fixture in enumerate(entry.fixtures if entry else ()):
             self._check_fixture(index, fixture)
+        digests = self._artifact_digests()
         self.manifest = ModelManifest(
             model_name=entry.name if entry else os.path.basename(self.model_path.rstrip("/")),
             artifact_path=self.model_path,
-            artifact_sha256=self._artifact_digests(),
+            artifact_sha256=digests,
             architecture=arch.name,
             num_parameters=num_parameters,
             dtype=config.dtype,
@@ -108,6 +123,10 @@ class Worker:
             repository_version=entry.version if entry else "",
             aliases=entry.aliases if entry else (),
             default_sampling=dict(entry.default_sampling) if entry else None,
+            runtime=runtime_versions(self.backend),
+            device=device_name(self.backend),
+            threads=torch.get_num_threads(),
+            tokenizer_digest=tokenizer_digest(digests),
         )
 
     def _artifact_digests(self) -> dict[str, str]:
@@ -140,7 +159,7 @@ class Worker:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         prefill = RequestState("warmup-prefill", tokens, [0, 1], 0, params, len(tokens))
         decode = RequestState("warmup-decode", tokens[:2], [0], 1, params, 1)
-        self._run([(decode, 1), (prefill, len(tokens))])
+        self._run_scratch([(decode, 1), (prefill, len(tokens))])
 
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         """Greedy tokens (EOS included, not stopped at) on scratch blocks, before any request
@@ -157,7 +176,7 @@ class Worker:
         )
         scheduled = len(prompt_ids)
         for _ in range(max_tokens):
-            self._run([(state, scheduled)])
+            self._run_scratch([(state, scheduled)])
             scheduled = 1
         return state.token_ids[len(prompt_ids) :]
 
@@ -203,28 +222,96 @@ class Worker:
         return self._grammars
 
     def execute(self, plan: StepPlan) -> StepResult:
+        """One step. It never raises: a request whose computation raises fails alone, and an
+        error outside any one request (a plan naming a request this worker never saw) fails
+        the step's requests, each with its own failure, instead of breaking the stream."""
+        try:
+            return self._execute(plan)
+        except Exception as error:  # reported per request, logged with its cause
+            request_ids = [r.request_id for r in plan.new_requests]
+            request_ids += [r.request_id for r in plan.running_requests]
+            for request_id in request_ids:
+                self.requests.pop(request_id, None)
+            return StepResult(plan.step_id, (), tuple(failure_of(r, error) for r in request_ids))
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
         scheduled: list[tuple[RequestState, int]] = []
+        failed: list[FailedRequest] = []
         for new in plan.new_requests:
-            state = RequestState.from_plan(new)
-            if new.sampling.response_format is not None:
-                state.matcher = self.grammars().matcher(new.sampling.response_format)
-                state.matcher.consume_tokens(state.token_ids[new.prompt_len :])  # recompute
-            self.requests[new.request_id] = state
+            try:
+                state = self._admit(new)
+            except Exception as error:  # this request fails, not the batch
+                failed.append(failure_of(new.request_id, error))
+                continue
             scheduled.append((state, new.num_scheduled_tokens))
         for running in plan.running_requests:
             state = self.requests[running.request_id]
             state.block_ids.extend(running.new_block_ids)
             scheduled.append((state, running.num_scheduled_tokens))
-        if not scheduled:
-            return StepResult(plan.step_id, ())
-        return StepResult(plan.step_id, tuple(self._run(scheduled)))
+        sampled: list[SampledToken] = []
+        if scheduled:
+            sampled, failed_running = self._run_isolated(scheduled)
+            failed += failed_running
+        for failure in failed:
+            self.requests.pop(failure.request_id, None)
+        return StepResult(plan.step_id, tuple(sampled), tuple(failed))
 
-    def _run(self, scheduled: list[tuple[RequestState, int]]) -> list[SampledToken]:
-        states, sampled = self.runner.step(scheduled, self._rng)
+    def _admit(self, new: NewRequestPlan) -> RequestState:
+        state = RequestState.from_plan(new)
+        if new.sampling.response_format is not None:
+            state.matcher = self.grammars().matcher(new.sampling.response_format)
+            state.matcher.consume_tokens(state.token_ids[new.prompt_len :])  # recompute
+        self.requests[new.request_id] = state
+        return state
+
+    def _run_isolated(
+        self, scheduled: list[tuple[RequestState, int]]
+    ) -> tuple[list[SampledToken], list[FailedRequest]]:
+        """The batch in one pass; if that pass raises, each request alone, so only the ones
+        that fail alone fail. Nothing is kept from a raised pass: the K/V rows it wrote are
+        written again, and token counts only move once a pass returns."""
+        try:
+            return self._run(scheduled)
+        except Exception as error:  # isolated below
+            if len(scheduled) == 1:
+                return [], [failure_of(scheduled[0][0].request_id, error)]
+            log.warning(
+                "a step raised; running its requests one at a time",
+                extra={"error_type": type(error).__name__, "batch_size": len(scheduled)},
+            )
+        sampled: list[SampledToken] = []
+        failed: list[FailedRequest] = []
+        for pair in scheduled:
+            one_sampled, one_failed = self._run_isolated([pair])
+            sampled += one_sampled
+            failed += one_failed
+        return sampled, failed
+
+    def _run_scratch(self, scheduled: list[tuple[RequestState, int]]) -> None:
+        """Warm-up and fixtures: a failure there refuses the model (the log has the cause)."""
+        _, failed = self._run(scheduled)
+        if failed:
+            raise RuntimeError(f"a scratch step failed: {failed[0].error_type}")
+
+    def _run(
+        self, scheduled: list[tuple[RequestState, int]]
+    ) -> tuple[list[SampledToken], list[FailedRequest]]:
+        states, outcomes = self.runner.step(scheduled, self._rng)
         for state, num_new in scheduled:
             state.num_computed_tokens += num_new
-        for state, token in zip(states, sampled, strict=True):
-            state.token_ids.append(token.token_id)
-        return sampled
+        sampled: list[SampledToken] = []
+        failed: list[FailedRequest] = []
+        for state, outcome in zip(states, outcomes, strict=True):
+            if isinstance(outcome, SampledToken) and self.faults is not None:
+                try:
+                    self.faults.check(state.token_ids[: state.prompt_len], state.num_output_tokens)
+                except InjectedFault as error:
+                    outcome = failure_of(state.request_id, error)
+            if isinstance(outcome, FailedRequest):
+                failed.append(outcome)
+                continue
+            state.token_ids.append(outcome.token_id)
+            sampled.append(outcome)
+        return sampled, failed

@@ -22,7 +22,12 @@ from services.gateway.catalog import ModelCatalog
 from services.gateway.connections import SchedulerBackend
 from services.gateway.policy import GatewayPolicy
 from services.gateway.rate_limits import Grant
-from services.gateway.request_record import ActiveRequest, Admitted, upstream_request_id
+from services.gateway.request_record import (
+    ActiveRequest,
+    Admitted,
+    attempt_id,
+    upstream_request_id,
+)
 from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.router import Routed
 from services.gateway.tenants import Tenant
@@ -128,6 +133,7 @@ class Admission:
         request = call.request
         self.runtime.refuse_if_draining()
         tenant = self.policy.api_keys.authenticate(call.context.invocation_metadata())
+        tenant.check_priority(request.priority)
         self.policy.limits.check_size(request.ByteSize())
         if (tenant.name, call.request_id) in self.active:
             raise KvmeshError(Reason.INVALID_ARGUMENT, f"request id {call.request_id!r} is in use")
@@ -196,11 +202,14 @@ class Admission:
         token_ids: list[int],
         grant: Grant | None,
         remaining: float | None,
+        attempts: list[inference_pb2.Attempt] | None = None,
     ) -> Admitted:
         """Sends the request to its scheduler and waits for the scheduler to accept it."""
         backend = routed.route.backend
+        attempts = attempts or []
+        attempt = len(attempts) + 1
         upstream_id = upstream_request_id(
-            call.request_id, checked.tenant, bool(call.request.request_id)
+            call.request_id, checked.tenant, bool(call.request.request_id), attempt
         )
         sampling_pb = sampling_to_pb(checked.sampling)  # once: sent here, recorded at the end
         submit = backend.stub.Submit(
@@ -211,6 +220,7 @@ class Admission:
                 priority=call.request.priority,
                 cache_salt=checked.tenant.cache_salt,
                 tenant=checked.tenant.name,
+                tenant_weight=checked.tenant.weight,
             ),
             timeout=remaining,
             metadata=call.telemetry.metadata(),
@@ -238,6 +248,47 @@ class Admission:
             first.accepted.queue_position,
             upstream_id,
             backend.model or checked.model,
+            [
+                *attempts,
+                inference_pb2.Attempt(
+                    attempt_id=attempt_id(call.request_id, attempt), scheduler=backend.address
+                ),
+            ],
+            list(call.request.stop),
+        )
+
+    async def fail_over(self, call: GenerateCall, failed: Admitted, error: KvmeshError) -> Admitted:
+        """The request again, same tokens and sampling, on another ready scheduler of the same
+        model version, within the request's deadline; KvmeshError when none can take it."""
+        failed.attempts[-1].error_reason = error.reason.value
+        remaining = call.context.time_remaining()  # the client's deadline, as of now
+        if call.request.timeout_ms:
+            left = call.request.timeout_ms / 1e3 - (time.monotonic() - call.received)
+            remaining = left if remaining is None else min(remaining, left)
+        if remaining is not None and remaining <= 0:
+            raise error
+        pinned = f"{failed.model.name}@{failed.model.version}"
+        try:
+            ready = self.catalog.schedulers(pinned, split=False)
+        except KvmeshError:
+            raise error from None
+        others = [backend for backend in ready if backend is not failed.backend]
+        if not others:
+            raise error
+        checked = Checked(failed.tenant, others, failed.model, failed.sampling)
+        with call.telemetry.phase("route") as span:
+            route = await self.policy.router.route(
+                others, failed.token_ids, failed.tenant.cache_salt
+            )
+            span.set_attributes(route.span_attributes())
+        return await self._submit(
+            call,
+            checked,
+            Routed(route),
+            failed.token_ids,
+            failed.grant,
+            remaining,
+            failed.attempts,
         )
 
     def release(self, grant: Grant | None, tokens_used: int) -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from services.gateway.admission import Admission, GenerateCall
 from services.gateway.call_context import CallContext
 from services.gateway.catalog import ModelCatalog
 from services.gateway.policy import GatewayPolicy
-from services.gateway.relay import Relay
+from services.gateway.relay import FailOver, Relay
 from services.gateway.request_record import (
     ActiveRequest,
     Admitted,
@@ -37,6 +37,7 @@ from shared.service import ServiceRuntime
 log = logging.getLogger("kvmesh.gateway")
 Event = inference_pb2.GenerateEvent
 TERMINAL = ("completed", "cancelled", "failed")
+MAX_ATTEMPTS = 2  # the first placement and one fail-over
 
 
 class GenerateHandler:
@@ -89,12 +90,12 @@ class GenerateHandler:
         self.active[active_key] = ActiveRequest(admitted.backend, admitted.upstream_id)
         progress = Progress(len(admitted.token_ids), call.received)
         text = TextStream(self.tokenizer.stub, telemetry.detokenize_metadata(), admitted.model.name)
-        relay = Relay(list(request.stop), admitted, text, progress)
+        placed = [admitted]  # the current attempt last: a fail-over appends the next one
         outcome, reason = "cancelled", "client_disconnected"  # unless a terminal event is sent
         with self.runtime.in_flight():
             try:
                 yield accepted_event(call.request_id, admitted, telemetry.trace_id)
-                async for event in relay.events():
+                async for event in self._relayed(call, placed, text, progress, active_key):
                     kind = event.WhichOneof("event")
                     if kind == "delta":
                         telemetry.delta(event.delta.text, len(event.delta.token_ids))
@@ -109,6 +110,7 @@ class GenerateHandler:
                 log.info("client stalled: cancelled")
                 raise
             finally:
+                admitted = placed[-1]
                 admitted.submit.cancel()  # a no-op when it ended; else the scheduler aborts it
                 text.cancel()
                 self.active.pop(active_key, None)
@@ -117,6 +119,52 @@ class GenerateHandler:
                 self.admission.release(admitted.grant, total_tokens)
                 telemetry.detokenize_ended(text.wait_s)
                 telemetry.ended(outcome, reason, progress.prompt_tokens, progress.completion_tokens)
+
+    async def _relayed(
+        self,
+        call: GenerateCall,
+        placed: list[Admitted],
+        text: TextStream,
+        progress: Progress,
+        active_key: tuple[str, str],
+    ) -> AsyncIterator[Event]:
+        """The relay's events; a retryable failure before the first token places the request
+        once more, on another scheduler, and relays that attempt instead."""
+        while True:
+            admitted = placed[-1]
+            relay = Relay(list(call.request.stop), admitted, text, progress)
+            relay.may_fail_over = len(admitted.attempts) < MAX_ATTEMPTS
+            try:
+                async for event in relay.events():
+                    yield event
+                return
+            except FailOver as failed:
+                error = failed.error
+            admitted.submit.cancel()
+            admitted.routed.ended()
+            try:
+                moved = await self.admission.fail_over(call, admitted, error)
+            except KvmeshError:
+                async for event in relay.on_broken(error):
+                    yield event
+                return
+            placed.append(moved)
+            self.active[active_key] = ActiveRequest(moved.backend, moved.upstream_id)
+            self._log_fail_over(call, admitted, moved, error)
+
+    @staticmethod
+    def _log_fail_over(
+        call: GenerateCall, failed: Admitted, moved: Admitted, error: KvmeshError
+    ) -> None:
+        attributes = {
+            "kvmesh.attempt.failed": failed.attempts[-1].attempt_id,
+            "kvmesh.attempt.next": moved.attempts[-1].attempt_id,
+            "kvmesh.attempt.failed_scheduler": failed.backend.address,
+            "kvmesh.attempt.scheduler": moved.backend.address,
+            "kvmesh.attempt.error_reason": error.reason.value,
+        }
+        call.telemetry.event("fail_over", attributes)
+        log.warning("failed over before the first token", extra=attributes)
 
     @staticmethod
     def _log_accepted(call: GenerateCall, admitted: Admitted) -> None:

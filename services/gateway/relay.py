@@ -29,6 +29,16 @@ from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, scheduler_pb2
 
 log = logging.getLogger("kvmesh.gateway.relay")
 Event = inference_pb2.GenerateEvent
+# Failures another scheduler may not have: its worker or it died, or it is draining.
+FAILOVER_REASONS = (Reason.WORKER_LOST, Reason.MODEL_NOT_READY, Reason.UNREACHABLE)
+
+
+class FailOver(Exception):
+    """A retryable failure before the first token: the request may be placed again."""
+
+    def __init__(self, error: KvmeshError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class Relay:
@@ -42,6 +52,7 @@ class Relay:
         # A response format's whole text, checked once it finished.
         self.output: list[str] | None = [] if admitted.sampling.response_format else None
         self.ended = False
+        self.may_fail_over = False  # set by the handler while another attempt is allowed
 
     async def events(self) -> AsyncIterator[Event]:
         submit = self.admitted.submit
@@ -54,18 +65,37 @@ class Relay:
                 elif kind == "finished":
                     handled = self.on_finished(event.finished)
                 elif kind == "failed":
+                    self._fail_over_if_allowed(grpc_errors.from_pb(event.failed))
                     handled = self.on_failed(event.failed)
                 else:
-                    raise KvmeshError(Reason.WORKER_LOST, "the scheduler ended the stream early")
+                    raise KvmeshError(
+                        Reason.WORKER_LOST, "the scheduler ended the stream early", retryable=True
+                    )
                 async for out in handled:
                     yield out
         except (grpc.RpcError, KvmeshError) as error:
-            async for out in self.on_broken(error):
+            failure = upstream_failure(error, emitted=self.progress.first_token_at is not None)
+            self._fail_over_if_allowed(failure)
+            async for out in self.on_broken(failure):
                 yield out
+
+    def _fail_over_if_allowed(self, error: KvmeshError) -> None:
+        """Never after the first token: the client would see tokens twice, or other ones."""
+        if (
+            self.may_fail_over
+            and self.progress.first_token_at is None
+            and error.retryable
+            and error.reason in FAILOVER_REASONS
+        ):
+            self.ended = True
+            raise FailOver(error)
 
     async def on_tokens(self, tokens: scheduler_pb2.SubmitTokens) -> AsyncIterator[Event]:
         ids, progress = list(tokens.token_ids), self.progress
         progress.completion_tokens += len(ids)
+        if tokens.HasField("first"):
+            progress.first_timings = tokens.first
+            progress.cached_tokens = tokens.first.cached_tokens
         self.admitted.routed.started()
         released = self.stops.push(await self.text.push(ids, logprobs=tokens.logprobs))
         if self.output is not None:
@@ -116,13 +146,9 @@ class Relay:
         yield Event(usage=self.progress.usage())
         yield Event(failed=inference_pb2.Failed(error=error))
 
-    async def on_broken(self, error: grpc.RpcError | KvmeshError) -> AsyncIterator[Event]:
+    async def on_broken(self, failure: KvmeshError) -> AsyncIterator[Event]:
         """The upstream call broke (or a check failed) after acceptance."""
         self.ended = True
-        failure = upstream_failure(
-            error if isinstance(error, KvmeshError) else grpc_errors.from_rpc_error(error),
-            emitted=self.progress.first_token_at is not None,
-        )
         log.warning("failed", extra={"reason": failure.reason.value, "error": failure.message})
         yield Event(usage=self.progress.usage())
         yield Event(failed=inference_pb2.Failed(error=grpc_errors.to_pb(failure)))

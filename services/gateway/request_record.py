@@ -11,6 +11,7 @@ from services.gateway.connections import SchedulerBackend
 from services.gateway.rate_limits import Grant
 from services.gateway.router import Routed
 from services.gateway.tenants import Tenant
+from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.outputs import FinishReason, finish_reason_label
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, scheduler_pb2
@@ -23,10 +24,18 @@ class ActiveRequest:
     upstream_id: str  # its id at the scheduler and worker
 
 
-def upstream_request_id(request_id: str, tenant: Tenant, client_named: bool) -> str:
+def upstream_request_id(
+    request_id: str, tenant: Tenant, client_named: bool, attempt: int = 1
+) -> str:
     """A client's own request id is scoped by its tenant upstream: two tenants may pick the
-    same id without either learning of the other (generated ids are unique already)."""
-    return f"{tenant.name}/{request_id}" if client_named else request_id
+    same id without either learning of the other (generated ids are unique already). A second
+    attempt carries its number, so scheduler and worker logs tell the attempts apart."""
+    scoped = f"{tenant.name}/{request_id}" if client_named else request_id
+    return scoped if attempt == 1 else f"{scoped}#{attempt}"
+
+
+def attempt_id(request_id: str, attempt: int) -> str:
+    return f"{request_id}#{attempt}"
 
 
 @dataclass
@@ -44,6 +53,9 @@ class Admitted:
     upstream_id: str  # the request's id at the scheduler (tenant-scoped when client-named)
     # The model version it runs on, kept: its scheduler may drain (and forget it) meanwhile.
     model: common_pb2.ModelInfo
+    # Every placement so far, this one last (its error_reason empty while it runs).
+    attempts: list[inference_pb2.Attempt]
+    stop: list[str]  # the stop strings the gateway matches
 
     @property
     def backend(self) -> SchedulerBackend:
@@ -57,6 +69,8 @@ class Progress:
     completion_tokens: int = 0
     cached_tokens: int = 0
     first_token_at: float | None = None
+    # The scheduler's queue and prefill times, from its first tokens event.
+    first_timings: scheduler_pb2.FirstTokenTimings | None = None
 
     def usage(self) -> inference_pb2.Usage:
         return inference_pb2.Usage(
@@ -99,6 +113,10 @@ def completed_event(
         timings.queue_ms = finished.queue_ms
         timings.prefill_ms = finished.prefill_ms
         timings.decode_ms = finished.decode_ms
+    elif progress.first_timings is not None:  # a stop string: the gateway ended it
+        timings.queue_ms = progress.first_timings.queue_ms
+        timings.prefill_ms = progress.first_timings.prefill_ms
+        timings.decode_ms = (now - (progress.first_token_at or now)) * 1e3
     return inference_pb2.GenerateEvent(
         completed=inference_pb2.Completed(
             finish_reason=reason,
@@ -116,6 +134,12 @@ def completed_event(
                 scheduler=backend.address,
                 routing=admitted.routed.route.to_pb(),
                 tenant=admitted.tenant.name,
+                attempts=admitted.attempts,
+                runtime=model.runtime,
+                device=model.device,
+                threads=model.threads,
+                tokenizer_digest=model.tokenizer_digest,
+                stop=admitted.stop,
             ),
         )
     )
@@ -131,17 +155,26 @@ def terminal_reason(event: inference_pb2.GenerateEvent) -> str:
     return event.failed.error.reason or "internal"
 
 
-def upstream_failure(failure: KvmeshError, emitted: bool) -> KvmeshError:
-    """A stream that broke after acceptance. A peer that died sends no kvmesh reason (its
-    status reads MODEL_NOT_READY or INTERNAL): that is WORKER_LOST. A lost peer's failure is
-    retryable only while the client has seen no token: a resent request would repeat them."""
-    if failure.reason in (Reason.MODEL_NOT_READY, Reason.INTERNAL):
-        failure = KvmeshError(
-            Reason.WORKER_LOST,
-            f"a service on the request's path stopped responding: {failure.message}",
-            retryable=True,
-            retry_after_ms=1000,
-        )
+LOST_PEER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL)
+
+
+def upstream_failure(error: grpc.RpcError | KvmeshError, emitted: bool) -> KvmeshError:
+    """A stream that broke after acceptance. A status without a kvmesh reason that reads
+    UNAVAILABLE, CANCELLED or INTERNAL (grpcio's "Internal error from Core" when the peer
+    vanished mid-call) is a peer that died: WORKER_LOST. A reason the upstream reported itself,
+    INTERNAL included, is passed on as it is. A lost peer's failure is retryable only while
+    the client has seen no token: a resent request would repeat them."""
+    if isinstance(error, KvmeshError):
+        failure = error
+    else:
+        failure = grpc_errors.from_rpc_error(error)
+        if error.code() in LOST_PEER_CODES and grpc_errors.rich_status_of(error) is None:
+            failure = KvmeshError(
+                Reason.WORKER_LOST,
+                f"a service on the request's path stopped responding: {failure.message}",
+                retryable=True,
+                retry_after_ms=1000,
+            )
     if emitted and failure.reason in (Reason.WORKER_LOST, Reason.TOKENIZER_LOST):
         failure.retryable, failure.retry_after_ms = False, 0
     return failure

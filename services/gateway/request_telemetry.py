@@ -29,23 +29,30 @@ REQUESTS = Counter(
     ["outcome", "reason"],
 )
 ADMITTED = Counter("kvmesh_admitted", "Requests a scheduler accepted")
+EVENTS = Counter("kvmesh_request_events", "Things that happened to requests (fail_over)", ["event"])
 IN_FLIGHT = Gauge("kvmesh_gateway_requests_in_flight", "Generate streams open on this gateway")
 TTFT = Histogram(
     "kvmesh_time_to_first_token_seconds",
     "Request received to first delta sent",
+    ["model"],
     buckets=REQUEST_SECONDS,
 )
 TPOT = Histogram(
     "kvmesh_time_per_output_token_seconds",
     "Mean time per output token after the first",
+    ["model"],
     buckets=TOKEN_SECONDS,
 )
 ITL = Histogram(
-    "kvmesh_inter_token_latency_seconds", "Time between consecutive deltas", buckets=TOKEN_SECONDS
+    "kvmesh_inter_token_latency_seconds",
+    "Time between consecutive deltas",
+    ["model"],
+    buckets=TOKEN_SECONDS,
 )
 E2E = Histogram(
     "kvmesh_e2e_request_latency_seconds",
     "Request received to terminal event sent",
+    ["model"],
     buckets=REQUEST_SECONDS,
 )
 # A long answer's gaps beyond this are summarised by the histogram only.
@@ -85,6 +92,7 @@ class RequestTelemetry:
         self._delivery_blocked_s = 0.0
         self._detokenize: trace.Span | None = None
         self._ended = False
+        self.model = ""  # the latency histograms' label, once a scheduler accepted it
         IN_FLIGHT.inc()
 
     # ---- spans for the gateway's phases ----------------------------------------------------
@@ -128,7 +136,13 @@ class RequestTelemetry:
 
     def admitted(self, attributes: dict[str, str | int | float]) -> None:
         ADMITTED.inc()
+        self.model = str(attributes.get("gen_ai.response.model", ""))
         self.root.set_attributes(attributes)
+
+    def event(self, name: str, attributes: dict[str, str]) -> None:
+        """Something that happened to the request: an event on its root span, and counted."""
+        self.root.add_event(name, attributes)
+        EVENTS.labels(name).inc()
 
     def delta(self, text: str, num_tokens: int) -> None:
         """A delta is about to be sent; the first one starts the delivery span."""
@@ -143,7 +157,7 @@ class RequestTelemetry:
             self._delivery = tracer.start_span("delivery", context=self._parent)
         elif self._last_delta is not None:
             gap_s = now - self._last_delta
-            ITL.observe(gap_s, exemplar(self.trace_id))
+            ITL.labels(self.model).observe(gap_s, exemplar(self.trace_id))
             if len(self._gaps_ms) < MAX_GAPS_IN_SPAN:
                 self._gaps_ms.append(round(gap_s * 1e3, 3))
         self._last_delta = now
@@ -165,12 +179,14 @@ class RequestTelemetry:
         REQUESTS.labels(outcome, reason).inc()
         e2e_s = now - self.received
         example = exemplar(self.trace_id)
-        E2E.observe(e2e_s, example)
+        E2E.labels(self.model).observe(e2e_s, example)
         if self._first_delta is not None:
             ttft_s = self._first_delta - self.received
-            TTFT.observe(ttft_s, example)
+            TTFT.labels(self.model).observe(ttft_s, example)
             if output_tokens > 1 and self._last_delta is not None:
-                TPOT.observe((self._last_delta - self._first_delta) / (output_tokens - 1), example)
+                TPOT.labels(self.model).observe(
+                    (self._last_delta - self._first_delta) / (output_tokens - 1), example
+                )
         self.root.set_attributes(
             {
                 "gen_ai.usage.input_tokens": prompt_tokens,

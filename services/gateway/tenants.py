@@ -10,6 +10,11 @@ configured, auth is off and every request runs as the tenant "anonymous".
     requests_per_second = 5      # token bucket; 0 or absent: unlimited
     tokens_per_minute = 60000    # prompt + max_tokens charged on admission, unused refunded
     max_concurrent = 8           # requests in flight at once, across every gateway
+    highest_priority = -10       # the most urgent priority it may send (lower runs first);
+                                 # absent: 0, so no key can push ahead of normal traffic
+    weight = 2.0                 # its share of each scheduler against other tenants; 1.0
+
+With auth off, "anonymous" may send any priority (one user: no one else to push aside).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import tomllib
 from shared.errors import KvmeshError, Reason
 
 ANONYMOUS = "anonymous"
+ANY_PRIORITY = -(2**31)
 _SALT_CONTEXT = b"kvmesh prefix-cache salt\x00"
 
 
@@ -43,6 +49,16 @@ class Tenant:
     name: str
     limits: TenantLimits = field(default_factory=TenantLimits)
     admin: bool = False  # may call ModelAdmin (add schedulers, move traffic)
+    highest_priority: int = 0  # the lowest priority value its requests may carry
+    weight: float = 1.0  # its fair share of a scheduler's KV blocks, against other tenants
+
+    def check_priority(self, priority: int) -> None:
+        if priority < self.highest_priority:
+            raise KvmeshError(
+                Reason.PERMISSION_DENIED,
+                f"priority {priority} is above what tenant {self.name!r} may ask for (the "
+                f"most urgent it may send is {self.highest_priority}; lower runs first)",
+            )
 
     @property
     def cache_salt(self) -> bytes:
@@ -54,7 +70,7 @@ class Tenant:
 class ApiKeys:
     def __init__(self, entries: Iterable[tuple[str, Tenant]] = ()) -> None:
         self._entries = [(_digest(key), tenant) for key, tenant in entries]
-        self.anonymous = Tenant(ANONYMOUS)
+        self.anonymous = Tenant(ANONYMOUS, highest_priority=ANY_PRIORITY)
 
     def default_max_concurrent(self, limit: int) -> None:
         """Every tenant without its own `max_concurrent` (and anonymous) gets `limit`."""
@@ -97,7 +113,14 @@ class ApiKeys:
                 max_concurrent=int(table.get("max_concurrent", 0)),
             )
             admin = table.get("admin", False) is True
-            entries += [(key, Tenant(name, limits, admin)) for key in keys]
+            highest_priority = int(table.get("highest_priority", 0))
+            weight = float(table.get("weight", 1.0))
+            if weight <= 0:
+                raise KvmeshError(
+                    Reason.INVALID_ARGUMENT, f"{path}: tenant {name!r} needs a weight above 0"
+                )
+            tenant = Tenant(name, limits, admin, highest_priority, weight)
+            entries += [(key, tenant) for key in keys]
         return cls(entries)
 
     @classmethod

@@ -123,11 +123,7 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:
-            if self._by_hash.get(block.block_hash) == block_id:
-                del self._by_hash[block.block_hash]
-                self.events.evicted(block.salt, block.block_hash)
-            block.block_hash = None
-            block.token_ids = ()
+            self._uncache(block)
             self.stats.evictions += 1
         block.ref_count = 1
         return block_id
@@ -157,16 +153,28 @@ class BlockManager:
             by_salt.setdefault(self.blocks[block_id].salt, []).append(block_hash)
         return by_salt
 
-    def free(self, request: Request) -> None:
-        """Release the request's blocks. Tail blocks are freed first so they are evicted first."""
+    def free(self, request: Request, drop_cached: bool = False) -> None:
+        """Release the request's blocks. Tail blocks are freed first so they are evicted first.
+        drop_cached: blocks nobody else holds leave the prefix cache too (a failed request's
+        K/V is not trusted)."""
         for block_id in reversed(request.block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+                if drop_cached and block.block_hash is not None:
+                    self._uncache(block)
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
         request.block_ids.clear()
+
+    def _uncache(self, block: KVBlock) -> None:
+        assert block.block_hash is not None
+        if self._by_hash.get(block.block_hash) == block.block_id:
+            del self._by_hash[block.block_hash]
+            self.events.evicted(block.salt, block.block_hash)
+        block.block_hash = None
+        block.token_ids = ()
 
     def check_invariants(self, holders: list[Request]) -> None:
         """Ref counts equal the number of holders; free list holds exactly the unreferenced."""

@@ -19,6 +19,7 @@ class LoadReporter:
             num_aborted=counters.aborted,
             num_expired_waiting=counters.expired_waiting,
             num_expired_running=counters.expired_running,
+            num_failed_execution=counters.failed_execution,
             worker_ready=loop.worker_ready,
             max_waiting=self.max_waiting,
             num_open_streams=len(loop.tracked),
@@ -41,6 +42,8 @@ class LoadReporter:
             report.num_blocks_referenced = load.num_blocks - load.num_free_blocks
             report.num_preemptions = load.num_preemptions
             report.prefix_hit_tokens = load.prefix_hit_tokens
+            report.prefix_query_tokens = scheduler.block_manager.stats.queries
+            report.prefix_evictions = scheduler.block_manager.stats.evictions
         if include_recent_frees:
             report.recent_frees.extend(
                 scheduler_pb2.FreedRequest(request_id=r, freed_unix_ns=t)

@@ -78,6 +78,18 @@ class SchedulerMetrics(Collector):
                 "Prompt tokens found in the prefix cache",
                 report.prefix_hit_tokens,
             ),
+            "kvmesh_prefix_cache_query_tokens": (
+                "Prompt tokens looked up in the prefix cache (hit ratio: hits / queries)",
+                report.prefix_query_tokens,
+            ),
+            "kvmesh_prefix_cache_evictions": (
+                "Cached KV blocks evicted to make room",
+                report.prefix_evictions,
+            ),
+            "kvmesh_requests_failed_execution": (
+                "Requests ended because the engine could not compute them",
+                report.num_failed_execution,
+            ),
             "kvmesh_preemptions": ("Requests preempted for KV room", report.num_preemptions),
             "kvmesh_scheduler_steps": ("Steps sent to the engine-worker", report.num_steps),
             "kvmesh_deadline_expired": (

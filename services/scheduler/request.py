@@ -31,6 +31,8 @@ class Request:
     arrival_seq: int
     priority: int = 0  # lower runs first, as in vLLM
     cache_salt: bytes = b""
+    tenant: str = ""  # its fair share is counted with the tenant's other requests
+    tenant_weight: float = 1.0
     prompt_len: int = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission

@@ -81,6 +81,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             sampling_from_pb(request.sampling),
             request.priority,
             cache_salt=request.cache_salt,
+            tenant=request.tenant,
+            tenant_weight=request.tenant_weight,
         )
         trace = RequestTrace(metadata, request.request_id, len(request.token_ids), request.tenant)
         tracked = Tracked(request.request_id, trace)

@@ -32,6 +32,7 @@ from shared.config import CacheConfig, SchedulerConfig
 from shared.errors import KvmeshError, Reason
 from shared.outputs import FinishReason, RequestOutput
 from shared.pb.kvmesh.v1 import common_pb2, scheduler_pb2
+from shared.step import FailedRequest
 
 log = logging.getLogger("kvmesh.scheduler")
 RECENT_FREES = 1024
@@ -56,6 +57,7 @@ class Counters:
     aborted: int = 0
     expired_waiting: int = 0
     expired_running: int = 0
+    failed_execution: int = 0
 
 
 class StepLoop:
@@ -158,15 +160,49 @@ class StepLoop:
                 continue
             if output.new_token_ids:
                 tracked.output_tokens += len(output.new_token_ids)
-                if tracked.trace.first_token_at is None:
-                    tracked.trace.first_token(now)
                 tokens = scheduler_pb2.SubmitTokens(
                     token_ids=output.new_token_ids,
                     logprobs=[logprobs_to_pb(lp) for lp in output.logprobs],
                 )
+                if tracked.trace.first_token_at is None:
+                    tracked.trace.first_token(now)
+                    tokens.first.CopyFrom(self._first_token_timings(tracked, output, now))
                 tracked.events.put_nowait(scheduler_pb2.SubmitEvent(tokens=tokens))
             if output.finish_reason is not None:
                 self.finish(tracked, output.finish_reason, output.num_cached_tokens, now)
+            elif output.failure is not None:
+                self.fail_execution(tracked, output.failure)
+
+    def _first_token_timings(
+        self, tracked: Tracked, output: RequestOutput, now: float
+    ) -> scheduler_pb2.FirstTokenTimings:
+        trace = tracked.trace
+        first_step = trace.scheduled_at or now
+        request = self.scheduler.requests.get(output.request_id) if self.scheduler else None
+        return scheduler_pb2.FirstTokenTimings(
+            queue_ms=(first_step - trace.arrival) * 1e3,
+            prefill_ms=(now - first_step) * 1e3,
+            cached_tokens=request.num_cached_tokens if request else output.num_cached_tokens,
+        )
+
+    def fail_execution(self, tracked: Tracked, failure: FailedRequest) -> None:
+        """The worker could not compute it. Not retryable: sent again, it would fail again
+        (and on another worker, take that one's batch through the same failure)."""
+        self.counters.failed_execution += 1
+        log.warning(
+            "request failed in the engine",
+            extra={
+                "request_id": tracked.request_id,
+                "reason": failure.reason,
+                "error_type": failure.error_type,
+            },
+        )
+        tracked.trace.span.set_attribute("error.type", failure.error_type)
+        error = KvmeshError(
+            Reason(failure.reason),
+            "the engine could not compute this request; it was stopped and its batch went on",
+        )
+        self._close(tracked, scheduler_pb2.SubmitEvent(failed=grpc_errors.to_pb(error)))
 
     def finish(
         self, tracked: Tracked, reason: FinishReason, cached_tokens: int, now: float

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from kvmesh.launcher import Mesh, MeshConfig
@@ -120,6 +121,25 @@ async def settled_load(
                 return load
             assert time.monotonic() < deadline, f"requests still in flight: {load}"
             await asyncio.sleep(0.02)
+
+
+async def health_status(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=2
+            )
+        except grpc.RpcError:
+            return health_pb2.HealthCheckResponse.UNKNOWN
+        return int(reply.status)
+
+
+async def wait_health(address: str, serving: bool, timeout: float = 60) -> None:
+    wanted = health_pb2.HealthCheckResponse.SERVING
+    deadline = time.monotonic() + timeout
+    while (await health_status(address) == wanted) != serving:
+        assert time.monotonic() < deadline, f"{address} never turned serving={serving}"
+        await asyncio.sleep(0.05)
 
 
 def tiny_mesh_config(model_dir: str, log_dir: str) -> MeshConfig:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 import urllib.error
 import urllib.request
 
@@ -28,7 +27,6 @@ from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.e2e.mesh_helpers import assert_mesh_idle, rich_error
 
 EXAMPLES = int(os.environ.get("KVMESH_FUZZ_EXAMPLES", "0")) or 150
-REFUSAL_S = 5.0  # a refusal never takes longer than this (no generation happens)
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -150,8 +148,7 @@ def public_stub(mesh: Mesh):
         yield inference_pb2_grpc.InferenceStub(channel)
 
 
-def assert_refused_cleanly(error: grpc.RpcError, started: float) -> None:
-    assert time.monotonic() - started < REFUSAL_S, "a refusal took too long"
+def assert_refused_cleanly(error: grpc.RpcError) -> None:
     parsed = rich_error(error)  # type: ignore[arg-type]
     assert parsed.reason in KNOWN_REASONS, (parsed, error)
 
@@ -164,14 +161,13 @@ def test_any_generate_request_is_served_or_refused_with_a_reason(
     public_stub: inference_pb2_grpc.InferenceStub, request: inference_pb2.GenerateRequest
 ) -> None:
     cap_output(request)
-    started = time.monotonic()
     call = public_stub.Generate(request, timeout=60)
     try:
         first = next(call)
     except grpc.RpcError as error:
         if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and request.timeout_ms:
             return  # its own timeout_ms, before acceptance
-        assert_refused_cleanly(error, started)
+        assert_refused_cleanly(error)
         return
     finally:
         call.cancel()
@@ -184,11 +180,10 @@ def test_raw_bytes_on_the_grpc_method_never_break_the_gateway(mesh: Mesh, payloa
     with grpc.insecure_channel(mesh.gateway_address) as channel:
         generate = channel.unary_stream("/kvmesh.v1.Inference/Generate")
         call = generate(payload, timeout=60)
-        started = time.monotonic()
         try:
             next(call)  # bytes that happen to parse are a request like any other
         except grpc.RpcError as error:
-            assert_refused_cleanly(error, started)  # INVALID_ARGUMENT when they do not parse
+            assert_refused_cleanly(error)  # INVALID_ARGUMENT when they do not parse
         except StopIteration:
             pytest.fail("a stream ended without a status")
         finally:
@@ -261,11 +256,9 @@ def http_bodies() -> st.SearchStrategy[bytes]:
 def test_any_http_body_gets_an_openai_error_or_a_completion(
     mesh: Mesh, path: str, body: bytes
 ) -> None:
-    started = time.monotonic()
     status, payload = post(mesh, path, body)
     if status == 200:
         return
-    assert time.monotonic() - started < REFUSAL_S
     assert status in (400, 404, 413, 429, 503, 504), (status, payload[:300])
     error = json.loads(payload)["error"]
     assert error["code"] in KNOWN_REASONS, error

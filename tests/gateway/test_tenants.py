@@ -15,6 +15,8 @@ keys = ["sk-acme-1", "sk-acme-2"]
 requests_per_second = 5
 tokens_per_minute = 6000
 max_concurrent = 2
+highest_priority = -5
+weight = 3
 
 [tenants.beta]
 keys = ["sk-beta"]
@@ -26,6 +28,22 @@ def keys(tmp_path: pathlib.Path) -> ApiKeys:
     path = tmp_path / "keys.toml"
     path.write_text(KEYS_FILE)
     return ApiKeys.from_toml(str(path))
+
+
+def test_priority_above_a_tenants_allowance_is_permission_denied(keys: ApiKeys) -> None:
+    acme = keys.authenticate([("x-api-key", "sk-acme-1")])
+    beta = keys.authenticate([("x-api-key", "sk-beta")])
+    assert (acme.highest_priority, acme.weight) == (-5, 3.0)
+    assert (beta.highest_priority, beta.weight) == (0, 1.0)  # no key may jump the queue
+    acme.check_priority(-5)
+    beta.check_priority(0)
+    beta.check_priority(7)  # less urgent is always allowed
+    for tenant, priority in ((acme, -6), (beta, -1)):
+        with pytest.raises(KvmeshError) as refused:
+            tenant.check_priority(priority)
+        assert refused.value.reason is Reason.PERMISSION_DENIED and not refused.value.retryable
+        assert "priority" in refused.value.message
+    ApiKeys().authenticate([]).check_priority(-(2**31))  # auth off: one user, any priority
 
 
 def test_each_key_maps_to_its_tenant_and_limits(keys: ApiKeys) -> None:

@@ -6,6 +6,7 @@ import random
 
 from services.scheduler.request import RequestStatus
 from shared.sampling import SamplingParams
+from shared.step import FailedRequest, StepResult
 from tests.scheduler.fake_worker import FakeWorker
 from tests.scheduler.helpers import make_scheduler
 
@@ -20,6 +21,7 @@ def test_random_workload_never_leaks_or_double_frees_blocks() -> None:
     next_id = 0
     finished = 0
     aborted = 0
+    failed = 0
     for _ in range(STEPS):
         if rng.random() < 0.35 and len(scheduler.requests) < 24:
             prompt = rng.choice(prefixes)[: rng.randint(1, 20)] + [
@@ -30,21 +32,36 @@ def test_random_workload_never_leaks_or_double_frees_blocks() -> None:
             params = SamplingParams(
                 max_tokens=rng.randint(1, 40), stop_token_ids=(19,), temperature=0.0
             )
-            scheduler.add_request(f"r{next_id}", prompt, params, priority=rng.randint(0, 2))
+            tenant = rng.choice("abc")
+            scheduler.add_request(
+                f"r{next_id}",
+                prompt,
+                params,
+                priority=rng.randint(0, 2),
+                tenant=tenant,
+                tenant_weight={"a": 1.0, "b": 2.0, "c": 0.5}[tenant],
+            )
             next_id += 1
         if rng.random() < 0.05 and scheduler.requests:
             scheduler.abort(rng.choice(sorted(scheduler.requests)))
             aborted += 1
         plan = scheduler.schedule()
         assert plan.num_scheduled_tokens <= 24
-        for output in scheduler.update(plan, worker.execute(plan)):
+        result = worker.execute(plan)
+        if result.sampled and rng.random() < 0.03:  # one request's computation raised
+            failing = rng.choice(result.sampled).request_id
+            sampled = tuple(t for t in result.sampled if t.request_id != failing)
+            failure = FailedRequest(failing, "EXECUTION_FAILED", "ValueError")
+            result = StepResult(result.step_id, sampled, (failure,))
+            failed += 1
+        for output in scheduler.update(plan, result):
             finished += output.finished
         live = list(scheduler.requests.values())
         scheduler.block_manager.check_invariants(live)
         holders = [r for r in live if r.block_ids]
         assert all(r.status is RequestStatus.RUNNING for r in holders)
         assert len(scheduler.running) <= 8
-    assert finished > 500 and aborted > 50 and scheduler.num_preemptions > 0
+    assert finished > 500 and aborted > 50 and failed > 50 and scheduler.num_preemptions > 0
     assert scheduler.block_manager.stats.hits > 0 and scheduler.block_manager.stats.evictions > 0
     for request_id in list(scheduler.requests):
         scheduler.abort(request_id)

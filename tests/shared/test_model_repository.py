@@ -97,6 +97,38 @@ def test_a_kv_budget_beyond_free_memory_is_refused_at_load(tiny_llama_dir: str) 
     assert "MiB are free" in refused.value.message
 
 
+def test_weights_that_alone_do_not_fit_are_refused_before_they_load(
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Room for the KV pool and the workspace but not the weights: refused, and counted
+    before any tensor is read (the estimate from the shapes equals what loads)."""
+    import services.engine_worker.capacity as capacity
+    import services.engine_worker.weights as weights
+
+    config = _config(tiny_llama_dir)
+    loaded = Worker(config)
+    arch = loaded.architecture
+    assert arch.num_parameters == loaded.manifest.num_parameters
+    kv = loaded.kv_shape.num_bytes(4)
+    monkeypatch.setattr(capacity, "available_bytes", lambda backend: kv + (2 << 20))
+
+    def never(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("weights were read before the fit check")
+
+    monkeypatch.setattr(weights.ModelWeights, "build", never)
+    with pytest.raises(KvmeshError) as refused:
+        Worker(config)
+    assert refused.value.reason is Reason.MODEL_DOES_NOT_FIT
+    assert "weights" in refused.value.message and "KV cache" in refused.value.message
+
+
+def test_the_parameter_estimate_matches_the_default_model(default_model_path: str) -> None:
+    from services.engine_worker.artifacts import open_artifact
+
+    artifact = open_artifact(default_model_path)
+    assert artifact.architecture.num_parameters == 134_515_008  # SmolLM2-135M, tied
+
+
 def test_models_cli_adds_with_fixtures_and_lists(tmp_path, default_model_path: str, capsys) -> None:
     repo = str(tmp_path / "repo")
     add = ["models", "--repo", repo, "add", "smollm2", default_model_path, "--alias", "default"]

@@ -96,14 +96,26 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "compute_ms")
+    __slots__ = ("step_id", "sampled", "compute_ms", "failed")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     compute_ms: float
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    failed: _containers.RepeatedCompositeFieldContainer[FailedRequest]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., failed: _Optional[_Iterable[_Union[FailedRequest, _Mapping]]] = ...) -> None: ...
+
+class FailedRequest(_message.Message):
+    __slots__ = ("request_id", "reason", "error_type")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reason: str
+    error_type: str
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ..., error_type: _Optional[str] = ...) -> None: ...
 
 class WorkerInfoRequest(_message.Message):
     __slots__ = ()

@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from shared.pb.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/inference.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"D\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12%\n\x06inputs\x18\x02 \x03(\x0b\x32\x15.kvmesh.v1.EmbedInput\"v\n\rEmbedResponse\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.Embedding\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\"\xf9\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.kvmesh.v1.ChatH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x10\n\x08priority\x18\t \x01(\x05\x42\x07\n\x05input\"\x82\x02\n\rGenerateEvent\x12\'\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.AcceptedH\x00\x12!\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.DeltaH\x00\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.UsageH\x00\x12)\n\tcompleted\x18\x04 \x01(\x0b\x32\x14.kvmesh.v1.CompletedH\x00\x12)\n\tcancelled\x18\x05 \x01(\x0b\x32\x14.kvmesh.v1.CancelledH\x00\x12#\n\x06\x66\x61iled\x18\x06 \x01(\x0b\x32\x11.kvmesh.v1.FailedH\x00\x42\x07\n\x05\x65vent\"\xb2\x01\n\x08\x41\x63\x63\x65pted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0equeue_position\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12+\n\x07routing\x18\x05 \x01(\x0b\x32\x1a.kvmesh.v1.RoutingDecision\x12\x10\n\x08trace_id\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\t\"d\n\x0fRoutingDecision\x12\x11\n\tscheduler\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"i\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\x08\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"e\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x11\n\tdecode_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\"\x80\x02\n\x0f\x45xecutionRecord\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x17\n\x0f\x61rtifact_digest\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x11\n\tscheduler\x18\x08 \x01(\t\x12+\n\x07routing\x18\t \x01(\x0b\x32\x1a.kvmesh.v1.RoutingDecision\x12\x0e\n\x06tenant\x18\n \x01(\t\"\xc5\x01\n\tCompleted\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.kvmesh.v1.Timings\x12-\n\texecution\x18\x05 \x01(\x0b\x32\x1a.kvmesh.v1.ExecutionRecord\"<\n\tCancelled\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.Usage\")\n\x06\x46\x61iled\x12\x1f\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x10.kvmesh.v1.Error\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"k\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelInfo\x12/\n\x08versions\x18\x02 \x03(\x0b\x32\x1d.kvmesh.v1.ModelVersionStatus\"\x85\x01\n\x12ModelVersionStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x10\n\x08replicas\x18\x04 \x01(\r\x12\x16\n\x0eready_replicas\x18\x05 \x01(\r\x12\x17\n\x0ftraffic_percent\x18\x06 \x01(\x01\"\x1f\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"Z\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.kvmesh.v1.ChatH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"V\n\x13\x43ountTokensResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x19\n\x11max_output_tokens\x18\x03 \x01(\r2\xe0\x03\n\tInference\x12\x42\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x18.kvmesh.v1.GenerateEvent0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponse\x12<\n\x08GetModel\x12\x1a.kvmesh.v1.GetModelRequest\x1a\x14.kvmesh.v1.ModelInfo\x12\x43\n\x08Tokenize\x12\x1a.kvmesh.v1.TokenizeRequest\x1a\x1b.kvmesh.v1.TokenizeResponse\x12I\n\x0b\x43ountTokens\x12\x1a.kvmesh.v1.TokenizeRequest\x1a\x1e.kvmesh.v1.CountTokensResponse\x12:\n\x05\x45mbed\x12\x17.kvmesh.v1.EmbedRequest\x1a\x18.kvmesh.v1.EmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/inference.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"D\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12%\n\x06inputs\x18\x02 \x03(\x0b\x32\x15.kvmesh.v1.EmbedInput\"v\n\rEmbedResponse\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.Embedding\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\"\xf9\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.kvmesh.v1.ChatH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x10\n\x08priority\x18\t \x01(\x05\x42\x07\n\x05input\"\x82\x02\n\rGenerateEvent\x12\'\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.AcceptedH\x00\x12!\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.DeltaH\x00\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.UsageH\x00\x12)\n\tcompleted\x18\x04 \x01(\x0b\x32\x14.kvmesh.v1.CompletedH\x00\x12)\n\tcancelled\x18\x05 \x01(\x0b\x32\x14.kvmesh.v1.CancelledH\x00\x12#\n\x06\x66\x61iled\x18\x06 \x01(\x0b\x32\x11.kvmesh.v1.FailedH\x00\x42\x07\n\x05\x65vent\"\xb2\x01\n\x08\x41\x63\x63\x65pted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0equeue_position\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12+\n\x07routing\x18\x05 \x01(\x0b\x32\x1a.kvmesh.v1.RoutingDecision\x12\x10\n\x08trace_id\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\t\"d\n\x0fRoutingDecision\x12\x11\n\tscheduler\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"i\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\x08\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"e\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x11\n\tdecode_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\"\xd9\x03\n\x0f\x45xecutionRecord\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x17\n\x0f\x61rtifact_digest\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x11\n\tscheduler\x18\x08 \x01(\t\x12+\n\x07routing\x18\t \x01(\x0b\x32\x1a.kvmesh.v1.RoutingDecision\x12\x0e\n\x06tenant\x18\n \x01(\t\x12$\n\x08\x61ttempts\x18\x0b \x03(\x0b\x32\x12.kvmesh.v1.Attempt\x12\x38\n\x07runtime\x18\x0c \x03(\x0b\x32\'.kvmesh.v1.ExecutionRecord.RuntimeEntry\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\t\x12\x0f\n\x07threads\x18\x0e \x01(\r\x12\x18\n\x10tokenizer_digest\x18\x0f \x01(\t\x12\x0c\n\x04stop\x18\x10 \x03(\t\x1a.\n\x0cRuntimeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"F\n\x07\x41ttempt\x12\x12\n\nattempt_id\x18\x01 \x01(\t\x12\x11\n\tscheduler\x18\x02 \x01(\t\x12\x14\n\x0c\x65rror_reason\x18\x03 \x01(\t\"\xc5\x01\n\tCompleted\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.kvmesh.v1.Timings\x12-\n\texecution\x18\x05 \x01(\x0b\x32\x1a.kvmesh.v1.ExecutionRecord\"<\n\tCancelled\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.Usage\")\n\x06\x46\x61iled\x12\x1f\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x10.kvmesh.v1.Error\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"k\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelInfo\x12/\n\x08versions\x18\x02 \x03(\x0b\x32\x1d.kvmesh.v1.ModelVersionStatus\"\x85\x01\n\x12ModelVersionStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x10\n\x08replicas\x18\x04 \x01(\r\x12\x16\n\x0eready_replicas\x18\x05 \x01(\r\x12\x17\n\x0ftraffic_percent\x18\x06 \x01(\x01\"\x1f\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"Z\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.kvmesh.v1.ChatH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"V\n\x13\x43ountTokensResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x19\n\x11max_output_tokens\x18\x03 \x01(\r2\xe0\x03\n\tInference\x12\x42\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x18.kvmesh.v1.GenerateEvent0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponse\x12<\n\x08GetModel\x12\x1a.kvmesh.v1.GetModelRequest\x1a\x14.kvmesh.v1.ModelInfo\x12\x43\n\x08Tokenize\x12\x1a.kvmesh.v1.TokenizeRequest\x1a\x1b.kvmesh.v1.TokenizeResponse\x12I\n\x0b\x43ountTokens\x12\x1a.kvmesh.v1.TokenizeRequest\x1a\x1e.kvmesh.v1.CountTokensResponse\x12:\n\x05\x45mbed\x12\x17.kvmesh.v1.EmbedRequest\x1a\x18.kvmesh.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_EXECUTIONRECORD_RUNTIMEENTRY']._loaded_options = None
+  _globals['_EXECUTIONRECORD_RUNTIMEENTRY']._serialized_options = b'8\001'
   _globals['_EMBEDREQUEST']._serialized_start=64
   _globals['_EMBEDREQUEST']._serialized_end=132
   _globals['_EMBEDRESPONSE']._serialized_start=134
@@ -51,31 +53,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIMINGS']._serialized_start=1239
   _globals['_TIMINGS']._serialized_end=1340
   _globals['_EXECUTIONRECORD']._serialized_start=1343
-  _globals['_EXECUTIONRECORD']._serialized_end=1599
-  _globals['_COMPLETED']._serialized_start=1602
-  _globals['_COMPLETED']._serialized_end=1799
-  _globals['_CANCELLED']._serialized_start=1801
-  _globals['_CANCELLED']._serialized_end=1861
-  _globals['_FAILED']._serialized_start=1863
-  _globals['_FAILED']._serialized_end=1904
-  _globals['_ABORTREQUEST']._serialized_start=1906
-  _globals['_ABORTREQUEST']._serialized_end=1940
-  _globals['_ABORTRESPONSE']._serialized_start=1942
-  _globals['_ABORTRESPONSE']._serialized_end=1972
-  _globals['_LISTMODELSREQUEST']._serialized_start=1974
-  _globals['_LISTMODELSREQUEST']._serialized_end=1993
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1995
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2102
-  _globals['_MODELVERSIONSTATUS']._serialized_start=2105
-  _globals['_MODELVERSIONSTATUS']._serialized_end=2238
-  _globals['_GETMODELREQUEST']._serialized_start=2240
-  _globals['_GETMODELREQUEST']._serialized_end=2271
-  _globals['_TOKENIZEREQUEST']._serialized_start=2273
-  _globals['_TOKENIZEREQUEST']._serialized_end=2363
-  _globals['_TOKENIZERESPONSE']._serialized_start=2365
-  _globals['_TOKENIZERESPONSE']._serialized_end=2402
-  _globals['_COUNTTOKENSRESPONSE']._serialized_start=2404
-  _globals['_COUNTTOKENSRESPONSE']._serialized_end=2490
-  _globals['_INFERENCE']._serialized_start=2493
-  _globals['_INFERENCE']._serialized_end=2973
+  _globals['_EXECUTIONRECORD']._serialized_end=1816
+  _globals['_EXECUTIONRECORD_RUNTIMEENTRY']._serialized_start=1770
+  _globals['_EXECUTIONRECORD_RUNTIMEENTRY']._serialized_end=1816
+  _globals['_ATTEMPT']._serialized_start=1818
+  _globals['_ATTEMPT']._serialized_end=1888
+  _globals['_COMPLETED']._serialized_start=1891
+  _globals['_COMPLETED']._serialized_end=2088
+  _globals['_CANCELLED']._serialized_start=2090
+  _globals['_CANCELLED']._serialized_end=2150
+  _globals['_FAILED']._serialized_start=2152
+  _globals['_FAILED']._serialized_end=2193
+  _globals['_ABORTREQUEST']._serialized_start=2195
+  _globals['_ABORTREQUEST']._serialized_end=2229
+  _globals['_ABORTRESPONSE']._serialized_start=2231
+  _globals['_ABORTRESPONSE']._serialized_end=2261
+  _globals['_LISTMODELSREQUEST']._serialized_start=2263
+  _globals['_LISTMODELSREQUEST']._serialized_end=2282
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2284
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2391
+  _globals['_MODELVERSIONSTATUS']._serialized_start=2394
+  _globals['_MODELVERSIONSTATUS']._serialized_end=2527
+  _globals['_GETMODELREQUEST']._serialized_start=2529
+  _globals['_GETMODELREQUEST']._serialized_end=2560
+  _globals['_TOKENIZEREQUEST']._serialized_start=2562
+  _globals['_TOKENIZEREQUEST']._serialized_end=2652
+  _globals['_TOKENIZERESPONSE']._serialized_start=2654
+  _globals['_TOKENIZERESPONSE']._serialized_end=2691
+  _globals['_COUNTTOKENSRESPONSE']._serialized_start=2693
+  _globals['_COUNTTOKENSRESPONSE']._serialized_end=2779
+  _globals['_INFERENCE']._serialized_start=2782
+  _globals['_INFERENCE']._serialized_end=3262
 # @@protoc_insertion_point(module_scope)

@@ -132,7 +132,14 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ...) -> None: ...
 
 class ExecutionRecord(_message.Message):
-    __slots__ = ("model_name", "model_version", "artifact_digest", "backend", "dtype", "sampling", "seed", "scheduler", "routing", "tenant")
+    __slots__ = ("model_name", "model_version", "artifact_digest", "backend", "dtype", "sampling", "seed", "scheduler", "routing", "tenant", "attempts", "runtime", "device", "threads", "tokenizer_digest", "stop")
+    class RuntimeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +150,12 @@ class ExecutionRecord(_message.Message):
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_version: str
     artifact_digest: str
@@ -153,7 +166,23 @@ class ExecutionRecord(_message.Message):
     scheduler: str
     routing: RoutingDecision
     tenant: str
-    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., artifact_digest: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., scheduler: _Optional[str] = ..., routing: _Optional[_Union[RoutingDecision, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
+    attempts: _containers.RepeatedCompositeFieldContainer[Attempt]
+    runtime: _containers.ScalarMap[str, str]
+    device: str
+    threads: int
+    tokenizer_digest: str
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., artifact_digest: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., scheduler: _Optional[str] = ..., routing: _Optional[_Union[RoutingDecision, _Mapping]] = ..., tenant: _Optional[str] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., runtime: _Optional[_Mapping[str, str]] = ..., device: _Optional[str] = ..., threads: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Attempt(_message.Message):
+    __slots__ = ("attempt_id", "scheduler", "error_reason")
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    ERROR_REASON_FIELD_NUMBER: _ClassVar[int]
+    attempt_id: str
+    scheduler: str
+    error_reason: str
+    def __init__(self, attempt_id: _Optional[str] = ..., scheduler: _Optional[str] = ..., error_reason: _Optional[str] = ...) -> None: ...
 
 class Completed(_message.Message):
     __slots__ = ("finish_reason", "stop_string", "usage", "timings", "execution")

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "priority", "cache_salt", "tenant")
+    __slots__ = ("request_id", "token_ids", "sampling", "priority", "cache_salt", "tenant", "tenant_weight")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     priority: int
     cache_salt: bytes
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
+    tenant_weight: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[bytes] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
 
 class SubmitEvent(_message.Message):
     __slots__ = ("accepted", "tokens", "finished", "failed")
@@ -42,12 +44,24 @@ class SubmitAccepted(_message.Message):
     def __init__(self, queue_position: _Optional[int] = ...) -> None: ...
 
 class SubmitTokens(_message.Message):
-    __slots__ = ("token_ids", "logprobs")
+    __slots__ = ("token_ids", "logprobs", "first")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    first: FirstTokenTimings
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., first: _Optional[_Union[FirstTokenTimings, _Mapping]] = ...) -> None: ...
+
+class FirstTokenTimings(_message.Message):
+    __slots__ = ("queue_ms", "prefill_ms", "cached_tokens")
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    queue_ms: float
+    prefill_ms: float
+    cached_tokens: int
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SubmitFinished(_message.Message):
     __slots__ = ("finish_reason", "cached_tokens", "queue_ms", "prefill_ms", "decode_ms")
@@ -90,7 +104,7 @@ class FreedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., freed_unix_ns: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_blocks", "num_preemptions", "prefix_hit_tokens", "num_expired_waiting", "num_expired_running", "num_aborted", "num_steps", "recent_frees", "worker_ready", "worker_compute_ms", "num_waiting_tokens", "queue_time_estimate_ms", "max_waiting", "slot_releases_s", "num_open_streams", "num_blocks_referenced")
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_blocks", "num_preemptions", "prefix_hit_tokens", "num_expired_waiting", "num_expired_running", "num_aborted", "num_steps", "recent_frees", "worker_ready", "worker_compute_ms", "num_waiting_tokens", "queue_time_estimate_ms", "max_waiting", "slot_releases_s", "num_open_streams", "num_blocks_referenced", "prefix_query_tokens", "prefix_evictions", "num_failed_execution")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +124,9 @@ class LoadReport(_message.Message):
     SLOT_RELEASES_S_FIELD_NUMBER: _ClassVar[int]
     NUM_OPEN_STREAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_REFERENCED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_EXECUTION_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_free_blocks: int
@@ -129,7 +146,10 @@ class LoadReport(_message.Message):
     slot_releases_s: _containers.RepeatedScalarFieldContainer[float]
     num_open_streams: int
     num_blocks_referenced: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_expired_waiting: _Optional[int] = ..., num_expired_running: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., recent_frees: _Optional[_Iterable[_Union[FreedRequest, _Mapping]]] = ..., worker_ready: _Optional[bool] = ..., worker_compute_ms: _Optional[float] = ..., num_waiting_tokens: _Optional[int] = ..., queue_time_estimate_ms: _Optional[float] = ..., max_waiting: _Optional[int] = ..., slot_releases_s: _Optional[_Iterable[float]] = ..., num_open_streams: _Optional[int] = ..., num_blocks_referenced: _Optional[int] = ...) -> None: ...
+    prefix_query_tokens: int
+    prefix_evictions: int
+    num_failed_execution: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_expired_waiting: _Optional[int] = ..., num_expired_running: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., recent_frees: _Optional[_Iterable[_Union[FreedRequest, _Mapping]]] = ..., worker_ready: _Optional[bool] = ..., worker_compute_ms: _Optional[float] = ..., num_waiting_tokens: _Optional[int] = ..., queue_time_estimate_ms: _Optional[float] = ..., max_waiting: _Optional[int] = ..., slot_releases_s: _Optional[_Iterable[float]] = ..., num_open_streams: _Optional[int] = ..., num_blocks_referenced: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., num_failed_execution: _Optional[int] = ...) -> None: ...
 
 class SchedulerModelRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,138 @@
+"""One request that raises inside a step fails alone: the rest of its batch keeps its tokens.
+
+On the real default model through the in-process engine (the real worker and scheduler): a
+fault injected into one request of a running batch of 8, a sampler row that raises, a forward
+pass that raises only with one request in it, and the circuit breaker's counting.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh.engine import Engine
+from services.engine_worker.sampler import sample
+from services.engine_worker.step_failures import CircuitBreaker, FaultInjector
+from services.engine_worker.step_inputs import RequestState
+from shared.config import CacheConfig, EngineConfig, SchedulerConfig
+from shared.sampling import SamplingParams
+from shared.step import FailedRequest, SampledToken
+
+POISON = 7777  # a token id only the poisoned prompt holds
+PROMPTS = [[100 + 37 * i + j for j in range(20 + 3 * i)] for i in range(8)]
+POISONED = 3
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_path: str) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=default_model_path,
+            cache=CacheConfig(kv_memory_bytes=64 << 20),
+            scheduler=SchedulerConfig(max_num_batched_tokens=512, prefill_chunk_size=64),
+        )
+    )
+
+
+def _no_blocks_held(engine: Engine) -> None:
+    manager = engine.scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    manager.check_invariants([])
+    engine.step()  # the next plan tells the worker which requests ended
+    assert not engine.worker.requests
+
+
+def test_an_injected_fault_fails_one_request_of_eight_and_the_rest_match_a_clean_run(
+    engine: Engine,
+) -> None:
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, seed=11, ignore_eos=True)
+    params = [greedy if i % 2 else seeded for i in range(8)]
+    prompts = [list(p) for p in PROMPTS]
+    prompts[POISONED][5] = POISON
+    clean = engine.generate(prompts, params)
+    assert all(c.error is None and len(c.token_ids) == 8 for c in clean)
+    engine.worker.faults = FaultInjector(POISON, after_tokens=2)
+    try:
+        faulted = engine.generate(prompts, params)
+    finally:
+        engine.worker.faults = None
+    failed = faulted[POISONED]
+    assert failed.error == "EXECUTION_FAILED" and failed.finish_reason is None
+    assert failed.token_ids == clean[POISONED].token_ids[:2]  # what it had before the fault
+    for index, (before, after) in enumerate(zip(clean, faulted, strict=True)):
+        if index != POISONED:
+            assert after.error is None and after.token_ids == before.token_ids, index
+    _no_blocks_held(engine)
+    # The failed request's blocks left the prefix cache: its prompt is computed afresh.
+    again = engine.generate([prompts[POISONED]], params[POISONED])[0]
+    assert again.token_ids == clean[POISONED].token_ids and again.cached_tokens == 0
+
+
+def test_a_forward_pass_that_raises_is_retried_request_by_request(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = [list(p) for p in PROMPTS[:4]]
+    prompts[1][0] = POISON
+    clean = engine.generate(prompts, greedy)
+    runner_step = engine.worker.runner.step
+
+    def step_refusing_poison(scheduled, rng):  # type: ignore[no-untyped-def]
+        if any(POISON in state.token_ids for state, _ in scheduled):
+            raise RuntimeError("a kernel refused this batch")
+        return runner_step(scheduled, rng)
+
+    monkeypatch.setattr(engine.worker.runner, "step", step_refusing_poison)
+    faulted = engine.generate(prompts, greedy)
+    assert faulted[1].error == "EXECUTION_FAILED" and not faulted[1].token_ids
+    for index in (0, 2, 3):
+        assert faulted[index].token_ids == clean[index].token_ids
+    _no_blocks_held(engine)
+
+
+class _BrokenMatcher:
+    def consume_token(self, token: int) -> None:
+        raise ValueError("grammar state corrupted")
+
+
+def test_a_row_with_nan_logits_fails_alone() -> None:
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    states = [RequestState(f"r{i}", [1, 2], [0], 1, params, 2) for i in range(4)]
+    logits = torch.randn(4, 64)
+    logits[2, 5] = float("nan")
+    outcomes = sample(logits, states, torch.Generator().manual_seed(0))
+    assert isinstance(outcomes[2], FailedRequest) and outcomes[2].error_type == "NonFiniteLogits"
+    for row in (0, 1, 3):
+        assert isinstance(outcomes[row], SampledToken)
+        assert outcomes[row].token_id == int(logits[row].argmax())
+
+
+def test_a_matcher_that_raises_fails_only_its_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.engine_worker.sampler as sampler
+
+    monkeypatch.setattr(sampler, "allowed_tokens", lambda m, n: torch.ones(n, dtype=torch.bool))
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    states = [RequestState(f"r{i}", [1, 2], [0], 1, params, 2) for i in range(3)]
+    states[0].matcher = _BrokenMatcher()  # type: ignore[assignment]
+    outcomes = sample(torch.randn(3, 32), states, torch.Generator())
+    assert isinstance(outcomes[0], FailedRequest) and outcomes[0].error_type == "ValueError"
+    assert outcomes[0].reason == "EXECUTION_FAILED"
+    assert all(isinstance(o, SampledToken) for o in outcomes[1:])
+
+
+def test_the_circuit_breaker_trips_on_failures_within_its_window() -> None:
+    breaker = CircuitBreaker(max_failures=3, window_s=10.0, cooldown_s=5.0)
+    assert not breaker.record(2, now=0.0)
+    assert not breaker.record(1, now=11.0)  # the first two fell out of the window
+    assert not breaker.record(1, now=12.0)
+    assert breaker.record(1, now=13.0)  # three within 10 s
+    assert breaker.open_until == 18.0
+    assert not breaker.record(5, now=14.0)  # open already: no second trip
+    assert not CircuitBreaker(max_failures=0).record(100)  # 0: off
+
+
+def test_fault_injector_spec() -> None:
+    assert FaultInjector.parse(None) is None and FaultInjector.parse("") is None
+    assert FaultInjector.parse("42") == FaultInjector(42, 1)
+    assert FaultInjector.parse("42:3") == FaultInjector(42, 3)
