@@ -14,10 +14,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.engine_worker.step_inputs import RequestState
 from shared.errors import Reason
-from shared.step import FailedRequest
+from shared.step import FailedRequest, SampledToken
 
 log = logging.getLogger("kvmesh.engine_worker.failures")
 
@@ -70,6 +72,32 @@ class FaultInjector:
     def check(self, prompt: list[int], num_output_tokens: int) -> None:
         if num_output_tokens >= self.after_tokens and self.token_id in prompt:
             raise InjectedFault(f"injected fault after {num_output_tokens} tokens")
+
+
+Scheduled = list[tuple[RequestState, int]]
+StepOutcome = tuple[list[SampledToken], list[FailedRequest]]
+
+
+def run_isolated(run: Callable[[Scheduled], StepOutcome], scheduled: Scheduled) -> StepOutcome:
+    """`run` on the whole batch; if that raises, on each request alone, so only the ones that
+    fail alone fail. Nothing is kept from a raised pass: the K/V rows it wrote are written
+    again, and `run` moves a request's token counts only once its pass returned."""
+    try:
+        return run(scheduled)
+    except Exception as error:  # isolated below
+        if len(scheduled) == 1:
+            return [], [failure_of(scheduled[0][0].request_id, error)]
+        log.warning(
+            "a step raised; running its requests one at a time",
+            extra={"error_type": type(error).__name__, "batch_size": len(scheduled)},
+        )
+    sampled: list[SampledToken] = []
+    failed: list[FailedRequest] = []
+    for pair in scheduled:
+        one_sampled, one_failed = run_isolated(run, [pair])
+        sampled += one_sampled
+        failed += one_failed
+    return sampled, failed
 
 
 class BreakerDefaults:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import logging
 import os
 import threading
 import time
@@ -21,7 +20,12 @@ from services.engine_worker.grammar import GrammarCompiler
 from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.manifest import ModelManifest
 from services.engine_worker.runtime_facts import device_name, runtime_versions, tokenizer_digest
-from services.engine_worker.step_failures import FaultInjector, InjectedFault, failure_of
+from services.engine_worker.step_failures import (
+    FaultInjector,
+    InjectedFault,
+    failure_of,
+    run_isolated,
+)
 from services.engine_worker.step_inputs import RequestState
 from services.engine_worker.torch_weights import resolve_weight_format
 from services.engine_worker.weights import ModelWeights
@@ -33,7 +37,6 @@ from shared.sampling import SamplingParams
 from shared.step import FailedRequest, NewRequestPlan, SampledToken, StepPlan, StepResult
 from shared.text_tokenizer import load_tokenizer
 
-log = logging.getLogger("kvmesh.engine_worker")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -252,7 +255,7 @@ class Worker:
             scheduled.append((state, running.num_scheduled_tokens))
         sampled: list[SampledToken] = []
         if scheduled:
-            sampled, failed_running = self._run_isolated(scheduled)
+            sampled, failed_running = run_isolated(self._run, scheduled)
             failed += failed_running
         for failure in failed:
             self.requests.pop(failure.request_id, None)
@@ -265,29 +268,6 @@ class Worker:
             state.matcher.consume_tokens(state.token_ids[new.prompt_len :])  # recompute
         self.requests[new.request_id] = state
         return state
-
-    def _run_isolated(
-        self, scheduled: list[tuple[RequestState, int]]
-    ) -> tuple[list[SampledToken], list[FailedRequest]]:
-        """The batch in one pass; if that pass raises, each request alone, so only the ones
-        that fail alone fail. Nothing is kept from a raised pass: the K/V rows it wrote are
-        written again, and token counts only move once a pass returns."""
-        try:
-            return self._run(scheduled)
-        except Exception as error:  # isolated below
-            if len(scheduled) == 1:
-                return [], [failure_of(scheduled[0][0].request_id, error)]
-            log.warning(
-                "a step raised; running its requests one at a time",
-                extra={"error_type": type(error).__name__, "batch_size": len(scheduled)},
-            )
-        sampled: list[SampledToken] = []
-        failed: list[FailedRequest] = []
-        for pair in scheduled:
-            one_sampled, one_failed = self._run_isolated([pair])
-            sampled += one_sampled
-            failed += one_failed
-        return sampled, failed
 
     def _run_scratch(self, scheduled: list[tuple[RequestState, int]]) -> None:
         """Warm-up and fixtures: a failure there refuses the model (the log has the cause)."""

@@ -30,6 +30,7 @@ from services.gateway.request_record import (
 )
 from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.router import Routed
+from services.gateway.stop_strings import check_stop_strings
 from services.gateway.tenants import Tenant
 from services.gateway.tokenizer_link import TokenizerLink
 from shared import grpc_errors
@@ -38,9 +39,6 @@ from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, scheduler_pb2
 from shared.sampling import SamplingParams
 from shared.service import ServiceRuntime
-
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
 
 
 def resolve_sampling(
@@ -58,19 +56,6 @@ def resolve_sampling(
     if params.seed is None:
         params = dataclasses.replace(params, seed=random.getrandbits(63))
     return params
-
-
-def check_stop_strings(stops: list[str]) -> None:
-    if len(stops) > MAX_STOP_STRINGS:
-        raise KvmeshError(
-            Reason.INVALID_ARGUMENT, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}"
-        )
-    for stop in stops:
-        if not stop or len(stop) > MAX_STOP_STRING_CHARS:
-            raise KvmeshError(
-                Reason.INVALID_ARGUMENT,
-                f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters",
-            )
 
 
 def time_remaining(context: CallContext, timeout_ms: int) -> float | None:

@@ -1,4 +1,5 @@
-"""Stop strings matched on streamed text, across token boundaries.
+"""Stop strings: the bounds a request's list must keep, and matching on streamed text across
+token boundaries.
 
 Text that could be the start of a stop string is held back until the next text settles it, so
 a client never sees a piece of a stop string; on a match, the text is cut before it.
@@ -7,6 +8,24 @@ a client never sees a piece of a stop string; on a match, the text is cut before
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from shared.errors import KvmeshError, Reason
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+def check_stop_strings(stops: list[str]) -> None:
+    if len(stops) > MAX_STOP_STRINGS:
+        raise KvmeshError(
+            Reason.INVALID_ARGUMENT, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}"
+        )
+    for stop in stops:
+        if not stop or len(stop) > MAX_STOP_STRING_CHARS:
+            raise KvmeshError(
+                Reason.INVALID_ARGUMENT,
+                f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters",
+            )
 
 
 class StopStringMatcher:

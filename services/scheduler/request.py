@@ -54,6 +54,19 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
+    def stop_reason(
+        self, token_id: int, eos_token_ids: frozenset[int], max_model_len: int
+    ) -> FinishReason | None:
+        """Whether the token just appended ends it, and why."""
+        sampling = self.sampling
+        if token_id in eos_token_ids and not sampling.ignore_eos:
+            return FinishReason.FINISH_REASON_STOP
+        if token_id in sampling.stop_token_ids:
+            return FinishReason.FINISH_REASON_STOP
+        if self.num_output_tokens >= sampling.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.FINISH_REASON_LENGTH
+        return None
+
     @property
     def sort_key(self) -> tuple[int, int]:
         """Queue order: priority first, then arrival (FCFS)."""

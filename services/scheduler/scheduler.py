@@ -5,10 +5,8 @@ then waiting ones while budget, sequence slots and KV blocks last. When blocks r
 lowest-priority, newest running request is preempted: its blocks are freed and it is recomputed
 later (its cached full blocks usually make that cheap).
 
-Tenants share the pool fairly within a priority: the next waiting request admitted is the
-oldest of the tenant holding the fewest KV blocks per unit of its weight, and a preemption takes
-the newest request of the tenant holding the most. A tenant that floods the queue waits behind
-the others' requests, not in front of them; with one tenant this is plain FCFS.
+Within a priority, tenants share the batch and the pool by weight (fair_share.py): which
+waiting request is admitted next, which running one gives up its slot or its blocks.
 """
 
 from __future__ import annotations
@@ -19,18 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager, PrefixMatch
+from services.scheduler.fair_share import TenantShares
 from services.scheduler.request import Request, RequestStatus
 from shared.config import CacheConfig, SchedulerConfig
 from shared.errors import KvmeshError, Reason
 from shared.outputs import FinishReason, RequestOutput
 from shared.sampling import SamplingParams
-from shared.step import (
-    FailedRequest,
-    NewRequestPlan,
-    RunningRequestPlan,
-    StepPlan,
-    StepResult,
-)
+from shared.step import FailedRequest, NewRequestPlan, RunningRequestPlan, StepPlan, StepResult
 
 
 @dataclass(frozen=True)
@@ -122,10 +115,6 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
         return self._finish(request, FinishReason.FINISH_REASON_ABORT, ())
 
     def has_unfinished(self) -> bool:
@@ -174,14 +163,14 @@ class Scheduler:
             budget -= num_new
             index += 1
         # A step that had to preempt admits nothing new: the pool is already too tight.
-        held = self._blocks_by_tenant()
+        shares = TenantShares(self.running)
         while (
             self.waiting
             and budget > 0
             and not preempted
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self._next_waiting(held)
+            request = shares.next_waiting(self.waiting)
             prefix = self.block_manager.match_prefix(request)
             request.num_computed_tokens = prefix.num_tokens
             num_new = self._tokens_to_schedule(request, budget)
@@ -189,7 +178,7 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             self._admit(request, prefix)
-            held[request.tenant] = held.get(request.tenant, 0) + len(request.block_ids)
+            shares.add(request)
             new_plans.append(
                 NewRequestPlan(
                     request.request_id,
@@ -205,70 +194,26 @@ class Scheduler:
         freed, self._freed_since_last_plan = tuple(self._freed_since_last_plan), []
         return StepPlan(next(self._step_ids), tuple(new_plans), tuple(running_plans), freed)
 
-    def _blocks_by_tenant(self) -> dict[str, int]:
-        held: dict[str, int] = {}
-        for request in self.running:
-            held[request.tenant] = held.get(request.tenant, 0) + len(request.block_ids)
-        return held
-
-    def _next_waiting(self, held: dict[str, int]) -> Request:
-        """The oldest waiting request of the most urgent priority whose tenant holds the
-        fewest blocks per unit of weight (ties: the oldest)."""
-        head = self.waiting[0]
-        best, best_share = head, held.get(head.tenant, 0) / head.tenant_weight
-        seen = {head.tenant}
-        for request in self.waiting[1:]:
-            if request.priority != head.priority:
-                break
-            if request.tenant in seen:
-                continue
-            seen.add(request.tenant)
-            share = held.get(request.tenant, 0) / request.tenant_weight
-            if share < best_share:
-                best, best_share = request, share
-        return best
-
     def _preempt_for_fair_share(self) -> None:
-        """When the batch is full, a waiting request of a tenant below its share takes the
-        room of the newest running request of the tenant furthest above it (never one more
-        urgent than itself): a flooding tenant holding every slot gives one back, at most one
-        per step, while the other tenant would still hold less than it after the move."""
+        """A full batch gives one slot per step to a waiting tenant below its share."""
         if not self.waiting:
             return
-        held = self._blocks_by_tenant()
-        candidate = self._next_waiting(held)
+        shares = TenantShares(self.running)
+        candidate = shares.next_waiting(self.waiting)
         needed = self.block_manager.blocks_needed(candidate.num_tokens)
         full = len(self.running) >= self.config.max_num_seqs
-        if not full and needed <= self.block_manager.num_free_blocks:
-            return
-        others = [
-            r
-            for r in self.running
-            if r.tenant != candidate.tenant and r.priority >= candidate.priority
-        ]
-        if not others:
-            return
-
-        def share(request: Request) -> tuple[float, int]:
-            return (held.get(request.tenant, 0) / request.tenant_weight, request.arrival_seq)
-
-        victim = max(others, key=share)
-        candidate_after = (held.get(candidate.tenant, 0) + needed) / candidate.tenant_weight
-        victim_after = (held[victim.tenant] - len(victim.block_ids)) / victim.tenant_weight
-        if victim_after >= candidate_after:
-            self._preempt(victim)
+        if full or needed > self.block_manager.num_free_blocks:
+            victim = shares.slot_for(candidate, needed, self.running)
+            if victim is not None:
+                self._preempt(victim)
 
     def _preemption_victim(self, first_unscheduled: int) -> Request:
         """Among the least urgent running requests not yet scheduled this step: the newest
         of the tenant holding the most blocks per unit of weight."""
         candidates = self.running[first_unscheduled:]
         lowest = candidates[-1].priority
-        held = self._blocks_by_tenant()
-
-        def share(request: Request) -> tuple[float, int]:
-            return (held.get(request.tenant, 0) / request.tenant_weight, request.arrival_seq)
-
-        return max((r for r in candidates if r.priority == lowest), key=share)
+        shares = TenantShares(self.running)
+        return shares.most_above([r for r in candidates if r.priority == lowest])
 
     def _tokens_to_schedule(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
@@ -312,41 +257,21 @@ class Scheduler:
                 continue
             request.token_ids.append(token.token_id)
             logprobs = (token.logprobs,) if token.logprobs is not None else ()
-            reason = self._stop_reason(request, token.token_id)
+            reason = request.stop_reason(token.token_id, self.eos_token_ids, self.max_model_len)
             if reason is None:
                 outputs.append(RequestOutput(request_id, (token.token_id,), logprobs))
             else:
-                self.running.remove(request)
                 outputs.append(self._finish(request, reason, (token.token_id,), logprobs))
         return outputs
 
     def _fail(self, failure: FailedRequest) -> RequestOutput:
         """The worker could not compute it: it ends now, and none of its blocks stays in the
         prefix cache (what the failed pass wrote there may be garbage)."""
-        request = self.requests.pop(failure.request_id)
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-        self.block_manager.free(request, drop_cached=True)
-        self.num_finished += 1
-        request.status = RequestStatus.FINISHED
-        self._freed_since_last_plan.append(request.request_id)
+        request = self.requests[failure.request_id]
+        self._end(request, drop_cached=True)
         return RequestOutput(
             request.request_id, (), num_cached_tokens=request.num_cached_tokens, failure=failure
         )
-
-    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        sampling = request.sampling
-        if token_id in self.eos_token_ids and not sampling.ignore_eos:
-            return FinishReason.FINISH_REASON_STOP
-        if token_id in sampling.stop_token_ids:
-            return FinishReason.FINISH_REASON_STOP
-        if request.num_output_tokens >= sampling.max_tokens:
-            return FinishReason.FINISH_REASON_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return FinishReason.FINISH_REASON_LENGTH
-        return None
 
     def _finish(
         self,
@@ -355,12 +280,20 @@ class Scheduler:
         new_token_ids: tuple[int, ...],
         logprobs: tuple = (),
     ) -> RequestOutput:
-        self.block_manager.free(request)
-        self.num_finished += 1
-        request.status = RequestStatus.FINISHED
+        self._end(request)
         request.finish_reason = reason
-        del self.requests[request.request_id]
-        self._freed_since_last_plan.append(request.request_id)
         return RequestOutput(
             request.request_id, new_token_ids, logprobs, reason, request.num_cached_tokens
         )
+
+    def _end(self, request: Request, drop_cached: bool = False) -> None:
+        """Out of its queue and the pool; the worker forgets it with the next plan."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.block_manager.free(request, drop_cached)
+        self.num_finished += 1
+        request.status = RequestStatus.FINISHED
+        del self.requests[request.request_id]
+        self._freed_since_last_plan.append(request.request_id)
