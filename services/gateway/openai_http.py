@@ -57,14 +57,18 @@ HTTP_STATUS = {
     Reason.MODEL_NOT_READY: 503,
     Reason.WORKER_LOST: 503,
     Reason.TOKENIZER_LOST: 503,
+    Reason.UNREACHABLE: 503,
     Reason.REQUEST_TOO_LARGE: 413,
     Reason.DEADLINE_EXCEEDED: 504,
     Reason.INVALID_OUTPUT: 500,
+    Reason.EXECUTION_FAILED: 500,
+    Reason.OUT_OF_MEMORY: 500,
     Reason.INTERNAL: 500,
 }
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     429: "rate_limit_error",
     500: "server_error",

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import signal
 import time
@@ -123,7 +124,9 @@ async def test_a_failing_request_ends_alone_and_a_failing_worker_turns_not_ready
         inference.Generate(ids_request([3, 4, i], max_tokens=40, ignore_eos=True)) for i in range(3)
     ]
     tripped: str | None = None
-    for attempt in range(2 * BREAKER_FAILURES):
+    failures: collections.Counter[str] = collections.Counter()
+    # Over two pairs, one of them has taken BREAKER_FAILURES within 2 * BREAKER_FAILURES - 1.
+    for attempt in range(2 * BREAKER_FAILURES - 1):
         events = await collect(inference, ids_request([POISON, 5, attempt], max_tokens=20))
         assert [e.WhichOneof("event") for e in events[:2]] == ["accepted", "delta"]
         error = events[-1].failed.error
@@ -134,10 +137,13 @@ async def test_a_failing_request_ends_alone_and_a_failing_worker_turns_not_ready
         )
         assert "Injected" not in error.message  # the exception's class stays in the log
         assert len(events[-1].failed.error.message) > 0
-        if await ready_replicas(inference) < 2:
-            tripped = events[0].accepted.routing.scheduler
+        scheduler = events[0].accepted.routing.scheduler
+        failures[scheduler] += 1
+        if failures[scheduler] == BREAKER_FAILURES:
+            tripped = scheduler
             break
-    assert tripped is not None, "no worker turned not ready"
+    assert tripped is not None, failures
+    await until_ready_replicas(inference, 1)  # the breaker opened: the gateway sees one pair
     for call in healthy:  # requests beside the failing ones were not disturbed
         assert assert_one_terminal(await collect_call(call)) == "completed"
     index = pair_mesh.scheduler_addresses.index(tripped)
