@@ -18,10 +18,7 @@ import grpc
 from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
-from services.engine_worker.step_failures import (
-    CircuitBreaker,
-    FaultInjector,
-)
+from services.engine_worker.step_failures import CircuitBreaker, FaultInjector
 from services.engine_worker.worker import Worker
 from shared.codec import (
     default_sampling_to_pb,

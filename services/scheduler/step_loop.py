@@ -186,8 +186,8 @@ class StepLoop:
         )
 
     def fail_execution(self, tracked: Tracked, failure: FailedRequest) -> None:
-        """The worker could not compute it. Not retryable: sent again, it would fail again
-        (and on another worker, take that one's batch through the same failure)."""
+        """The worker could not compute it. Not retryable: sent again (here or to another
+        worker) it would fail again, and count against that worker's circuit breaker."""
         self.counters.failed_execution += 1
         log.warning(
             "request failed in the engine",

@@ -20,6 +20,7 @@ from tests.e2e.mesh_helpers import (
     rich_error,
     settled_load,
     text_request,
+    wait_health,
 )
 
 
@@ -101,13 +102,15 @@ async def test_a_request_that_cannot_start_before_its_deadline_is_never_prefille
 async def test_sigterm_drains_in_flight_streams_then_exits(narrow_mesh: Mesh, inference) -> None:
     """Runs last: it stops this module's gateway."""
     gateway = narrow_mesh.service("gateway")
-    streaming = await start_running(inference, max_tokens=48)
+    # Few tokens: they must finish within the drain grace (20 s) even on a machine kept busy.
+    streaming = await start_running(inference, max_tokens=8)
     gateway.process.send_signal(signal.SIGTERM)
-    await asyncio.sleep(0.3)
+    assert gateway.address is not None
+    await wait_health(gateway.address, serving=False)  # the drain began (however busy we are)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await collect(inference, text_request("After SIGTERM:", max_tokens=4))
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     rest = await read_rest(streaming)
     assert rest[-1].WhichOneof("event") == "completed"
-    assert rest[-1].completed.usage.completion_tokens == 48
+    assert rest[-1].completed.usage.completion_tokens == 8
     assert await asyncio.to_thread(gateway.process.wait, 30) == 0
