@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-overload bench-fairness test-multihost check-kernels test-gpu bench-kernels bench-gpu bench-peers bench-cpu profile-step perplexity soak clean
+.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu bench-kernels bench-gpu bench-peers bench-cpu profile-step perplexity soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,11 @@ bench-overload: $(STAMP)
 # (fair share) and beside the same flood in its own tenant (FCFS), one run; about 3 minutes.
 bench-fairness: $(STAMP)
 	$(BIN)/python -m loadtest.fairness_bench
+
+# n = 8 completions as one request (forked from one prompt) against 8 separate requests with
+# the prefix cache on and off: seconds, output tok/s, prompt tokens computed, peak KV blocks.
+bench-n: $(STAMP)
+	$(BIN)/python -m loadtest.n_bench
 
 # gRPC streams vs the OpenAI HTTP front (SSE), same load, same mesh, same run; a few minutes.
 bench-http: $(STAMP)

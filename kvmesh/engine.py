@@ -68,18 +68,25 @@ class Engine:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        group_id: str = "",
     ) -> str:
-        return self._submit(prompt, sampling, request_id, priority)[0]
+        """group_id: the n completions of one prompt share it (and the prompt's K/V)."""
+        return self._submit(prompt, sampling, request_id, priority, group_id)[0]
 
     def _submit(
-        self, prompt: PromptInput, sampling: SamplingParams, request_id: str | None, priority: int
+        self,
+        prompt: PromptInput,
+        sampling: SamplingParams,
+        request_id: str | None,
+        priority: int,
+        group_id: str = "",
     ) -> tuple[str, list[int]]:
         sampling.validate()  # this engine is the edge: its caller is the user
         token_ids = to_token_ids(prompt, self.tokenizer, self.worker.architecture.vocab_size)
         if sampling.response_format is not None:  # compiled (and checked) before it queues
             self.worker.grammars().matcher(sampling.response_format)
         request_id = request_id or f"req-{next(self._ids)}"
-        self.scheduler.add_request(request_id, token_ids, sampling, priority)
+        self.scheduler.add_request(request_id, token_ids, sampling, priority, group_id=group_id)
         return request_id, token_ids
 
     def abort(self, request_id: str) -> RequestOutput | None:

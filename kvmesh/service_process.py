@@ -4,6 +4,7 @@ health says SERVING, restarted in place, stopped with SIGTERM then SIGKILL."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,11 +19,37 @@ from shared.errors import KvmeshError, Reason
 from shared.parent_watch import PARENT_ENV, parent_death_signal
 from shared.tls import sync_channel
 
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_LISTEN_PORT = 10000
+_handed_out: set[int] = set()  # never the same port twice from one launcher
+
+
+def _lowest_ephemeral_port() -> int:
+    try:
+        with open(EPHEMERAL_RANGE) as ranges:
+            return int(ranges.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+    """A port a child process can listen on. It is free now, not reserved: so it is picked
+    below the kernel's ephemeral range, where the source port of an outgoing connection (a
+    gRPC client's, anywhere on the machine) cannot take it before the child binds it."""
+    low = _lowest_ephemeral_port()
+    for _ in range(100):
+        port = random.randrange(LOWEST_LISTEN_PORT, low) if low > LOWEST_LISTEN_PORT else 0
+        if port in _handed_out:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            port = int(probe.getsockname()[1])
+        _handed_out.add(port)
+        return port
+    raise OSError(f"no free port to listen on below {low}")
 
 
 def _spawn(command: list[str], env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:

@@ -4,7 +4,9 @@ sent under B's own tenant (what B would see with FCFS and no tenants), all in on
 
 The gateway's queue watermarks are off here, so nothing is refused: the whole flood queues at
 the scheduler and the fair share alone decides who waits. Goal: B's TTFT p99 beside the flood
-within 2x of B alone.
+within 2x of B alone. The queue and prefill columns are the scheduler's split of B's first token
+(arrival to first step, first step to first token): beside the flood B's prefill runs in a full
+batch, so its step is a batch-8 step where alone it is a batch-1 step.
 Run: make bench-fairness
 """
 
@@ -15,6 +17,7 @@ import asyncio
 import contextlib
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -34,8 +37,17 @@ keys = ["sk-b"]
 """
 
 
-async def one(stub: inference_pb2_grpc.InferenceStub, key: str, index: int) -> float | None:
-    """TTFT in seconds, or None when it did not complete."""
+@dataclass(frozen=True)
+class FirstToken:
+    """Seconds from sending to the first delta, and the scheduler's split of it."""
+
+    ttft: float
+    queue: float  # arrival at the scheduler until its first step
+    prefill: float  # first step until the first token
+
+
+async def one(stub: inference_pb2_grpc.InferenceStub, key: str, index: int) -> FirstToken | None:
+    """None when it did not complete."""
     request = inference_pb2.GenerateRequest(
         token_ids=common_pb2.TokenIds(ids=[11, 12, index % 200 + 20, 13]),
         sampling=common_pb2.SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True),
@@ -47,11 +59,14 @@ async def one(stub: inference_pb2_grpc.InferenceStub, key: str, index: int) -> f
             kind = event.WhichOneof("event")
             if kind == "delta" and ttft is None:
                 ttft = time.monotonic() - started
+            elif kind == "completed" and ttft is not None:
+                timings = event.completed.timings
+                return FirstToken(ttft, timings.queue_ms / 1e3, timings.prefill_ms / 1e3)
             elif kind in ("failed", "cancelled"):
                 return None
     except grpc.RpcError:
         return None
-    return ttft
+    return None
 
 
 async def steady(
@@ -60,7 +75,7 @@ async def steady(
     rate: float,
     seconds: float,
     sent: asyncio.Event | None = None,
-) -> list[float | None]:
+) -> list[FirstToken | None]:
     """Open loop at `rate`; sets `sent` after the last send, then waits for every answer."""
     tasks = []
     started = time.monotonic()
@@ -76,7 +91,7 @@ async def flood(
     stub: inference_pb2_grpc.InferenceStub, key: str, rate: float, stop: asyncio.Event
 ) -> int:
     """Open loop at `rate` until `stop`; what is still queued then is cancelled."""
-    tasks: list[asyncio.Task[float | None]] = []
+    tasks: list[asyncio.Task[FirstToken | None]] = []
     started = time.monotonic()
     while not stop.is_set():
         tasks.append(asyncio.create_task(one(stub, key, len(tasks))))
@@ -91,7 +106,7 @@ async def flood(
 
 async def b_beside_flood(
     stub: inference_pb2_grpc.InferenceStub, flood_key: str, args: argparse.Namespace, rate: float
-) -> tuple[list[float | None], int]:
+) -> tuple[list[FirstToken | None], int]:
     stop = asyncio.Event()
     flooding = asyncio.create_task(flood(stub, flood_key, rate, stop))
     await asyncio.sleep(args.warm_seconds)  # a queue builds up first
@@ -101,12 +116,16 @@ async def b_beside_flood(
     return b, await flooding
 
 
-def row(name: str, ttfts: list[float | None], alone_p99: float) -> str:
-    done = [t for t in ttfts if t is not None]
-    p50, p99 = percentile(done, 50), percentile(done, 99)
+def row(name: str, results: list[FirstToken | None], alone_p99: float) -> str:
+    done = [r for r in results if r is not None]
+    ttft = [r.ttft for r in done]
+    p50, p99 = percentile(ttft, 50), percentile(ttft, 99)
     ratio = p99 / alone_p99 if alone_p99 else 0.0
+    queue, prefill = [r.queue for r in done], [r.prefill for r in done]
     return (
-        f"| {name} | {len(done)}/{len(ttfts)} | {p50 * 1e3:.0f} | {p99 * 1e3:.0f} | {ratio:.2f}x |"
+        f"| {name} | {len(done)}/{len(results)} | {p50 * 1e3:.0f} | {p99 * 1e3:.0f} | "
+        f"{ratio:.2f}x | {percentile(queue, 50) * 1e3:.0f} / {percentile(queue, 99) * 1e3:.0f} | "
+        f"{percentile(prefill, 50) * 1e3:.0f} / {percentile(prefill, 99) * 1e3:.0f} |"
     )
 
 
@@ -132,15 +151,18 @@ async def run(args: argparse.Namespace) -> None:
                 fair, sent_a = await b_beside_flood(stub, "sk-a", args, flood_rate)
                 await asyncio.sleep(2.0)  # cancelled flood requests leave the queue
                 fcfs, sent_same = await b_beside_flood(stub, "sk-b", args, flood_rate)
-    alone_p99 = percentile([t for t in alone if t is not None], 99)
+    alone_p99 = percentile([r.ttft for r in alone if r is not None], 99)
     print(f"capacity (closed loop, 8 clients): {capacity:.2f} req/s, {OUTPUT_TOKENS} tokens each")
     print(
         f"B: {args.b_rate} req/s for {args.seconds:.0f} s; flood: {args.factor:.0f}x capacity "
         f"= {flood_rate:.1f} req/s ({sent_a} and {sent_same} sent), queued from "
         f"{args.warm_seconds:.0f} s before B starts"
     )
-    print("| tenant B's requests | completed | TTFT p50 ms | TTFT p99 ms | p99 / alone |")
-    print("| --- | --- | --- | --- | --- |")
+    print(
+        "| tenant B's requests | completed | TTFT p50 ms | TTFT p99 ms | p99 / alone "
+        "| queue p50 / p99 ms | prefill p50 / p99 ms |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     print(row("alone", alone, alone_p99))
     print(row("beside tenant A's flood (fair share)", fair, alone_p99))
     print(row("beside the same flood in B's own tenant (FCFS)", fcfs, alone_p99))

@@ -47,6 +47,7 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
         response_format=response_format_from_pb(message.response_format)
         if has("response_format")
         else None,
+        logit_bias=tuple(message.logit_bias.items()),
     )
 
 
@@ -85,6 +86,7 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     if params.response_format is not None:
         message.response_format.kind = params.response_format.kind
         message.response_format.spec = params.response_format.spec
+    message.logit_bias.update(params.logit_bias)
     return message
 
 
@@ -126,6 +128,10 @@ def plan_to_pb(plan: StepPlan) -> engine_worker_pb2.StepPlan:
             for r in plan.running_requests
         ],
         finished_request_ids=plan.finished_request_ids,
+        block_copies=[
+            engine_worker_pb2.BlockCopy(source=source, destination=destination)
+            for source, destination in plan.block_copies
+        ],
     )
 
 
@@ -149,6 +155,7 @@ def plan_from_pb(message: engine_worker_pb2.StepPlan) -> StepPlan:
             for r in message.running_requests
         ),
         tuple(message.finished_request_ids),
+        tuple((c.source, c.destination) for c in message.block_copies),
     )
 
 

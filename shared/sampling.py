@@ -55,9 +55,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias)))
 
     def validate(self) -> SamplingParams:
         """Itself, when every field is in range; else INVALID_SAMPLING_PARAMS (or, for the
@@ -82,6 +84,10 @@ class SamplingParams:
             raise _invalid(f"logprobs must be in [0, 20] or unset, got {self.logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
             raise _invalid("stop_token_ids must be non-negative")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
+            raise _invalid("logit_bias values must be in [-100, 100]")
+        if any(token < 0 for token, _ in self.logit_bias):
+            raise _invalid("logit_bias token ids must be non-negative")
         if self.response_format is not None:
             self.response_format.validate()
         return self

@@ -42,6 +42,9 @@ class StepPlan:
     new_requests: tuple[NewRequestPlan, ...]
     running_requests: tuple[RunningRequestPlan, ...]
     finished_request_ids: tuple[str, ...]  # worker drops their state before this step runs
+    # (source, destination) KV blocks the worker copies before this step runs: a fork's copy
+    # of its sibling's partial prompt block.
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -89,6 +89,12 @@ class GpuKVCache:
     def num_bytes(self) -> int:
         return int(self.pool.nbytes)
 
+    def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """As the torch KVCache's: each destination block becomes its source's copy."""
+        if pairs:
+            sources, destinations = (list(column) for column in zip(*pairs, strict=True))
+            self.pool[:, :, destinations] = self.pool[:, :, sources]
+
     def layer(self, index: int) -> tuple[Any, Any]:
         return self.pool[index, 0], self.pool[index, 1]
 

@@ -45,6 +45,7 @@ def on_gpu_sampler(state: RequestState) -> bool:
     return (
         params.greedy
         and not params.has_penalties
+        and not params.logit_bias
         and state.matcher is None
         and not params.logprobs  # None or 0: the chosen token's logprob at most
     )
@@ -80,6 +81,10 @@ class Runner:
     @property
     def kv_cache_bytes(self) -> int:
         return self.cache.num_bytes
+
+    def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        with self.stream:  # ordered before the step's kernels on the same stream
+            self.cache.copy_blocks(pairs)
 
     def step(
         self, scheduled: list[tuple[RequestState, int]], rng: torch.Generator

@@ -62,6 +62,13 @@ class KVCache:
     def num_bytes(self) -> int:
         return self.pool.numel() * self.pool.element_size()
 
+    def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """Each (source, destination): the destination block becomes the source's copy, in
+        every layer, K and V (a fork's own copy of its sibling's partial block)."""
+        if pairs:
+            sources, destinations = (list(column) for column in zip(*pairs, strict=True))
+            self.pool[:, :, destinations] = self.pool[:, :, sources]
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = self.shape
         keys = self.pool[index, 0].view(

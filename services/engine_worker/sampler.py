@@ -1,4 +1,4 @@
-"""Sampling from logits: penalties, temperature, min-p, top-k, top-p, seeds, logprobs.
+"""Sampling from logits: penalties, logit bias, temperature, min-p, top-k, top-p, seeds, logprobs.
 
 A seeded request draws each token from a generator seeded by (seed, output index), so its output
 does not depend on the batch around it, nor on preemption and recompute.
@@ -51,7 +51,10 @@ def sample(
     plain_greedy = [
         i
         for i, s in enumerate(states)
-        if s.sampling.greedy and not s.sampling.has_penalties and outcomes[i] is None
+        if s.sampling.greedy
+        and not s.sampling.has_penalties
+        and not s.sampling.logit_bias
+        and outcomes[i] is None
     ]
     chosen = [0] * len(states)
     if plain_greedy:
@@ -98,6 +101,9 @@ def _sample_row(logits: torch.Tensor, state: RequestState, rng: torch.Generator)
     params = state.sampling
     if params.has_penalties:
         logits = _apply_penalties(logits.clone(), state.token_ids, state.prompt_len, params)
+    if params.logit_bias:
+        tokens, biases = zip(*params.logit_bias, strict=True)
+        logits = logits.index_add(0, torch.tensor(tokens), torch.tensor(biases, dtype=logits.dtype))
     if params.greedy:
         return int(logits.argmax())
     probs = torch.softmax(logits / params.temperature, dim=-1)

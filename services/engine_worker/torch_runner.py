@@ -50,6 +50,9 @@ class Runner:
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.num_bytes
 
+    def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        self.kv_cache.copy_blocks(pairs)
+
     def step(
         self, scheduled: list[tuple[RequestState, int]], rng: torch.Generator
     ) -> tuple[tuple[RequestState, ...], list[SampledToken | FailedRequest]]:

@@ -240,6 +240,7 @@ class Worker:
     def _execute(self, plan: StepPlan) -> StepResult:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
+        self.runner.copy_blocks(plan.block_copies)  # before anything writes to them
         scheduled: list[tuple[RequestState, int]] = []
         failed: list[FailedRequest] = []
         for new in plan.new_requests:

@@ -10,14 +10,12 @@ queued anywhere until every check passed.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import random
 import time
 from dataclasses import dataclass
 
 import grpc
 
-from services.gateway.call_context import CallContext
+from services.gateway.call_context import CallContext, time_remaining
 from services.gateway.catalog import ModelCatalog
 from services.gateway.connections import SchedulerBackend
 from services.gateway.policy import GatewayPolicy
@@ -26,44 +24,21 @@ from services.gateway.request_record import (
     ActiveRequest,
     Admitted,
     attempt_id,
+    member_suffix,
     upstream_request_id,
 )
+from services.gateway.request_sampling import for_completion, num_completions, resolve_sampling
 from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.router import Routed
 from services.gateway.stop_strings import check_stop_strings
 from services.gateway.tenants import Tenant
 from services.gateway.tokenizer_link import TokenizerLink
 from shared import grpc_errors
-from shared.codec import sampling_from_pb, sampling_to_pb
+from shared.codec import sampling_to_pb
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, scheduler_pb2
 from shared.sampling import SamplingParams
 from shared.service import ServiceRuntime
-
-
-def resolve_sampling(
-    message: common_pb2.SamplingParams, model_defaults: common_pb2.SamplingParams | None = None
-) -> SamplingParams:
-    """The parameters in force: fields the request leaves unset take the model's defaults (its
-    repository entry, checked when the model loaded), then the engine's; validated; a seed
-    chosen when none was given, so the execution record can say exactly what ran."""
-    if model_defaults is not None and model_defaults.ListFields():
-        merged = common_pb2.SamplingParams()
-        merged.CopyFrom(model_defaults)
-        merged.MergeFrom(message)
-        message = merged
-    params = sampling_from_pb(message).validate()
-    if params.seed is None:
-        params = dataclasses.replace(params, seed=random.getrandbits(63))
-    return params
-
-
-def time_remaining(context: CallContext, timeout_ms: int) -> float | None:
-    """Seconds left: the sooner of the client's gRPC deadline and the request's timeout_ms."""
-    remaining = context.time_remaining()
-    if timeout_ms:
-        remaining = timeout_ms / 1e3 if remaining is None else min(remaining, timeout_ms / 1e3)
-    return remaining
 
 
 @dataclass
@@ -99,8 +74,9 @@ class Admission:
         self.catalog = catalog
         self.tokenizer = tokenizer
         self.policy = policy
-        # Open requests by (tenant, request id): a tenant sees and aborts only its own.
-        self.active: dict[tuple[str, str], ActiveRequest] = {}
+        # Open requests by (tenant, request id), a placement per completion: a tenant sees and
+        # aborts only its own.
+        self.active: dict[tuple[str, str], list[ActiveRequest]] = {}
         self._num_admitting = 0
         self._releases: set[asyncio.Task[None]] = set()
 
@@ -130,10 +106,11 @@ class Admission:
                 retry_after_ms=1000,
             )
         check_stop_strings(list(request.stop))
+        num_completions(request.n)
         candidates = self.catalog.schedulers(request.model)
         model = candidates[0].model
         assert model is not None
-        sampling = resolve_sampling(request.sampling, model.default_sampling)
+        sampling = resolve_sampling(request.sampling, model.default_sampling, model.vocab_size)
         self.tokenizer.require()
         return Checked(tenant, candidates, model, sampling)
 
@@ -149,8 +126,9 @@ class Admission:
         sampling = checked.sampling
         self.policy.limits.check_tokens(len(token_ids), sampling.max_tokens)
         with telemetry.phase("rate_limit"):
+            n = num_completions(request.n)
             grant = await self.policy.rate_limiter.admit(
-                checked.tenant, call.request_id, len(token_ids) + sampling.max_tokens
+                checked.tenant, call.request_id, len(token_ids) + n * sampling.max_tokens
             )
         try:
             with telemetry.phase("route") as span:
@@ -188,15 +166,23 @@ class Admission:
         grant: Grant | None,
         remaining: float | None,
         attempts: list[inference_pb2.Attempt] | None = None,
+        index: int = 0,
     ) -> Admitted:
-        """Sends the request to its scheduler and waits for the scheduler to accept it."""
+        """Sends the request (its completion `index`) to its scheduler and waits for the
+        scheduler to accept it."""
         backend = routed.route.backend
         attempts = attempts or []
         attempt = len(attempts) + 1
+        n = num_completions(call.request.n)
+        member = member_suffix(index, n)
+        client_named = bool(call.request.request_id)
         upstream_id = upstream_request_id(
-            call.request_id, checked.tenant, bool(call.request.request_id), attempt
+            call.request_id, checked.tenant, client_named, attempt, member
         )
-        sampling_pb = sampling_to_pb(checked.sampling)  # once: sent here, recorded at the end
+        # The n completions share the prompt's blocks where they run on one scheduler.
+        group = upstream_request_id(call.request_id, checked.tenant, client_named) if n > 1 else ""
+        sampling = checked.sampling  # this completion's own (its seed)
+        sampling_pb = sampling_to_pb(sampling)  # encoded once: sent here, recorded at the end
         submit = backend.stub.Submit(
             scheduler_pb2.SubmitRequest(
                 request_id=upstream_id,
@@ -206,6 +192,7 @@ class Admission:
                 cache_salt=checked.tenant.cache_salt,
                 tenant=checked.tenant.name,
                 tenant_weight=checked.tenant.weight,
+                group_id=group,
             ),
             timeout=remaining,
             metadata=call.telemetry.metadata(),
@@ -226,7 +213,7 @@ class Admission:
             routed,
             checked.tenant,
             grant,
-            checked.sampling,
+            sampling,
             sampling_pb,
             token_ids,
             submit,
@@ -236,11 +223,37 @@ class Admission:
             [
                 *attempts,
                 inference_pb2.Attempt(
-                    attempt_id=attempt_id(call.request_id, attempt), scheduler=backend.address
+                    attempt_id=attempt_id(call.request_id, attempt, member),
+                    scheduler=backend.address,
                 ),
             ],
             list(call.request.stop),
+            index,
         )
+
+    async def admit_siblings(self, call: GenerateCall, first: Admitted) -> list[Admitted]:
+        """Completions 1 to n - 1 of an admitted request, on its scheduler (where they fork
+        from its prompt). Nothing stays queued when one is refused: all are cancelled."""
+        n = num_completions(call.request.n)
+        remaining = time_remaining(call.context, call.request.timeout_ms)
+        members = [first]
+        try:
+            for index in range(1, n):
+                sampling = for_completion(first.sampling, index)
+                checked = Checked(first.tenant, [first.backend], first.model, sampling)
+                routed, tokens = Routed(first.routed.route), first.token_ids
+                members.append(
+                    await self._submit(
+                        call, checked, routed, tokens, first.grant, remaining, index=index
+                    )
+                )
+        except BaseException:
+            for member in members:
+                member.submit.cancel()
+                member.routed.ended()
+            self.release(first.grant, 0)
+            raise
+        return members
 
     async def fail_over(self, call: GenerateCall, failed: Admitted, error: KvmeshError) -> Admitted:
         """The request again, same tokens and sampling, on another ready scheduler of the same
@@ -274,6 +287,7 @@ class Admission:
             failed.grant,
             remaining,
             failed.attempts,
+            failed.index,
         )
 
     def release(self, grant: Grant | None, tokens_used: int) -> None:

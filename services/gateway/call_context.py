@@ -32,3 +32,11 @@ class HttpCall:
         if self._deadline is None:
             return None
         return max(0.0, self._deadline - time.monotonic())
+
+
+def time_remaining(context: CallContext, timeout_ms: int) -> float | None:
+    """Seconds left: the sooner of the client's gRPC deadline and the request's timeout_ms."""
+    remaining = context.time_remaining()
+    if timeout_ms:
+        remaining = timeout_ms / 1e3 if remaining is None else min(remaining, timeout_ms / 1e3)
+    return remaining

@@ -8,6 +8,8 @@ the request if it still runs), the rate-limit charge returned, the telemetry clo
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -16,6 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from services.gateway.admission import Admission, GenerateCall
 from services.gateway.call_context import CallContext
 from services.gateway.catalog import ModelCatalog
+from services.gateway.completions import Completion, merged
 from services.gateway.policy import GatewayPolicy
 from services.gateway.relay import FailOver, Relay
 from services.gateway.request_record import (
@@ -27,6 +30,7 @@ from services.gateway.request_record import (
 )
 from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.stall import ClientStalled
+from services.gateway.tenants import end_user_digest
 from services.gateway.text_stream import TextStream
 from services.gateway.tokenizer_link import TokenizerLink
 from shared.errors import KvmeshError
@@ -54,8 +58,9 @@ class GenerateHandler:
         self.admission = Admission(runtime, catalog, tokenizer, self.policy)
 
     @property
-    def active(self) -> dict[tuple[str, str], ActiveRequest]:
-        """Open requests by (tenant, request id): a tenant sees and aborts only its own."""
+    def active(self) -> dict[tuple[str, str], list[ActiveRequest]]:
+        """Open requests by (tenant, request id), a placement per completion: a tenant sees
+        and aborts only its own."""
         return self.admission.active
 
     def _start(self, request: inference_pb2.GenerateRequest, context: CallContext) -> GenerateCall:
@@ -79,6 +84,9 @@ class GenerateHandler:
         telemetry = call.telemetry
         try:
             admitted = await self.admission.admit(call)
+            members = [admitted]
+            if request.n > 1:  # the other completions, on the same scheduler
+                members = await self.admission.admit_siblings(call, admitted)
         except KvmeshError as error:
             telemetry.rejected(error)
             raise  # before the first event: the front turns it into a status
@@ -87,49 +95,61 @@ class GenerateHandler:
             raise
         self._log_accepted(call, admitted)
         active_key = (admitted.tenant.name, call.request_id)
-        self.active[active_key] = ActiveRequest(admitted.backend, admitted.upstream_id)
-        progress = Progress(len(admitted.token_ids), call.received)
-        text = TextStream(self.tokenizer.stub, telemetry.detokenize_metadata(), admitted.model.name)
-        placed = [admitted]  # the current attempt last: a fail-over appends the next one
-        outcome, reason = "cancelled", "client_disconnected"  # unless a terminal event is sent
+        self.active[active_key] = [ActiveRequest(m.backend, m.upstream_id) for m in members]
+        completions = [
+            Completion(
+                member.index,
+                [member],  # the current attempt last: a fail-over appends the next one
+                TextStream(self.tokenizer.stub, telemetry.detokenize_metadata(), member.model.name),
+                Progress(len(member.token_ids), call.received),
+            )
+            for member in members
+        ]
+        # Unless every completion sends its terminal event; with n > 1 the worst one counts.
+        outcome, reason = "cancelled", "client_disconnected"
+        ended: list[tuple[int, str, str]] = []
         with self.runtime.in_flight():
             try:
                 yield accepted_event(call.request_id, admitted, telemetry.trace_id)
-                async for event in self._relayed(call, placed, text, progress, active_key):
-                    kind = event.WhichOneof("event")
-                    if kind == "delta":
-                        telemetry.delta(event.delta.text, len(event.delta.token_ids))
-                    elif kind in TERMINAL:
-                        outcome, reason = kind, terminal_reason(event)
-                        self._log_terminal(kind, progress)
-                    sending = time.monotonic()
-                    yield event
-                    telemetry.blocked_sending(time.monotonic() - sending)
+                relay = functools.partial(self._relayed, call, active_key=active_key)
+                events = contextlib.aclosing(merged(completions, relay))
+                async with events as relayed:  # closed (its tasks cancelled) however we leave
+                    async for completion, event in relayed:
+                        kind = event.WhichOneof("event")
+                        if kind == "delta":
+                            telemetry.delta(event.delta.text, len(event.delta.token_ids))
+                        elif kind in TERMINAL:
+                            ended.append((TERMINAL.index(kind), kind, terminal_reason(event)))
+                            self._log_terminal(kind, completion)
+                        event.index = completion.index
+                        sending = time.monotonic()
+                        yield event
+                        telemetry.blocked_sending(time.monotonic() - sending)
+                if len(ended) == len(completions):
+                    _, outcome, reason = max(ended)
             except ClientStalled:  # thrown in by the front whose write stayed blocked
                 outcome, reason = "cancelled", "client_stalled"
                 log.info("client stalled: cancelled")
                 raise
             finally:
-                admitted = placed[-1]
-                admitted.submit.cancel()  # a no-op when it ended; else the scheduler aborts it
-                text.cancel()
+                for completion in completions:
+                    # A no-op when it ended; else the scheduler aborts it.
+                    completion.admitted.submit.cancel()
+                    completion.text.cancel()
+                    completion.admitted.routed.ended()
                 self.active.pop(active_key, None)
-                admitted.routed.ended()
-                total_tokens = progress.prompt_tokens + progress.completion_tokens
-                self.admission.release(admitted.grant, total_tokens)
-                telemetry.detokenize_ended(text.wait_s)
-                telemetry.ended(outcome, reason, progress.prompt_tokens, progress.completion_tokens)
+                prompt_tokens = len(admitted.token_ids)
+                output_tokens = sum(c.progress.completion_tokens for c in completions)
+                self.admission.release(admitted.grant, prompt_tokens + output_tokens)
+                telemetry.detokenize_ended(sum(c.text.wait_s for c in completions))
+                telemetry.ended(outcome, reason, prompt_tokens, output_tokens)
 
     async def _relayed(
-        self,
-        call: GenerateCall,
-        placed: list[Admitted],
-        text: TextStream,
-        progress: Progress,
-        active_key: tuple[str, str],
+        self, call: GenerateCall, completion: Completion, active_key: tuple[str, str]
     ) -> AsyncIterator[Event]:
-        """The relay's events; a retryable failure before the first token places the request
-        once more, on another scheduler, and relays that attempt instead."""
+        """The relay's events; a retryable failure before the first token places the
+        completion once more, on another scheduler, and relays that attempt instead."""
+        placed, text, progress = completion.placed, completion.text, completion.progress
         while True:
             admitted = placed[-1]
             relay = Relay(list(call.request.stop), admitted, text, progress)
@@ -149,7 +169,8 @@ class GenerateHandler:
                     yield event
                 return
             placed.append(moved)
-            self.active[active_key] = ActiveRequest(moved.backend, moved.upstream_id)
+            if active := self.active.get(active_key):
+                active[completion.index] = ActiveRequest(moved.backend, moved.upstream_id)
             self._log_fail_over(call, admitted, moved, error)
 
     @staticmethod
@@ -169,9 +190,13 @@ class GenerateHandler:
     @staticmethod
     def _log_accepted(call: GenerateCall, admitted: Admitted) -> None:
         route = admitted.routed.route
+        end_user = end_user_digest(admitted.tenant.name, call.request.user)
+        if end_user:
+            call.telemetry.end_user(end_user)
         log.info(
             "accepted",
             extra={
+                "end_user": end_user,
                 "tenant": admitted.tenant.name,
                 "prompt_tokens": len(admitted.token_ids),
                 "queue_position": admitted.queue_position,
@@ -183,11 +208,13 @@ class GenerateHandler:
         )
 
     @staticmethod
-    def _log_terminal(kind: str, progress: Progress) -> None:
+    def _log_terminal(kind: str, completion: Completion) -> None:
+        progress = completion.progress
         first_token_at = progress.first_token_at or progress.received
         log.info(
             kind,
             extra={
+                "index": completion.index,
                 "completion_tokens": progress.completion_tokens,
                 "ttft_ms": round((first_token_at - progress.received) * 1e3, 2),
             },

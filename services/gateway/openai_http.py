@@ -230,11 +230,11 @@ class OpenAIFront:
         async for event in events:
             kind = event.WhichOneof("event")
             if kind == "delta":
-                chunk = builder.delta_chunk(event.delta)
+                chunk = builder.delta_chunk(event.delta, event.index)
                 if chunk is not None:
                     await send(sse(chunk))
             elif kind == "usage":
-                builder.usage = event.usage
+                builder.choice(event.index).usage = event.usage
             elif kind == "failed":
                 await send(sse(error_object(grpc_errors.from_pb(event.failed.error))))
             elif kind in ("completed", "cancelled"):
@@ -245,15 +245,11 @@ class OpenAIFront:
 
     async def _whole(self, events: AsyncIterator[Event], builder: ResponseBuilder) -> web.Response:
         async for event in events:
-            kind = event.WhichOneof("event")
-            if kind == "delta":
-                builder.collect(event.delta)
-            elif kind == "usage":
-                builder.usage = event.usage
-            elif kind == "failed":
+            if event.WhichOneof("event") == "failed":  # one failed completion fails the answer
                 return error_response(grpc_errors.from_pb(event.failed.error))
-            elif kind in ("completed", "cancelled"):
-                return web.json_response(builder.response(event))
+            builder.collect(event)
+            if builder.finished:
+                return web.json_response(builder.response())
         raise KvmeshError(Reason.INTERNAL, "the request ended without a terminal event")
 
     async def list_models(self, request: web.Request) -> web.Response:

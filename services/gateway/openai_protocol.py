@@ -20,11 +20,9 @@ from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for the legacy completions API
 MAX_TOP_LOGPROBS = 20
 _UNSUPPORTED = {  # fields whose non-default values kvmesh does not serve
-    "n": 1,
     "best_of": 1,
     "echo": False,
     "suffix": None,
-    "logit_bias": None,
     "tools": None,
     "functions": None,
 }
@@ -192,11 +190,17 @@ def _common(
         raise _invalid("'stop' must be a string or a list of strings")
     generate.stop.extend(stops)
     _response_format(body.get("response_format"), sampling.response_format)
+    _logit_bias(body.get("logit_bias"), sampling.logit_bias)
     priority = _typed(body, "priority", (int,), "an integer") or 0
     if not -(2**31) <= priority < 2**31:
         raise _invalid("'priority' must be a 32-bit integer")
     generate.priority = priority
     generate.timeout_ms = _count(body, "timeout_ms") or 0
+    generate.user = _typed(body, "user", (str,), "a string") or ""
+    n = _count(body, "n")
+    if n == 0:
+        raise _invalid("'n' must be at least 1")
+    generate.n = n or 1
     options = _typed(body, "stream_options", (dict,), "an object") or {}
     stream = _flag(body, "stream")
     if options and not stream:
@@ -208,6 +212,20 @@ def _common(
         include_usage=_flag(options, "include_usage"),
         model=model,
     )
+
+
+def _logit_bias(value: Any, into: Any) -> None:
+    """OpenAI's map of token ids (as JSON object keys, so strings) to biases."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise _invalid("'logit_bias' must be an object of token id -> bias")
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) <= UINT32_MAX):
+            raise _invalid(f"'logit_bias' keys must be token ids, got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise _invalid(f"'logit_bias' values must be numbers, got {bias!r}")
+        into[int(key)] = float(bias)
 
 
 def _response_format(value: Any, into: common_pb2.ResponseFormat) -> None:

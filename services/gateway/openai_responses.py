@@ -35,19 +35,29 @@ def _token_text(piece: bytes) -> str:
 
 
 @dataclass
+class Choice:
+    """What one of the n completions has sent so far."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprob_entries: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    usage: inference_pb2.Usage | None = None
+    finish: str | None = None  # set by its terminal event
+    text_offset: int = 0  # characters of completion logprob tokens so far (text_offset)
+    started: bool = False  # a chunk went out (a chat stream's first one carries the role)
+
+
+@dataclass
 class ResponseBuilder:
-    """Turns one request's events into OpenAI chunks (streaming) or one response object."""
+    """Turns one request's events into OpenAI chunks (streaming) or one response object, with
+    a choice per completion (`n`), told apart by each event's index."""
 
     request: OpenAIRequest
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
     model: str = ""
     fingerprint: str = ""
-    text: list[str] = field(default_factory=list)
-    logprob_entries: list[common_pb2.TokenLogprobs] = field(default_factory=list)
-    usage: inference_pb2.Usage | None = None
-    _text_offset: int = 0  # characters of completion logprob tokens so far (text_offset)
-    _started: bool = False  # a chunk went out (a chat stream's first one carries the role)
+    choices: dict[int, Choice] = field(default_factory=dict)
 
     @property
     def object(self) -> str:
@@ -56,35 +66,71 @@ class ResponseBuilder:
             return "chat.completion.chunk" if chat else "text_completion"
         return "chat.completion" if chat else "text_completion"
 
+    @property
+    def finished(self) -> bool:
+        """Every completion has sent its terminal event."""
+        done = sum(choice.finish is not None for choice in self.choices.values())
+        return done == max(self.request.generate.n, 1)
+
+    def choice(self, index: int) -> Choice:
+        return self.choices.setdefault(index, Choice(index))
+
     def accepted(self, event: inference_pb2.Accepted) -> None:
         self.id = ("chatcmpl-" if self.request.chat else "cmpl-") + event.request_id
         self.model = event.model
         self.fingerprint = f"kvmesh-{event.model_version}"  # the version that answers
 
-    def delta_chunk(self, delta: inference_pb2.Delta) -> dict[str, Any] | None:
+    def delta_chunk(self, delta: inference_pb2.Delta, index: int = 0) -> dict[str, Any] | None:
         """The chunk for one delta; None when it has nothing to show (text held back)."""
-        logprobs = self._logprobs(list(delta.logprobs)) if self.request.logprobs else None
-        if not delta.text and not logprobs and self._started:
+        choice = self.choice(index)
+        logprobs = self._logprobs(choice, list(delta.logprobs)) if self.request.logprobs else None
+        if not delta.text and not logprobs and choice.started:
             return None
-        return self._chunk(self._choice(delta.text, logprobs, None))
+        return self._chunk(self._choice(choice, delta.text, logprobs))
 
     def finish_chunks(self, event: inference_pb2.GenerateEvent) -> list[dict[str, Any]]:
-        """The last choice chunk (with its finish reason) and, when asked for, the usage."""
-        chunks = [self._chunk(self._choice("", None, finish_reason(event)))]
-        if self.request.include_usage and self.usage is not None:
-            chunks.append(self._chunk(None, usage=usage_object(self.usage)))
+        """The completion's last chunk (with its finish reason) and, after the last
+        completion's, the usage of all of them when asked for."""
+        choice = self.choice(event.index)
+        choice.finish = finish_reason(event)
+        chunks = [self._chunk(self._choice(choice, "", None))]
+        if self.request.include_usage and self.finished:
+            chunks.append(self._chunk(None, usage=usage_object(self.total_usage())))
         return chunks
 
-    def collect(self, delta: inference_pb2.Delta) -> None:
-        self.text.append(delta.text)
-        self.logprob_entries.extend(delta.logprobs)
+    def collect(self, event: inference_pb2.GenerateEvent) -> None:
+        """A non-streaming answer's delta, usage or terminal event."""
+        choice = self.choice(event.index)
+        kind = event.WhichOneof("event")
+        if kind == "delta":
+            choice.text.append(event.delta.text)
+            choice.logprob_entries.extend(event.delta.logprobs)
+        elif kind == "usage":
+            choice.usage = event.usage
+        elif kind in ("completed", "cancelled"):
+            choice.finish = finish_reason(event)
 
-    def response(self, event: inference_pb2.GenerateEvent) -> dict[str, Any]:
-        """The whole non-streaming answer."""
-        logprobs = self._logprobs(self.logprob_entries) if self.request.logprobs else None
-        answer = self._chunk(self._choice("".join(self.text), logprobs, finish_reason(event)))
-        answer["usage"] = usage_object(self.usage or inference_pb2.Usage())
+    def response(self) -> dict[str, Any]:
+        """The whole non-streaming answer, its choices in index order."""
+        answer = self._chunk(None)
+        for index in sorted(self.choices):
+            choice = self.choices[index]
+            entries = choice.logprob_entries
+            logprobs = self._logprobs(choice, entries) if self.request.logprobs else None
+            answer["choices"].append(self._choice(choice, "".join(choice.text), logprobs))
+        answer["usage"] = usage_object(self.total_usage())
         return answer
+
+    def total_usage(self) -> inference_pb2.Usage:
+        """As OpenAI counts n completions: the prompt once, every completion's tokens."""
+        usages = [c.usage for c in self.choices.values() if c.usage is not None]
+        if not usages:
+            return inference_pb2.Usage()
+        return inference_pb2.Usage(
+            prompt_tokens=usages[0].prompt_tokens,
+            completion_tokens=sum(u.completion_tokens for u in usages),
+            cached_tokens=max(u.cached_tokens for u in usages),
+        )
 
     def _chunk(
         self, choice: dict[str, Any] | None, usage: dict[str, Any] | None = None
@@ -101,29 +147,32 @@ class ResponseBuilder:
             chunk["usage"] = usage  # null on every chunk but the last, as OpenAI sends it
         return chunk
 
-    def _choice(self, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+    def _choice(self, state: Choice, text: str, logprobs: Any) -> dict[str, Any]:
+        finish = state.finish
+        choice: dict[str, Any] = {"index": state.index}
         if not self.request.chat:
             choice["text"] = text
         elif self.request.stream:
-            delta: dict[str, str] = {} if self._started else {"role": "assistant"}
+            delta: dict[str, str] = {} if state.started else {"role": "assistant"}
             if text or not finish:
                 delta["content"] = text
             choice["delta"] = delta
         else:
             choice["message"] = {"role": "assistant", "content": text}
-        self._started = True
+        state.started = True
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish
         return choice
 
-    def _logprobs(self, entries: list[common_pb2.TokenLogprobs]) -> dict[str, Any] | None:
+    def _logprobs(
+        self, choice: Choice, entries: list[common_pb2.TokenLogprobs]
+    ) -> dict[str, Any] | None:
         if self.request.chat:
             return {"content": [_chat_logprob(e) for e in entries], "refusal": None}
         offsets = []
         for entry in entries:
-            offsets.append(self._text_offset)
-            self._text_offset += len(_token_text(entry.token_bytes))
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(_token_text(entry.token_bytes))
         return {
             "tokens": [_token_text(e.token_bytes) for e in entries],
             "token_logprobs": [e.logprob for e in entries],

@@ -25,17 +25,23 @@ class ActiveRequest:
 
 
 def upstream_request_id(
-    request_id: str, tenant: Tenant, client_named: bool, attempt: int = 1
+    request_id: str, tenant: Tenant, client_named: bool, attempt: int = 1, member: str = ""
 ) -> str:
     """A client's own request id is scoped by its tenant upstream: two tenants may pick the
     same id without either learning of the other (generated ids are unique already). A second
-    attempt carries its number, so scheduler and worker logs tell the attempts apart."""
+    attempt carries its number, so scheduler and worker logs tell the attempts apart; each of
+    n > 1 completions its index (`member`)."""
     scoped = f"{tenant.name}/{request_id}" if client_named else request_id
-    return scoped if attempt == 1 else f"{scoped}#{attempt}"
+    return f"{scoped}{member}" if attempt == 1 else f"{scoped}{member}#{attempt}"
 
 
-def attempt_id(request_id: str, attempt: int) -> str:
-    return f"{request_id}#{attempt}"
+def member_suffix(index: int, n: int) -> str:
+    """How one of n completions is told apart in ids: `[2]`; nothing when n is 1."""
+    return f"[{index}]" if n > 1 else ""
+
+
+def attempt_id(request_id: str, attempt: int, member: str = "") -> str:
+    return f"{request_id}{member}#{attempt}"
 
 
 @dataclass
@@ -56,6 +62,7 @@ class Admitted:
     # Every placement so far, this one last (its error_reason empty while it runs).
     attempts: list[inference_pb2.Attempt]
     stop: list[str]  # the stop strings the gateway matches
+    index: int = 0  # which of the request's n completions
 
     @property
     def backend(self) -> SchedulerBackend:

@@ -139,6 +139,9 @@ class RequestTelemetry:
         self.model = str(attributes.get("gen_ai.response.model", ""))
         self.root.set_attributes(attributes)
 
+    def end_user(self, digest: str) -> None:
+        self.root.set_attribute("kvmesh.end_user", digest)
+
     def event(self, name: str, attributes: dict[str, str]) -> None:
         """Something that happened to the request: an event on its root span, and counted."""
         self.root.add_event(name, attributes)

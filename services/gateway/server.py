@@ -61,16 +61,19 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     ) -> inference_pb2.AbortResponse:
         tenant = self.policy.api_keys.authenticate(context.invocation_metadata())
         # Another tenant's request is as unknown as one that never existed.
-        active = self.generate.active.get((tenant.name, request.request_id))
-        if active is None:
+        placements = self.generate.active.get((tenant.name, request.request_id))
+        if placements is None:
             return inference_pb2.AbortResponse(found=False)
-        try:
-            reply = await active.backend.stub.Abort(
-                scheduler_pb2.SchedulerAbortRequest(request_id=active.upstream_id), timeout=5
-            )
-        except grpc.RpcError as error:
-            raise grpc_errors.from_rpc_error(error) from None
-        return inference_pb2.AbortResponse(found=reply.found)
+        found = False
+        for active in list(placements):  # every completion of it
+            try:
+                reply = await active.backend.stub.Abort(
+                    scheduler_pb2.SchedulerAbortRequest(request_id=active.upstream_id), timeout=5
+                )
+            except grpc.RpcError as error:
+                raise grpc_errors.from_rpc_error(error) from None
+            found |= reply.found
+        return inference_pb2.AbortResponse(found=found)
 
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

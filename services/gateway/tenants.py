@@ -170,3 +170,12 @@ def _presented_key(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
+
+
+def end_user_digest(tenant: str, user: str) -> str:
+    """A stable name for a client's end user (`GenerateRequest.user`) that logs and traces can
+    carry: one user's requests group together, the value given never appears, and two tenants'
+    same user string do not match. Empty when no user was given."""
+    if not user:
+        return ""
+    return hashlib.sha256(f"{tenant}\0{user}".encode()).hexdigest()[:16]

@@ -26,14 +26,32 @@ class KVBlock:
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """Cached blocks that cover a prompt's leading tokens."""
+    """Computed blocks that cover a prompt's leading tokens: cached ones, or a sibling's (a
+    fork of a request with n > 1), whose partial last block is copied, not shared, since the
+    sibling goes on writing into it."""
 
-    block_ids: tuple[int, ...] = ()
+    block_ids: tuple[int, ...] = ()  # shared as they are
     block_size: int = 0
+    copy_from: int | None = None  # a sibling's partial block: the request's next one is a copy
+    num_copied_tokens: int = 0
+    from_cache: bool = True  # a prefix-cache hit (counted in the stats), not a fork
 
     @property
     def num_tokens(self) -> int:
-        return len(self.block_ids) * self.block_size
+        return len(self.block_ids) * self.block_size + self.num_copied_tokens
+
+
+def fork_of(sibling: Request, num_tokens: int, block_size: int) -> PrefixMatch:
+    """The first `num_tokens` of a sibling's computed K/V: full blocks shared, the partial
+    one (if any) to be copied."""
+    num_full, num_rest = divmod(num_tokens, block_size)
+    return PrefixMatch(
+        tuple(sibling.block_ids[:num_full]),
+        block_size,
+        sibling.block_ids[num_full] if num_rest else None,
+        num_rest,
+        from_cache=False,
+    )
 
 
 @dataclass
@@ -42,6 +60,7 @@ class CacheStats:
     hits: int = 0  # of those, tokens served from the cache
     evictions: int = 0
     collisions: int = 0  # hash hits whose tokens differed
+    forked: int = 0  # tokens a request with n > 1 took from a sibling instead of computing
 
 
 @dataclass
@@ -98,7 +117,8 @@ class BlockManager:
     def allocate(
         self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None
     ) -> bool:
-        """Give `request` blocks for its computed tokens plus `num_new_tokens`; all or nothing."""
+        """Give `request` blocks for its computed tokens plus `num_new_tokens`; all or nothing.
+        With a fork, the first fresh block is the copy of `prefix.copy_from`."""
         prefix_ids = prefix.block_ids if prefix else ()
         total = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
         num_fresh = total - len(request.block_ids) - len(prefix_ids)
@@ -106,9 +126,11 @@ class BlockManager:
         num_revived = sum(1 for b in prefix_ids if self.blocks[b].ref_count == 0)
         if max(num_fresh, 0) + num_revived > len(self._free):
             return False
-        if prefix is not None:  # counted once, when the request is actually admitted
+        if prefix is not None and prefix.from_cache:  # counted once, when admitted
             self.stats.queries += request.num_tokens
             self.stats.hits += prefix.num_tokens
+        elif prefix is not None:
+            self.stats.forked += prefix.num_tokens
         for block_id in prefix_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:

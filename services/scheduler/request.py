@@ -6,8 +6,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from shared.block_hash import ROOT_HASH, hash_block
+from shared.config import SchedulerConfig
+from shared.errors import KvmeshError, Reason
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
+from shared.step import NewRequestPlan
 
 
 class RequestStatus(Enum):
@@ -33,6 +36,7 @@ class Request:
     cache_salt: bytes = b""
     tenant: str = ""  # its fair share is counted with the tenant's other requests
     tenant_weight: float = 1.0
+    group_id: str = ""  # the n completions of one request share it, and the prompt's K/V
     prompt_len: int = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
@@ -68,6 +72,24 @@ class Request:
         return None
 
     @property
+    def num_shareable_tokens(self) -> int:
+        """What a sibling's K/V can give it: the prompt, leaving at least one token to compute
+        (the step that samples needs logits)."""
+        return min(self.prompt_len, self.num_tokens - 1)
+
+    def new_plan(self, num_scheduled_tokens: int) -> NewRequestPlan:
+        """The whole request, for a worker that has not seen it (or must rebuild it)."""
+        return NewRequestPlan(
+            self.request_id,
+            tuple(self.token_ids),
+            tuple(self.block_ids),
+            self.num_computed_tokens,
+            num_scheduled_tokens,
+            self.sampling,
+            self.prompt_len,
+        )
+
+    @property
     def sort_key(self) -> tuple[int, int]:
         """Queue order: priority first, then arrival (FCFS)."""
         return (self.priority, self.arrival_seq)
@@ -81,3 +103,21 @@ class Request:
             parent = hash_block(parent, self.token_ids[start : start + block_size], self.cache_salt)
             self.block_hashes.append(parent)
         return self.block_hashes
+
+
+def check_prompt_fits(prompt_len: int, max_model_len: int, config: SchedulerConfig) -> None:
+    """A prompt that could never run is refused on arrival, not left waiting."""
+    if prompt_len == 0:
+        raise KvmeshError(Reason.EMPTY_PROMPT, "the prompt has no tokens")
+    if prompt_len >= max_model_len:
+        raise KvmeshError(
+            Reason.PROMPT_TOO_LONG,
+            f"prompt of {prompt_len} tokens leaves no room to generate within "
+            f"the context length {max_model_len}",
+        )
+    if config.prefill_chunk_size is None and prompt_len > config.max_num_batched_tokens:
+        raise KvmeshError(
+            Reason.PROMPT_TOO_LONG,
+            f"prompt of {prompt_len} tokens exceeds the step budget of "
+            f"{config.max_num_batched_tokens} and chunked prefill is off",
+        )

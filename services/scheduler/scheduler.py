@@ -6,7 +6,8 @@ lowest-priority, newest running request is preempted: its blocks are freed and i
 later (its cached full blocks usually make that cheap).
 
 Within a priority, tenants share the batch and the pool by weight (fair_share.py): which
-waiting request is admitted next, which running one gives up its slot or its blocks.
+waiting request is admitted next, which running one gives up its slot or its blocks. The n
+completions of one request compute their prompt once and fork (groups.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager, PrefixMatch
 from services.scheduler.fair_share import TenantShares
-from services.scheduler.request import Request, RequestStatus
+from services.scheduler.groups import Groups
+from services.scheduler.request import Request, RequestStatus, check_prompt_fits
 from shared.config import CacheConfig, SchedulerConfig
 from shared.errors import KvmeshError, Reason
 from shared.outputs import FinishReason, RequestOutput
@@ -57,6 +59,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key
+        self.groups = Groups()
         self._arrivals = itertools.count()
         self._step_ids = itertools.count()
         self._freed_since_last_plan: list[str] = []
@@ -74,10 +77,11 @@ class Scheduler:
         cache_salt: bytes = b"",
         tenant: str = "",
         tenant_weight: float = 1.0,
+        group_id: str = "",
     ) -> Request:
         if request_id in self.requests:
             raise KvmeshError(Reason.INVALID_ARGUMENT, f"request id {request_id!r} is in use")
-        self._check_prompt_fits(len(prompt_token_ids))
+        check_prompt_fits(len(prompt_token_ids), self.max_model_len, self.config)
         request = Request(
             request_id,
             list(prompt_token_ids),
@@ -87,28 +91,13 @@ class Scheduler:
             cache_salt,
             tenant,
             tenant_weight if tenant_weight > 0 else 1.0,
+            group_id,
         )
         request.num_cached_on_arrival = self.block_manager.cached_prefix_tokens(request)
         self.requests[request_id] = request
+        self.groups.add(request)
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
         return request
-
-    def _check_prompt_fits(self, prompt_len: int) -> None:
-        if prompt_len == 0:
-            raise KvmeshError(Reason.EMPTY_PROMPT, "the prompt has no tokens")
-        if prompt_len >= self.max_model_len:
-            raise KvmeshError(
-                Reason.PROMPT_TOO_LONG,
-                f"prompt of {prompt_len} tokens leaves no room to generate within "
-                f"the context length {self.max_model_len}",
-            )
-        chunking = self.config.prefill_chunk_size is not None
-        if not chunking and prompt_len > self.config.max_num_batched_tokens:
-            raise KvmeshError(
-                Reason.PROMPT_TOO_LONG,
-                f"prompt of {prompt_len} tokens exceeds the step budget of "
-                f"{self.config.max_num_batched_tokens} and chunked prefill is off",
-            )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; its blocks are free before the next plan is built."""
@@ -134,7 +123,9 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        self._preempt_for_fair_share()
+        # Once a step: a request this step preempts waits for the next one anyway.
+        admissible = self._admissible()
+        self._preempt_for_fair_share(admissible)
         budget = self.config.max_num_batched_tokens
         new_plans: list[NewRequestPlan] = []
         running_plans: list[RunningRequestPlan] = []
@@ -149,9 +140,8 @@ class Scheduler:
             num_blocks_before = len(request.block_ids)
             while not self.block_manager.allocate(request, num_new):
                 preempted = True
-                victim = self._preemption_victim(index)
-                self._preempt(victim)
-                if victim is request:
+                self._preempt(self._preemption_victim(index), self.running[index:])
+                if request.status is not RequestStatus.RUNNING:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
@@ -164,48 +154,51 @@ class Scheduler:
             index += 1
         # A step that had to preempt admits nothing new: the pool is already too tight.
         shares = TenantShares(self.running)
+        copies: list[tuple[int, int]] = []
         while (
-            self.waiting
+            admissible
             and budget > 0
             and not preempted
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = shares.next_waiting(self.waiting)
-            prefix = self.block_manager.match_prefix(request)
+            request = shares.next_waiting(admissible)
+            admissible.remove(request)
+            prefix = self.groups.fork(request, self.block_size)
+            if prefix is None and self.groups.is_held(request):
+                continue  # a sibling admitted just now computes its prompt
+            prefix = prefix or self.block_manager.match_prefix(request)
             request.num_computed_tokens = prefix.num_tokens
             num_new = self._tokens_to_schedule(request, budget)
             if num_new == 0 or not self.block_manager.allocate(request, num_new, prefix):
                 request.num_computed_tokens = 0
                 break
+            if prefix.copy_from is not None:
+                copies.append((prefix.copy_from, request.block_ids[len(prefix.block_ids)]))
             self._admit(request, prefix)
             shares.add(request)
-            new_plans.append(
-                NewRequestPlan(
-                    request.request_id,
-                    tuple(request.token_ids),
-                    tuple(request.block_ids),
-                    request.num_computed_tokens,
-                    num_new,
-                    request.sampling,
-                    request.prompt_len,
-                )
-            )
+            new_plans.append(request.new_plan(num_new))
             budget -= num_new
         freed, self._freed_since_last_plan = tuple(self._freed_since_last_plan), []
-        return StepPlan(next(self._step_ids), tuple(new_plans), tuple(running_plans), freed)
+        return StepPlan(
+            next(self._step_ids), tuple(new_plans), tuple(running_plans), freed, tuple(copies)
+        )
 
-    def _preempt_for_fair_share(self) -> None:
+    def _admissible(self) -> list[Request]:
+        """Waiting requests, less group members whose sibling still computes their prompt."""
+        return [r for r in self.waiting if not (r.group_id and self.groups.is_held(r))]
+
+    def _preempt_for_fair_share(self, admissible: list[Request]) -> None:
         """A full batch gives one slot per step to a waiting tenant below its share."""
-        if not self.waiting:
+        if not admissible:
             return
         shares = TenantShares(self.running)
-        candidate = shares.next_waiting(self.waiting)
+        candidate = shares.next_waiting(admissible)
         needed = self.block_manager.blocks_needed(candidate.num_tokens)
         full = len(self.running) >= self.config.max_num_seqs
         if full or needed > self.block_manager.num_free_blocks:
             victim = shares.slot_for(candidate, needed, self.running)
             if victim is not None:
-                self._preempt(victim)
+                self._preempt(victim, self.running)
 
     def _preemption_victim(self, first_unscheduled: int) -> Request:
         """Among the least urgent running requests not yet scheduled this step: the newest
@@ -224,12 +217,19 @@ class Scheduler:
 
     def _admit(self, request: Request, prefix: PrefixMatch) -> None:
         self.waiting.remove(request)
-        if request.num_preemptions == 0:
-            request.num_cached_tokens = prefix.num_tokens
+        if request.num_preemptions == 0:  # a fork's tokens came from a sibling, not the cache
+            request.num_cached_tokens = prefix.num_tokens if prefix.from_cache else 0
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=lambda r: r.sort_key)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, victim: Request, among: Sequence[Request]) -> None:
+        """The victim and its group's members `among` the running requests not yet scheduled
+        this step (a scheduled one keeps its plan)."""
+        group = set(self.groups.running_siblings(victim)) if victim.group_id else set()
+        for request in [victim, *(r for r in among if r in group)]:
+            self._preempt_one(request)
+
+    def _preempt_one(self, request: Request) -> None:
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
@@ -293,6 +293,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.block_manager.free(request, drop_cached)
+        self.groups.remove(request)
         self.num_finished += 1
         request.status = RequestStatus.FINISHED
         del self.requests[request.request_id]

@@ -81,7 +81,7 @@ async def test_a_request_that_cannot_start_before_its_deadline_is_never_prefille
     )
     before = await scheduler.GetLoad(scheduler_pb2.LoadRequest())
     running = await start_running(inference)
-    events = await collect(inference, text_request("Too late:", max_tokens=4), timeout=1.0)
+    events = await collect(inference, text_request("Too late:", max_tokens=4), timeout=2.0)
     assert assert_one_terminal(events) == "failed"
     error = events[-1].failed.error
     assert error.reason == "DEADLINE_EXCEEDED" and error.retryable

@@ -246,7 +246,7 @@ async def test_a_client_that_hangs_up_cancels_the_request_upstream(mesh: Mesh, c
     ("body", "code"),
     [
         ({"messages": []}, "INVALID_ARGUMENT"),
-        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "INVALID_ARGUMENT"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 17}, "INVALID_ARGUMENT"),
         (
             {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
             "INVALID_ARGUMENT",
@@ -260,6 +260,14 @@ async def test_a_client_that_hangs_up_cancels_the_request_upstream(mesh: Mesh, c
             "INVALID_SCHEMA",
         ),
         ({"messages": [{"role": "user", "content": "hi " * 9000}]}, "PROMPT_TOO_LONG"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}},
+            "INVALID_SAMPLING_PARAMS",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"4000000": 1}},
+            "INVALID_SAMPLING_PARAMS",
+        ),  # outside the vocabulary
     ],
 )
 async def test_bad_requests_are_400_with_a_stable_code(client, body: dict, code: str) -> None:
@@ -268,6 +276,22 @@ async def test_bad_requests_are_400_with_a_stable_code(client, body: dict, code:
     assert raised.value.status_code == 400
     assert raised.value.code == code
     assert raised.value.body["retryable"] is False
+
+
+async def test_logit_bias_steers_sampling_and_user_is_accepted(client) -> None:
+    answer = await client.chat.completions.create(
+        model=await model_name(client),
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=4,
+        temperature=1.0,
+        logit_bias={"1234": 100},
+        logprobs=True,
+        user="end-user-7",
+    )
+    assert [t.token for t in answer.choices[0].logprobs.content] == [
+        answer.choices[0].logprobs.content[0].token
+    ] * 4
+    assert answer.usage.completion_tokens == 4
 
 
 async def test_unknown_models_and_paths_are_404(mesh: Mesh, client) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -115,3 +117,18 @@ def test_min_p_and_top_p_keep_only_the_head_of_the_distribution() -> None:
         state = RequestState("r", [0], [], 0, params, 1)
         draws = {sample(logits, [state], rng)[0].token_id for _ in range(200)}
         assert draws <= {0, 1} and 0 in draws
+
+
+def test_logit_bias_forces_or_bans_a_token_and_leaves_logprobs_alone(engine: Engine) -> None:
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+    free = engine.generate([PROMPT], greedy)[0]
+    first = free.token_ids[0]
+    banned = engine.generate([PROMPT], replace(greedy, logit_bias=((first, -100.0),)))[0]
+    assert banned.token_ids[0] != first
+    forced_token = 1234
+    forced = engine.generate([PROMPT], replace(greedy, logit_bias=((forced_token, 100.0),)))[0]
+    assert forced.token_ids == [forced_token] * 4
+    # Logprobs are the model's own: the forced token is unlikely under it.
+    assert forced.logprobs[0].logprob < free.logprobs[0].logprob
+    sampled = SamplingParams(max_tokens=4, temperature=1.0, seed=3, logit_bias=((77, 100.0),))
+    assert engine.generate([PROMPT], sampled)[0].token_ids == [77] * 4

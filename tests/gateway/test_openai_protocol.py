@@ -75,7 +75,7 @@ def test_completion_prompts(prompt: object, field: str) -> None:
 @pytest.mark.parametrize(
     ("body", "reason", "words"),
     [
-        ({"messages": HI, "n": 3}, Reason.INVALID_ARGUMENT, "'n'"),
+        ({"messages": HI, "n": 0}, Reason.INVALID_ARGUMENT, "'n'"),
         ({"messages": HI, "max_tokens": -1}, Reason.INVALID_ARGUMENT, "'max_tokens'"),
         ({"messages": HI, "temperature": True}, Reason.INVALID_ARGUMENT, "'temperature'"),
         ({"messages": HI, "top_logprobs": 2}, Reason.INVALID_ARGUMENT, "needs 'logprobs'"),
@@ -124,6 +124,10 @@ def builder(body: dict, chat: bool = True) -> ResponseBuilder:
     return built
 
 
+def delta(index: int = 0, **fields) -> inference_pb2.GenerateEvent:
+    return inference_pb2.GenerateEvent(delta=inference_pb2.Delta(**fields), index=index)
+
+
 def completed(reason: int) -> inference_pb2.GenerateEvent:
     return inference_pb2.GenerateEvent(completed=inference_pb2.Completed(finish_reason=reason))
 
@@ -138,7 +142,8 @@ def test_chat_stream_chunks() -> None:
     assert first["usage"] is None and first["id"] == "chatcmpl-r1"
     assert first["system_fingerprint"] == "kvmesh-v1"
     assert stream.delta_chunk(inference_pb2.Delta(text="", token_ids=[5])) is None  # held back
-    stream.usage = inference_pb2.Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1)
+    usage = inference_pb2.Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1)
+    stream.choice(0).usage = usage
     last, usage = stream.finish_chunks(completed(common_pb2.FINISH_REASON_STOP_STRING))
     assert last["choices"][0] == {
         "index": 0,
@@ -163,13 +168,13 @@ def test_whole_completion_with_logprobs() -> None:
         token_bytes=b"ab",
         top=[common_pb2.TopLogprob(token_id=1, logprob=-0.5, token_bytes=b"ab")],
     )
-    whole.collect(inference_pb2.Delta(text="ab", logprobs=[entry]))
+    whole.collect(delta(text="ab", logprobs=[entry]))
     whole.collect(
-        inference_pb2.Delta(
-            text="c", logprobs=[common_pb2.TokenLogprobs(logprob=-1, token_bytes=b"c")]
-        )
+        delta(text="c", logprobs=[common_pb2.TokenLogprobs(logprob=-1, token_bytes=b"c")])
     )
-    answer = whole.response(completed(common_pb2.FINISH_REASON_LENGTH))
+    whole.collect(completed(common_pb2.FINISH_REASON_LENGTH))
+    assert whole.finished
+    answer = whole.response()
     choice = answer["choices"][0]
     assert answer["object"] == "text_completion" and choice["text"] == "abc"
     assert choice["finish_reason"] == "length"
@@ -177,7 +182,34 @@ def test_whole_completion_with_logprobs() -> None:
     assert choice["logprobs"]["text_offset"] == [0, 2]
     assert choice["logprobs"]["top_logprobs"][0] == {"ab": -0.5}
     cancelled = inference_pb2.GenerateEvent(cancelled=inference_pb2.Cancelled(reason="abort"))
-    assert whole.response(cancelled)["choices"][0]["finish_reason"] == "abort"
+    whole.collect(cancelled)
+    assert whole.response()["choices"][0]["finish_reason"] == "abort"
+
+
+def test_n_completions_are_choices_by_index_with_usage_summed() -> None:
+    stream = builder(
+        {"messages": HI, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    second = stream.delta_chunk(inference_pb2.Delta(text="B"), index=1)
+    first = stream.delta_chunk(inference_pb2.Delta(text="A"), index=0)
+    assert second is not None and second["choices"][0]["index"] == 1
+    assert first is not None and first["choices"][0]["delta"]["role"] == "assistant"
+    for index, tokens in ((0, 4), (1, 6)):
+        stream.choice(index).usage = inference_pb2.Usage(prompt_tokens=3, completion_tokens=tokens)
+    one = completed(common_pb2.FINISH_REASON_STOP)
+    one.index = 1
+    assert len(stream.finish_chunks(one)) == 1  # the usage waits for the last completion
+    last, usage = stream.finish_chunks(completed(common_pb2.FINISH_REASON_LENGTH))
+    assert last["choices"][0]["index"] == 0 and last["choices"][0]["finish_reason"] == "length"
+    assert usage["usage"]["prompt_tokens"] == 3 and usage["usage"]["completion_tokens"] == 10
+
+    whole = builder({"prompt": "x", "n": 2}, chat=False)
+    for index, text in ((1, "b"), (0, "a")):
+        whole.collect(delta(text=text, index=index))
+        finished = completed(common_pb2.FINISH_REASON_STOP)
+        finished.index = index
+        whole.collect(finished)
+    assert [c["text"] for c in whole.response()["choices"]] == ["a", "b"]
 
 
 @pytest.mark.parametrize(
@@ -195,3 +227,17 @@ def test_numbers_outside_the_wire_ranges_are_invalid_arguments(body) -> None:
     with pytest.raises(KvmeshError) as raised:
         parse_completion(body)
     assert raised.value.reason is Reason.INVALID_ARGUMENT
+
+
+def test_logit_bias_and_user_are_parsed() -> None:
+    parsed = parse_chat(
+        {"messages": HI, "logit_bias": {"42": 100, "7": -3.5}, "user": "u1"}, context_of
+    )
+    assert dict(parsed.generate.sampling.logit_bias) == {42: 100.0, 7: -3.5}
+    assert parsed.generate.user == "u1"
+    for bad in ({"x": 1}, {"1": "high"}, [1, 2], {"-1": 1}):
+        with pytest.raises(KvmeshError) as raised:
+            parse_chat({"messages": HI, "logit_bias": bad}, context_of)
+        assert (
+            raised.value.reason is Reason.INVALID_ARGUMENT and "logit_bias" in raised.value.message
+        )

@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from services.gateway.tenants import ApiKeys, TenantLimits
+from services.gateway.tenants import ApiKeys, TenantLimits, end_user_digest
 from shared.errors import KvmeshError, Reason
 
 KEYS_FILE = """
@@ -94,3 +94,11 @@ def test_a_tenant_without_keys_is_refused(tmp_path: pathlib.Path) -> None:
     path.write_text("[tenants.empty]\nkeys = []\n")
     with pytest.raises(KvmeshError, match="non-empty keys"):
         ApiKeys.from_toml(str(path))
+
+
+def test_an_end_user_is_logged_as_a_digest_per_tenant() -> None:
+    digest = end_user_digest("acme", "alice@example.com")
+    assert len(digest) == 16 and "alice" not in digest
+    assert digest == end_user_digest("acme", "alice@example.com")  # one user's requests group
+    assert digest != end_user_digest("other", "alice@example.com")
+    assert end_user_digest("acme", "") == ""

@@ -36,6 +36,13 @@ class FakeWorker:
     def execute(self, plan: StepPlan) -> StepResult:
         for request_id in plan.finished_request_ids:
             self.states.pop(request_id, None)
+        for source, destination in plan.block_copies:  # before this step writes anything
+            for offset in range(self.block_size):
+                token = self.slots.get((source, offset))
+                if token is None:
+                    self.slots.pop((destination, offset), None)
+                else:
+                    self.slots[(destination, offset)] = token
         scheduled = []
         for new in plan.new_requests:
             state = _State(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)

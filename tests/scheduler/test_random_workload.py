@@ -1,7 +1,9 @@
-"""A seeded random run of submits, aborts and finishes: no block leaks or double frees."""
+"""A seeded random run of submits (some with n > 1), aborts, failures and finishes: no block
+leaks or double frees, and every position a request reads holds its own token."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from services.scheduler.request import RequestStatus
@@ -23,7 +25,7 @@ def test_random_workload_never_leaks_or_double_frees_blocks() -> None:
     aborted = 0
     failed = 0
     for _ in range(STEPS):
-        if rng.random() < 0.35 and len(scheduler.requests) < 24:
+        if rng.random() < 0.3 and len(scheduler.requests) < 24:
             prompt = rng.choice(prefixes)[: rng.randint(1, 20)] + [
                 rng.randrange(20) for _ in range(rng.randint(0, 12))
             ]
@@ -33,14 +35,18 @@ def test_random_workload_never_leaks_or_double_frees_blocks() -> None:
                 max_tokens=rng.randint(1, 40), stop_token_ids=(19,), temperature=0.0
             )
             tenant = rng.choice("abc")
-            scheduler.add_request(
-                f"r{next_id}",
-                prompt,
-                params,
-                priority=rng.randint(0, 2),
-                tenant=tenant,
-                tenant_weight={"a": 1.0, "b": 2.0, "c": 0.5}[tenant],
-            )
+            priority = rng.randint(0, 2)
+            n = rng.choice((1, 1, 1, 2, 4))  # n > 1: completions forking from one prompt
+            for index in range(n):
+                scheduler.add_request(
+                    f"r{next_id}/{index}",
+                    prompt,
+                    dataclasses.replace(params, max_tokens=params.max_tokens + index),
+                    priority=priority,
+                    tenant=tenant,
+                    tenant_weight={"a": 1.0, "b": 2.0, "c": 0.5}[tenant],
+                    group_id=f"g{next_id}" if n > 1 else "",
+                )
             next_id += 1
         if rng.random() < 0.05 and scheduler.requests:
             scheduler.abort(rng.choice(sorted(scheduler.requests)))
@@ -62,7 +68,8 @@ def test_random_workload_never_leaks_or_double_frees_blocks() -> None:
         assert all(r.status is RequestStatus.RUNNING for r in holders)
         assert len(scheduler.running) <= 8
     assert finished > 500 and aborted > 50 and failed > 50 and scheduler.num_preemptions > 0
-    assert scheduler.block_manager.stats.hits > 0 and scheduler.block_manager.stats.evictions > 0
+    stats = scheduler.block_manager.stats
+    assert stats.hits > 0 and stats.evictions > 0 and stats.forked > 0
     for request_id in list(scheduler.requests):
         scheduler.abort(request_id)
     scheduler.block_manager.check_invariants([])

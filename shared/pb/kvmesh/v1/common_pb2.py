@@ -24,43 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\",\n\x0eResponseFormat\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\xba\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x06\x88\x01\x01\x12\x32\n\x0fresponse_format\x18\r \x01(\x0b\x32\x19.kvmesh.v1.ResponseFormatB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"D\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\"k\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.kvmesh.v1.TopLogprob\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"0\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"O\n\nEmbedInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x42\x07\n\x05input\"/\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"f\n\x05\x45rror\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\x12\x11\n\tgrpc_code\x18\x05 \x01(\x05\"\x97\x06\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x17\n\x0f\x61rtifact_digest\x18\x03 \x01(\t\x12\x41\n\x0f\x61rtifact_sha256\x18\x04 \x03(\x0b\x32(.kvmesh.v1.ModelInfo.ArtifactSha256Entry\x12\x15\n\rartifact_path\x18\x05 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x06 \x01(\t\x12\x16\n\x0enum_parameters\x18\x07 \x01(\x04\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cquantization\x18\t \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12\x15\n\rkv_block_size\x18\x0c \x01(\r\x12\x11\n\tkv_blocks\x18\r \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0e \x01(\x04\x12\x1a\n\x12kv_bytes_per_token\x18\x0f \x01(\x04\x12\x14\n\x0cload_seconds\x18\x10 \x01(\x01\x12\x16\n\x0ewarmup_seconds\x18\x11 \x01(\x01\x12\x12\n\nvocab_size\x18\x12 \x01(\r\x12\x15\n\reos_token_ids\x18\x13 \x03(\r\x12\x0f\n\x07\x61liases\x18\x14 \x03(\t\x12\x33\n\x10\x64\x65\x66\x61ult_sampling\x18\x15 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x0c\n\x04task\x18\x16 \x01(\t\x12\x1c\n\x14\x65mbedding_dimensions\x18\x17 \x01(\r\x12\x32\n\x07runtime\x18\x18 \x03(\x0b\x32!.kvmesh.v1.ModelInfo.RuntimeEntry\x12\x0e\n\x06\x64\x65vice\x18\x19 \x01(\t\x12\x0f\n\x07threads\x18\x1a \x01(\r\x12\x18\n\x10tokenizer_digest\x18\x1b \x01(\t\x1a\x35\n\x13\x41rtifactSha256Entry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cRuntimeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x97\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\",\n\x0eResponseFormat\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\xaa\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x06\x88\x01\x01\x12\x32\n\x0fresponse_format\x18\r \x01(\x0b\x32\x19.kvmesh.v1.ResponseFormat\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"D\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\"k\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.kvmesh.v1.TopLogprob\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"0\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"O\n\nEmbedInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x42\x07\n\x05input\"/\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"f\n\x05\x45rror\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\x12\x11\n\tgrpc_code\x18\x05 \x01(\x05\"\x97\x06\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x17\n\x0f\x61rtifact_digest\x18\x03 \x01(\t\x12\x41\n\x0f\x61rtifact_sha256\x18\x04 \x03(\x0b\x32(.kvmesh.v1.ModelInfo.ArtifactSha256Entry\x12\x15\n\rartifact_path\x18\x05 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x06 \x01(\t\x12\x16\n\x0enum_parameters\x18\x07 \x01(\x04\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cquantization\x18\t \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12\x15\n\rkv_block_size\x18\x0c \x01(\r\x12\x11\n\tkv_blocks\x18\r \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0e \x01(\x04\x12\x1a\n\x12kv_bytes_per_token\x18\x0f \x01(\x04\x12\x14\n\x0cload_seconds\x18\x10 \x01(\x01\x12\x16\n\x0ewarmup_seconds\x18\x11 \x01(\x01\x12\x12\n\nvocab_size\x18\x12 \x01(\r\x12\x15\n\reos_token_ids\x18\x13 \x03(\r\x12\x0f\n\x07\x61liases\x18\x14 \x03(\t\x12\x33\n\x10\x64\x65\x66\x61ult_sampling\x18\x15 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x0c\n\x04task\x18\x16 \x01(\t\x12\x1c\n\x14\x65mbedding_dimensions\x18\x17 \x01(\r\x12\x32\n\x07runtime\x18\x18 \x03(\x0b\x32!.kvmesh.v1.ModelInfo.RuntimeEntry\x12\x0e\n\x06\x64\x65vice\x18\x19 \x01(\t\x12\x0f\n\x07threads\x18\x1a \x01(\r\x12\x18\n\x10tokenizer_digest\x18\x1b \x01(\t\x1a\x35\n\x13\x41rtifactSha256Entry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cRuntimeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x97\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_MODELINFO_ARTIFACTSHA256ENTRY']._loaded_options = None
   _globals['_MODELINFO_ARTIFACTSHA256ENTRY']._serialized_options = b'8\001'
   _globals['_MODELINFO_RUNTIMEENTRY']._loaded_options = None
   _globals['_MODELINFO_RUNTIMEENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1857
-  _globals['_FINISHREASON']._serialized_end=2008
+  _globals['_FINISHREASON']._serialized_start=1969
+  _globals['_FINISHREASON']._serialized_end=2120
   _globals['_RESPONSEFORMAT']._serialized_start=37
   _globals['_RESPONSEFORMAT']._serialized_end=81
   _globals['_SAMPLINGPARAMS']._serialized_start=84
-  _globals['_SAMPLINGPARAMS']._serialized_end=526
-  _globals['_TOPLOGPROB']._serialized_start=528
-  _globals['_TOPLOGPROB']._serialized_end=596
-  _globals['_TOKENLOGPROBS']._serialized_start=598
-  _globals['_TOKENLOGPROBS']._serialized_end=705
-  _globals['_CHATMESSAGE']._serialized_start=707
-  _globals['_CHATMESSAGE']._serialized_end=751
-  _globals['_CHAT']._serialized_start=753
-  _globals['_CHAT']._serialized_end=801
-  _globals['_TOKENIDS']._serialized_start=803
-  _globals['_TOKENIDS']._serialized_end=826
-  _globals['_EMBEDINPUT']._serialized_start=828
-  _globals['_EMBEDINPUT']._serialized_end=907
-  _globals['_EMBEDDING']._serialized_start=909
-  _globals['_EMBEDDING']._serialized_end=956
-  _globals['_ERROR']._serialized_start=958
-  _globals['_ERROR']._serialized_end=1060
-  _globals['_MODELINFO']._serialized_start=1063
-  _globals['_MODELINFO']._serialized_end=1854
-  _globals['_MODELINFO_ARTIFACTSHA256ENTRY']._serialized_start=1753
-  _globals['_MODELINFO_ARTIFACTSHA256ENTRY']._serialized_end=1806
-  _globals['_MODELINFO_RUNTIMEENTRY']._serialized_start=1808
-  _globals['_MODELINFO_RUNTIMEENTRY']._serialized_end=1854
+  _globals['_SAMPLINGPARAMS']._serialized_end=638
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=494
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=542
+  _globals['_TOPLOGPROB']._serialized_start=640
+  _globals['_TOPLOGPROB']._serialized_end=708
+  _globals['_TOKENLOGPROBS']._serialized_start=710
+  _globals['_TOKENLOGPROBS']._serialized_end=817
+  _globals['_CHATMESSAGE']._serialized_start=819
+  _globals['_CHATMESSAGE']._serialized_end=863
+  _globals['_CHAT']._serialized_start=865
+  _globals['_CHAT']._serialized_end=913
+  _globals['_TOKENIDS']._serialized_start=915
+  _globals['_TOKENIDS']._serialized_end=938
+  _globals['_EMBEDINPUT']._serialized_start=940
+  _globals['_EMBEDINPUT']._serialized_end=1019
+  _globals['_EMBEDDING']._serialized_start=1021
+  _globals['_EMBEDDING']._serialized_end=1068
+  _globals['_ERROR']._serialized_start=1070
+  _globals['_ERROR']._serialized_end=1172
+  _globals['_MODELINFO']._serialized_start=1175
+  _globals['_MODELINFO']._serialized_end=1966
+  _globals['_MODELINFO_ARTIFACTSHA256ENTRY']._serialized_start=1865
+  _globals['_MODELINFO_ARTIFACTSHA256ENTRY']._serialized_end=1918
+  _globals['_MODELINFO_RUNTIMEENTRY']._serialized_start=1920
+  _globals['_MODELINFO_RUNTIMEENTRY']._serialized_end=1966
 # @@protoc_insertion_point(module_scope)

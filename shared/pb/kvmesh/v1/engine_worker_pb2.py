@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shared.pb.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/v1/engine_worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"4\n\x0b\x45mbedInputs\x12%\n\x06inputs\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.EmbedInput\"8\n\x0c\x45mbedVectors\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.Embedding\"\x16\n\x14\x45mbedderModelRequest\"0\n\x15PrepareFormatResponse\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\"\xc6\x01\n\x0eNewRequestPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\nprompt_len\x18\x07 \x01(\r\"]\n\x12RunningRequestPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\r\"|\n\x0cPrefillTrace\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x16\n\x0estart_position\x18\x05 \x01(\r\"\xd4\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x19.kvmesh.v1.NewRequestPlan\x12\x37\n\x10running_requests\x18\x03 \x03(\x0b\x32\x1d.kvmesh.v1.RunningRequestPlan\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12/\n\x0eprefill_traces\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.PrefillTrace\"r\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12/\n\x08logprobs\x18\x03 \x01(\x0b\x32\x18.kvmesh.v1.TokenLogprobsH\x00\x88\x01\x01\x42\x0b\n\t_logprobs\"\x85\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x07sampled\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.SampledToken\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12(\n\x06\x66\x61iled\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.FailedRequest\"G\n\rFailedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nerror_type\x18\x03 \x01(\t\"\x13\n\x11WorkerInfoRequest\"1\n\nWorkerInfo\x12#\n\x05model\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.ModelInfo\"\x0f\n\rWarmupRequest\"!\n\x0eWarmupResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x32\x93\x02\n\x0c\x45ngineWorker\x12\x36\n\x04Step\x12\x13.kvmesh.v1.StepPlan\x1a\x15.kvmesh.v1.StepResult(\x01\x30\x01\x12>\n\x07GetInfo\x12\x1c.kvmesh.v1.WorkerInfoRequest\x1a\x15.kvmesh.v1.WorkerInfo\x12=\n\x06Warmup\x12\x18.kvmesh.v1.WarmupRequest\x1a\x19.kvmesh.v1.WarmupResponse\x12L\n\rPrepareFormat\x12\x19.kvmesh.v1.ResponseFormat\x1a .kvmesh.v1.PrepareFormatResponse2\x87\x01\n\x08\x45mbedder\x12\x38\n\x05\x45mbed\x12\x16.kvmesh.v1.EmbedInputs\x1a\x17.kvmesh.v1.EmbedVectors\x12\x41\n\x08GetModel\x12\x1f.kvmesh.v1.EmbedderModelRequest\x1a\x14.kvmesh.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/v1/engine_worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"4\n\x0b\x45mbedInputs\x12%\n\x06inputs\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.EmbedInput\"8\n\x0c\x45mbedVectors\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.Embedding\"\x16\n\x14\x45mbedderModelRequest\"0\n\x15PrepareFormatResponse\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\"\xc6\x01\n\x0eNewRequestPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\nprompt_len\x18\x07 \x01(\r\"]\n\x12RunningRequestPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\r\"|\n\x0cPrefillTrace\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x16\n\x0estart_position\x18\x05 \x01(\r\"\x80\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x19.kvmesh.v1.NewRequestPlan\x12\x37\n\x10running_requests\x18\x03 \x03(\x0b\x32\x1d.kvmesh.v1.RunningRequestPlan\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12/\n\x0eprefill_traces\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.PrefillTrace\x12*\n\x0c\x62lock_copies\x18\x06 \x03(\x0b\x32\x14.kvmesh.v1.BlockCopy\"0\n\tBlockCopy\x12\x0e\n\x06source\x18\x01 \x01(\r\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\r\"r\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12/\n\x08logprobs\x18\x03 \x01(\x0b\x32\x18.kvmesh.v1.TokenLogprobsH\x00\x88\x01\x01\x42\x0b\n\t_logprobs\"\x85\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x07sampled\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.SampledToken\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12(\n\x06\x66\x61iled\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.FailedRequest\"G\n\rFailedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nerror_type\x18\x03 \x01(\t\"\x13\n\x11WorkerInfoRequest\"1\n\nWorkerInfo\x12#\n\x05model\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.ModelInfo\"\x0f\n\rWarmupRequest\"!\n\x0eWarmupResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x32\x93\x02\n\x0c\x45ngineWorker\x12\x36\n\x04Step\x12\x13.kvmesh.v1.StepPlan\x1a\x15.kvmesh.v1.StepResult(\x01\x30\x01\x12>\n\x07GetInfo\x12\x1c.kvmesh.v1.WorkerInfoRequest\x1a\x15.kvmesh.v1.WorkerInfo\x12=\n\x06Warmup\x12\x18.kvmesh.v1.WarmupRequest\x1a\x19.kvmesh.v1.WarmupResponse\x12L\n\rPrepareFormat\x12\x19.kvmesh.v1.ResponseFormat\x1a .kvmesh.v1.PrepareFormatResponse2\x87\x01\n\x08\x45mbedder\x12\x38\n\x05\x45mbed\x12\x16.kvmesh.v1.EmbedInputs\x1a\x17.kvmesh.v1.EmbedVectors\x12\x41\n\x08GetModel\x12\x1f.kvmesh.v1.EmbedderModelRequest\x1a\x14.kvmesh.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,23 +47,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLTRACE']._serialized_start=550
   _globals['_PREFILLTRACE']._serialized_end=674
   _globals['_STEPPLAN']._serialized_start=677
-  _globals['_STEPPLAN']._serialized_end=889
-  _globals['_SAMPLEDTOKEN']._serialized_start=891
-  _globals['_SAMPLEDTOKEN']._serialized_end=1005
-  _globals['_STEPRESULT']._serialized_start=1008
-  _globals['_STEPRESULT']._serialized_end=1141
-  _globals['_FAILEDREQUEST']._serialized_start=1143
-  _globals['_FAILEDREQUEST']._serialized_end=1214
-  _globals['_WORKERINFOREQUEST']._serialized_start=1216
-  _globals['_WORKERINFOREQUEST']._serialized_end=1235
-  _globals['_WORKERINFO']._serialized_start=1237
-  _globals['_WORKERINFO']._serialized_end=1286
-  _globals['_WARMUPREQUEST']._serialized_start=1288
-  _globals['_WARMUPREQUEST']._serialized_end=1303
-  _globals['_WARMUPRESPONSE']._serialized_start=1305
-  _globals['_WARMUPRESPONSE']._serialized_end=1338
-  _globals['_ENGINEWORKER']._serialized_start=1341
-  _globals['_ENGINEWORKER']._serialized_end=1616
-  _globals['_EMBEDDER']._serialized_start=1619
-  _globals['_EMBEDDER']._serialized_end=1754
+  _globals['_STEPPLAN']._serialized_end=933
+  _globals['_BLOCKCOPY']._serialized_start=935
+  _globals['_BLOCKCOPY']._serialized_end=983
+  _globals['_SAMPLEDTOKEN']._serialized_start=985
+  _globals['_SAMPLEDTOKEN']._serialized_end=1099
+  _globals['_STEPRESULT']._serialized_start=1102
+  _globals['_STEPRESULT']._serialized_end=1235
+  _globals['_FAILEDREQUEST']._serialized_start=1237
+  _globals['_FAILEDREQUEST']._serialized_end=1308
+  _globals['_WORKERINFOREQUEST']._serialized_start=1310
+  _globals['_WORKERINFOREQUEST']._serialized_end=1329
+  _globals['_WORKERINFO']._serialized_start=1331
+  _globals['_WORKERINFO']._serialized_end=1380
+  _globals['_WARMUPREQUEST']._serialized_start=1382
+  _globals['_WARMUPREQUEST']._serialized_end=1397
+  _globals['_WARMUPRESPONSE']._serialized_start=1399
+  _globals['_WARMUPRESPONSE']._serialized_end=1432
+  _globals['_ENGINEWORKER']._serialized_start=1435
+  _globals['_ENGINEWORKER']._serialized_end=1710
+  _globals['_EMBEDDER']._serialized_start=1713
+  _globals['_EMBEDDER']._serialized_end=1848
 # @@protoc_insertion_point(module_scope)

@@ -72,18 +72,28 @@ class PrefillTrace(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., start_position: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "running_requests", "finished_request_ids", "prefill_traces")
+    __slots__ = ("step_id", "new_requests", "running_requests", "finished_request_ids", "prefill_traces", "block_copies")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TRACES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequestPlan]
     running_requests: _containers.RepeatedCompositeFieldContainer[RunningRequestPlan]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     prefill_traces: _containers.RepeatedCompositeFieldContainer[PrefillTrace]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestPlan, _Mapping]]] = ..., running_requests: _Optional[_Iterable[_Union[RunningRequestPlan, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., prefill_traces: _Optional[_Iterable[_Union[PrefillTrace, _Mapping]]] = ...) -> None: ...
+    block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestPlan, _Mapping]]] = ..., running_requests: _Optional[_Iterable[_Union[RunningRequestPlan, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., prefill_traces: _Optional[_Iterable[_Union[PrefillTrace, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
+class BlockCopy(_message.Message):
+    __slots__ = ("source", "destination")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    source: int
+    destination: int
+    def __init__(self, source: _Optional[int] = ..., destination: _Optional[int] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("request_id", "token_id", "logprobs")

@@ -87,8 +87,8 @@ class InferenceServicer:
 
     def Generate(self, request, context):
         """Streams one request: `accepted`, then `delta`s, then `usage`, then exactly one terminal
-        event (`completed`, `cancelled` or `failed`). Cancelling the call aborts the request and
-        frees its KV blocks within one scheduler step.
+        event (`completed`, `cancelled` or `failed`); with n > 1, that per completion, by index.
+        Cancelling the call aborts the request and frees its KV blocks within one scheduler step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,134 @@
+"""The n completions of one request: the prompt computed once, its blocks shared, forks copied."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.scheduler import Scheduler
+from shared.sampling import SamplingParams
+from shared.step import StepPlan
+from tests.scheduler.fake_worker import FakeWorker
+from tests.scheduler.helpers import make_scheduler, run_to_completion
+
+PROMPT = list(range(1, 11))  # 10 tokens: blocks of 4 hold 2 full blocks and a partial one
+
+
+def add_group(
+    scheduler: Scheduler, n: int, prompt: list[int] = PROMPT, max_tokens: int = 6
+) -> list[str]:
+    ids = [f"req/{index}" for index in range(n)]
+    for request_id in ids:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        scheduler.add_request(request_id, prompt, params, group_id="req")
+    return ids
+
+
+def complete(scheduler: Scheduler, worker: FakeWorker, pending: StepPlan) -> dict[str, list[int]]:
+    """Every request's tokens from `pending` (scheduled, not yet run) to the end."""
+    outputs: dict[str, list[int]] = {}
+    for output in scheduler.update(pending, worker.execute(pending)):
+        outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+    for request_id, tokens in run_to_completion(scheduler, worker).items():
+        outputs.setdefault(request_id, []).extend(tokens)
+    return outputs
+
+
+def referenced_blocks(scheduler: Scheduler) -> int:
+    return scheduler.block_manager.num_blocks - scheduler.block_manager.num_free_blocks
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_the_prompt_is_computed_once_and_its_full_blocks_shared(prefix_caching: bool) -> None:
+    scheduler = make_scheduler(block_size=4, chunk=None, prefix_caching=prefix_caching)
+    worker = FakeWorker(4)
+    ids = add_group(scheduler, 3)
+    first = scheduler.schedule()
+    assert [r.request_id for r in first.new_requests] == ["req/0"]
+    assert first.num_scheduled_tokens == len(PROMPT)
+    (leader_first,) = scheduler.update(first, worker.execute(first))
+
+    fork = scheduler.schedule()
+    forks = {r.request_id: r for r in fork.new_requests}
+    assert sorted(forks) == ["req/1", "req/2"]
+    leader = scheduler.requests["req/0"]
+    for plan in forks.values():
+        assert plan.num_computed_tokens == len(PROMPT) - 1 and plan.num_scheduled_tokens == 1
+        assert plan.block_ids[:2] == tuple(leader.block_ids[:2])  # shared, not recomputed
+    # Each fork writes the prompt's last token into its own copy of the partial block.
+    assert sorted(fork.block_copies) == sorted(
+        (leader.block_ids[2], forks[i].block_ids[2]) for i in ("req/1", "req/2")
+    )
+    assert referenced_blocks(scheduler) == 2 + 3  # 9 blocks if each computed its own prompt
+    assert all(scheduler.requests[i].num_cached_tokens == 0 for i in forks)  # not cache hits
+    outputs = complete(scheduler, worker, fork)
+    outputs["req/0"][:0] = leader_first.new_token_ids
+    alone = make_scheduler(block_size=4, chunk=None, prefix_caching=prefix_caching)
+    alone.add_request("alone", PROMPT, SamplingParams(max_tokens=6, temperature=0.0))
+    expected = run_to_completion(alone, FakeWorker(4))["alone"]
+    assert [outputs[i] for i in ids] == [expected] * 3
+    assert referenced_blocks(scheduler) == 0
+
+
+def test_a_prompt_ending_on_a_block_boundary_forks_with_no_copy() -> None:
+    scheduler = make_scheduler(block_size=4, chunk=None)
+    worker = FakeWorker(4)
+    add_group(scheduler, 2, prompt=list(range(1, 10)))  # 8 shared tokens: two full blocks
+    first = scheduler.schedule()
+    scheduler.update(first, worker.execute(first))
+    fork = scheduler.schedule()
+    assert [r.num_computed_tokens for r in fork.new_requests] == [8]
+    assert fork.block_copies == ()
+    complete(scheduler, worker, fork)
+
+
+def test_siblings_wait_for_a_chunked_prompt_then_fork() -> None:
+    scheduler = make_scheduler(block_size=4, chunk=4, budget=4)
+    worker = FakeWorker(4)
+    add_group(scheduler, 3)
+    for _ in range(3):  # 4 + 4 + 2 prompt tokens, one chunk a step
+        plan = scheduler.schedule()
+        assert {r.request_id for r in plan.new_requests} <= {"req/0"}
+        scheduler.update(plan, worker.execute(plan))
+    assert scheduler.requests["req/0"].num_output_tokens == 1
+    plan = scheduler.schedule()
+    assert {r.request_id for r in plan.new_requests} == {"req/1", "req/2"}
+    complete(scheduler, worker, plan)
+    assert scheduler.block_manager.stats.forked == 2 * 9
+
+
+def test_a_member_whose_sibling_left_computes_the_prompt_itself() -> None:
+    scheduler = make_scheduler(block_size=4, chunk=4, budget=4)
+    worker = FakeWorker(4)
+    add_group(scheduler, 2)
+    plan = scheduler.schedule()
+    scheduler.update(plan, worker.execute(plan))
+    scheduler.abort("req/0")  # mid-prefill: req/1 no longer waits for it
+    plan = scheduler.schedule()
+    assert [(r.request_id, r.num_computed_tokens) for r in plan.new_requests] == [("req/1", 4)]
+    outputs = complete(scheduler, worker, plan)
+    assert len(outputs["req/1"]) == 6
+    assert referenced_blocks(scheduler) == 0
+
+
+def test_a_group_is_preempted_together_and_finishes_the_same() -> None:
+    roomy = make_scheduler(block_size=4, chunk=4, budget=16)
+    ids = add_group(roomy, 4, max_tokens=24)
+    expected = run_to_completion(roomy, FakeWorker(4))
+
+    tight = make_scheduler(num_blocks=14, block_size=4, chunk=4, budget=16)
+    add_group(tight, 4, max_tokens=24)
+    tight.add_request("other", [7] * 6, SamplingParams(max_tokens=24, temperature=0.0))
+    worker = FakeWorker(4)
+    preempted_together = False
+    outputs: dict[str, list[int]] = {}
+    while tight.has_unfinished():
+        plan = tight.schedule()
+        members = {r for r in plan.finished_request_ids if r.startswith("req/")}
+        preempted = [tight.requests[r] for r in members if r in tight.requests]
+        preempted_together |= len(preempted) > 1
+        for output in tight.update(plan, worker.execute(plan)):
+            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+        tight.block_manager.check_invariants(list(tight.requests.values()))
+    assert tight.num_preemptions > 0 and preempted_together
+    assert [outputs[i] for i in ids] == [expected[i] for i in ids]
+    assert referenced_blocks(tight) == 0
