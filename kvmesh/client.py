@@ -29,7 +29,9 @@ def generate_request(
         timeout_ms=timeout_ms,
     )
     if messages is not None:
-        request.chat.messages.extend(common_pb2.ChatMessage(**m) for m in messages)
+        request.chat.messages.extend(
+            common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages
+        )
     elif token_ids is not None:
         request.token_ids.ids.extend(token_ids)
     elif prompt is not None:

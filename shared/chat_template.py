@@ -38,6 +38,7 @@ def render_chat_template(
     source: str,
     messages: list[dict[str, Any]],
     *,
+    tools: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool,
     bos_token: str,
     eos_token: str,
@@ -50,6 +51,7 @@ def render_chat_template(
     try:
         return _compile(source).render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,

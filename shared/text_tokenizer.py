@@ -14,6 +14,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from shared.chat_template import render_chat_template
 from shared.errors import KvmeshError, Reason
+from shared.tool_prompt import renders_tools, with_tool_prompt
 
 _GGUF_CONTROL_TOKEN = 3  # llama.cpp token type: special tokens matched whole in text
 
@@ -82,20 +83,31 @@ class TextTokenizer:
     def _byte_level(self) -> bool:
         return isinstance(self.tokenizer.decoder, decoders.ByteLevel)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of a chat as the model expects it: the template writes any BOS itself."""
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools), add_special_tokens=False)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> str:
+        """The chat as text. `tools` (OpenAI function specs) go to a template that renders
+        them; for one that does not, kvmesh's tool prompt rewrites the messages."""
         if not self.chat_template:
             raise KvmeshError(
                 Reason.INVALID_ARGUMENT, "this model has no chat template; send a prompt"
             )
+        if not renders_tools(self.chat_template):
+            messages, tools = with_tool_prompt(messages, tools or []), None
         return render_chat_template(
             self.chat_template,
             messages,
+            tools=tools or None,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",

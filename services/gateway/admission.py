@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 import grpc
 
-from services.gateway.call_context import CallContext, time_remaining
+from services.gateway.call_context import time_remaining
 from services.gateway.catalog import ModelCatalog
-from services.gateway.connections import SchedulerBackend
+from services.gateway.generate_call import Checked, GenerateCall
 from services.gateway.policy import GatewayPolicy
 from services.gateway.rate_limits import Grant
 from services.gateway.request_record import (
@@ -28,38 +27,15 @@ from services.gateway.request_record import (
     upstream_request_id,
 )
 from services.gateway.request_sampling import for_completion, num_completions, resolve_sampling
-from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.router import Routed
 from services.gateway.stop_strings import check_stop_strings
-from services.gateway.tenants import Tenant
 from services.gateway.tokenizer_link import TokenizerLink
+from services.gateway.tools import constrain_to_calls, tool_use
 from shared import grpc_errors
 from shared.codec import sampling_to_pb
 from shared.errors import KvmeshError, Reason
-from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, scheduler_pb2
-from shared.sampling import SamplingParams
+from shared.pb.kvmesh.v1 import inference_pb2, scheduler_pb2
 from shared.service import ServiceRuntime
-
-
-@dataclass
-class GenerateCall:
-    """One Generate call, as every step of its admission reads it."""
-
-    request: inference_pb2.GenerateRequest
-    context: CallContext
-    request_id: str  # the client's, or one made up for it
-    received: float  # time.monotonic() at arrival
-    telemetry: RequestTelemetry
-
-
-@dataclass(frozen=True)
-class Checked:
-    """A request that passed every check needing no other service."""
-
-    tenant: Tenant
-    candidates: list[SchedulerBackend]  # ready schedulers of the model version chosen
-    model: common_pb2.ModelInfo
-    sampling: SamplingParams
 
 
 class Admission:
@@ -111,6 +87,8 @@ class Admission:
         model = candidates[0].model
         assert model is not None
         sampling = resolve_sampling(request.sampling, model.default_sampling, model.vocab_size)
+        call.tools = tool_use(request)
+        sampling = constrain_to_calls(call.tools, sampling)
         self.tokenizer.require()
         return Checked(tenant, candidates, model, sampling)
 

@@ -15,10 +15,11 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from services.gateway.admission import Admission, GenerateCall
+from services.gateway.admission import Admission
 from services.gateway.call_context import CallContext
 from services.gateway.catalog import ModelCatalog
 from services.gateway.completions import Completion, merged
+from services.gateway.generate_call import GenerateCall
 from services.gateway.policy import GatewayPolicy
 from services.gateway.relay import FailOver, Relay
 from services.gateway.request_record import (
@@ -152,7 +153,7 @@ class GenerateHandler:
         placed, text, progress = completion.placed, completion.text, completion.progress
         while True:
             admitted = placed[-1]
-            relay = Relay(list(call.request.stop), admitted, text, progress)
+            relay = Relay(list(call.request.stop), admitted, text, progress, call.tools)
             relay.may_fail_over = len(admitted.attempts) < MAX_ATTEMPTS
             try:
                 async for event in relay.events():

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.openai_tools import message_tool_calls, parse_tool_choice, parse_tools
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
 
@@ -23,8 +24,8 @@ _UNSUPPORTED = {  # fields whose non-default values kvmesh does not serve
     "best_of": 1,
     "echo": False,
     "suffix": None,
-    "tools": None,
-    "functions": None,
+    "functions": None,  # the deprecated form of `tools`
+    "function_call": None,
 }
 
 
@@ -98,7 +99,9 @@ def parse_chat(body: dict[str, Any], max_model_len: Callable[[str], int]) -> Ope
     if not isinstance(messages, list) or not messages:
         raise _invalid("'messages' must be a non-empty list")
     chat = common_pb2.Chat(messages=[_chat_message(m, i) for i, m in enumerate(messages)])
+    chat.tools.extend(parse_tools(body.get("tools")))
     request = _common(body, inference_pb2.GenerateRequest(chat=chat), chat=True)
+    parse_tool_choice(body, request.generate.tool_choice)
     sampling = request.generate.sampling
     limit = _count(body, "max_completion_tokens")
     limit = _count(body, "max_tokens") if limit is None else limit
@@ -144,7 +147,14 @@ def _chat_message(message: Any, index: int) -> common_pb2.ChatMessage:
         content = ""
     if not isinstance(content, str):
         raise _invalid(f"messages[{index}].content must be a string or a list of text parts")
-    return common_pb2.ChatMessage(role=message["role"], content=content)
+    parsed = common_pb2.ChatMessage(role=message["role"], content=content)
+    parsed.tool_calls.extend(message_tool_calls(message.get("tool_calls"), index))
+    for name in ("tool_call_id", "name"):
+        value = message.get(name)
+        if value is not None and not isinstance(value, str):
+            raise _invalid(f"messages[{index}].{name} must be a string")
+        setattr(parsed, name, value or "")
+    return parsed
 
 
 def _prompt(prompt: Any) -> inference_pb2.GenerateRequest:

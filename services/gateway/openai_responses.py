@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.openai_protocol import OpenAIRequest
+from services.gateway.openai_tools import tool_call_object
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_STOP_STRING: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 ABORTED = "abort"  # an Abort call ended it (vLLM's finish reason for the same)
 
@@ -41,10 +43,12 @@ class Choice:
     index: int
     text: list[str] = field(default_factory=list)
     logprob_entries: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    tool_calls: list[common_pb2.ToolCall] = field(default_factory=list)
     usage: inference_pb2.Usage | None = None
     finish: str | None = None  # set by its terminal event
     text_offset: int = 0  # characters of completion logprob tokens so far (text_offset)
     started: bool = False  # a chunk went out (a chat stream's first one carries the role)
+    num_streamed_calls: int = 0  # tool calls streamed so far (each delta's call index)
 
 
 @dataclass
@@ -84,9 +88,9 @@ class ResponseBuilder:
         """The chunk for one delta; None when it has nothing to show (text held back)."""
         choice = self.choice(index)
         logprobs = self._logprobs(choice, list(delta.logprobs)) if self.request.logprobs else None
-        if not delta.text and not logprobs and choice.started:
+        if not delta.text and not logprobs and not delta.tool_calls and choice.started:
             return None
-        return self._chunk(self._choice(choice, delta.text, logprobs))
+        return self._chunk(self._choice(choice, delta.text, logprobs, list(delta.tool_calls)))
 
     def finish_chunks(self, event: inference_pb2.GenerateEvent) -> list[dict[str, Any]]:
         """The completion's last chunk (with its finish reason) and, after the last
@@ -105,6 +109,7 @@ class ResponseBuilder:
         if kind == "delta":
             choice.text.append(event.delta.text)
             choice.logprob_entries.extend(event.delta.logprobs)
+            choice.tool_calls.extend(event.delta.tool_calls)
         elif kind == "usage":
             choice.usage = event.usage
         elif kind in ("completed", "cancelled"):
@@ -117,7 +122,8 @@ class ResponseBuilder:
             choice = self.choices[index]
             entries = choice.logprob_entries
             logprobs = self._logprobs(choice, entries) if self.request.logprobs else None
-            answer["choices"].append(self._choice(choice, "".join(choice.text), logprobs))
+            text = "".join(choice.text)
+            answer["choices"].append(self._choice(choice, text, logprobs, choice.tool_calls))
         answer["usage"] = usage_object(self.total_usage())
         return answer
 
@@ -147,18 +153,34 @@ class ResponseBuilder:
             chunk["usage"] = usage  # null on every chunk but the last, as OpenAI sends it
         return chunk
 
-    def _choice(self, state: Choice, text: str, logprobs: Any) -> dict[str, Any]:
+    def _choice(
+        self,
+        state: Choice,
+        text: str,
+        logprobs: Any,
+        calls: list[common_pb2.ToolCall] | None = None,
+    ) -> dict[str, Any]:
         finish = state.finish
         choice: dict[str, Any] = {"index": state.index}
         if not self.request.chat:
             choice["text"] = text
         elif self.request.stream:
-            delta: dict[str, str] = {} if state.started else {"role": "assistant"}
-            if text or not finish:
+            delta: dict[str, Any] = {} if state.started else {"role": "assistant"}
+            if text or not (finish or calls):
                 delta["content"] = text
+            if calls:  # each call whole, indexed in the answer's order
+                first = state.num_streamed_calls
+                state.num_streamed_calls += len(calls)
+                delta["tool_calls"] = [
+                    {"index": first + i, **tool_call_object(call)} for i, call in enumerate(calls)
+                ]
             choice["delta"] = delta
         else:
-            choice["message"] = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:  # OpenAI's content is null beside calls when the model wrote none
+                message["content"] = text or None
+                message["tool_calls"] = [tool_call_object(call) for call in calls]
+            choice["message"] = message
         state.started = True
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish

@@ -37,11 +37,17 @@ def output_problem(response_format: ResponseFormat, text: str) -> str | None:
         return f"the output is not JSON: {error}"
     if response_format.kind == "json_object":
         return None if isinstance(value, dict) else "the output is JSON but not an object"
-    mismatch = jsonschema.exceptions.best_match(_validator(response_format.spec).iter_errors(value))
+    problem = schema_problem(response_format.spec, value)
+    return None if problem is None else f"the output {problem}"
+
+
+def schema_problem(schema_text: str, value: object) -> str | None:
+    """Where and how `value` fails the schema, or None when it is valid."""
+    mismatch = jsonschema.exceptions.best_match(_validator(schema_text).iter_errors(value))
     if mismatch is None:
         return None
     where = "/".join(str(part) for part in mismatch.absolute_path) or "(root)"
-    return f"the output does not match the schema at {where}: {mismatch.message}"
+    return f"does not match the schema at {where}: {mismatch.message}"
 
 
 def check_output(response_format: ResponseFormat, text: str) -> None:

@@ -23,8 +23,11 @@ from services.gateway.request_record import (
 )
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.text_stream import TextStream
+from services.gateway.tool_calls import ToolCallParser
+from services.gateway.tools import ToolUse
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
+from shared.outputs import FinishReason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, scheduler_pb2
 
 log = logging.getLogger("kvmesh.gateway.relay")
@@ -43,12 +46,18 @@ class FailOver(Exception):
 
 class Relay:
     def __init__(
-        self, stops: list[str], admitted: Admitted, text: TextStream, progress: Progress
+        self,
+        stops: list[str],
+        admitted: Admitted,
+        text: TextStream,
+        progress: Progress,
+        tools: ToolUse | None = None,
     ) -> None:
         self.admitted = admitted
         self.text = text
         self.progress = progress
         self.stops = StopStringMatcher(stops)
+        self.tool_calls = ToolCallParser(tools) if tools is not None and tools.parsed else None
         # A response format's whole text, checked once it finished.
         self.output: list[str] | None = [] if admitted.sampling.response_format else None
         self.ended = False
@@ -102,22 +111,21 @@ class Relay:
             self.output.append(released)
         first = progress.first_token_at is None
         progress.first_token_at = progress.first_token_at or time.monotonic()
+        content, calls = self._split_calls(released, finish=self.stops.matched is not None)
         yield Event(
             delta=inference_pb2.Delta(
-                text=released, token_ids=ids, logprobs=tokens.logprobs, first_token=first
+                text=content,
+                token_ids=ids,
+                logprobs=tokens.logprobs,
+                first_token=first,
+                tool_calls=calls,
             )
         )
         if self.stops.matched is not None:
             self.ended = True
             self.admitted.submit.cancel()  # aborts upstream: blocks free within a step
             yield Event(usage=progress.usage())
-            yield completed_event(
-                common_pb2.FINISH_REASON_STOP_STRING,
-                self.stops.matched,
-                None,
-                progress,
-                self.admitted,
-            )
+            yield self._completed(common_pb2.FINISH_REASON_STOP_STRING, self.stops.matched, None)
 
     async def on_finished(self, finished: scheduler_pb2.SubmitFinished) -> AsyncIterator[Event]:
         self.ended = True
@@ -126,8 +134,9 @@ class Relay:
         matched = self.stops.matched
         if matched is None:
             released += self.stops.flush()
-        if released:
-            yield Event(delta=inference_pb2.Delta(text=released))
+        content, calls = self._split_calls(released, finish=True)
+        if content or calls:
+            yield Event(delta=inference_pb2.Delta(text=content, tool_calls=calls))
         # Ended by the grammar, not cut short by a length or a stop string: the whole text.
         response_format = self.admitted.sampling.response_format
         whole = finished.finish_reason == common_pb2.FINISH_REASON_STOP and matched is None
@@ -139,7 +148,27 @@ class Relay:
             yield Event(cancelled=cancelled)
             return
         reason = finished.finish_reason if matched is None else common_pb2.FINISH_REASON_STOP_STRING
-        yield completed_event(reason, matched or "", finished, self.progress, self.admitted)
+        yield self._completed(reason, matched or "", finished)
+
+    def _split_calls(self, text: str, finish: bool) -> tuple[str, list[common_pb2.ToolCall]]:
+        """The text's content and the tool calls it completes (none when tools are not
+        parsed); at the finish, whatever the parser still held goes out as content."""
+        if self.tool_calls is None:
+            return text, []
+        content, calls = self.tool_calls.push(text)
+        return (content + self.tool_calls.finish() if finish else content), calls
+
+    def _completed(
+        self, reason: FinishReason, stop_string: str, finished: scheduler_pb2.SubmitFinished | None
+    ) -> Event:
+        """The terminal event, with the answer's tool calls: a natural end after calls is
+        finish reason TOOL_CALLS."""
+        calls = self.tool_calls.calls if self.tool_calls is not None else []
+        if calls and reason == common_pb2.FINISH_REASON_STOP:
+            reason = common_pb2.FINISH_REASON_TOOL_CALLS
+        event = completed_event(reason, stop_string, finished, self.progress, self.admitted)
+        event.completed.tool_calls.extend(calls)
+        return event
 
     async def on_failed(self, error: common_pb2.Error) -> AsyncIterator[Event]:
         self.ended = True

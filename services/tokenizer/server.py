@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from opentelemetry import trace
@@ -19,6 +20,7 @@ from shared.pb.kvmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from shared.service import ServiceRuntime
 from shared.telemetry import context_from_metadata
 from shared.text_tokenizer import TextTokenizer
+from shared.tool_prompt import function_specs, message_dicts
 
 log = logging.getLogger("kvmesh.tokenizer")
 tracer = trace.get_tracer("kvmesh.tokenizer")
@@ -28,10 +30,10 @@ ENCODE_SECONDS = Histogram(
 TOKENS = Counter("kvmesh_tokenizer_tokens", "Tokens encoded and detokenized", ["direction"])
 
 
-def chat_messages(chat: common_pb2.Chat) -> list[dict[str, str]]:
+def chat_messages(chat: common_pb2.Chat) -> list[dict[str, Any]]:
     if not chat.messages:
         raise KvmeshError(Reason.INVALID_ARGUMENT, "a chat needs at least one message")
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+    return message_dicts(chat)
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         if kind == "text":
             return tokenizer.encode(request.text)
         if kind == "chat":
-            return tokenizer.encode_chat(chat_messages(request.chat))
+            tools = function_specs(list(request.chat.tools)) if request.chat.tools else None
+            return tokenizer.encode_chat(chat_messages(request.chat), tools)
         raise KvmeshError(Reason.INVALID_ARGUMENT, "give text or a chat to encode")
 
     async def Encode(

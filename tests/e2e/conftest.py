@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import openai
 import pytest
 
 from kvmesh.launcher import Mesh, MeshConfig
@@ -22,3 +23,10 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     )
     with Mesh(config) as running:
         yield running
+
+
+@pytest.fixture
+async def client(mesh: Mesh):
+    """The official `openai` client on the shared mesh's OpenAI front."""
+    async with openai.AsyncOpenAI(base_url=mesh.http_url, api_key="unused", max_retries=0) as c:
+        yield c

@@ -8,6 +8,7 @@ import urllib.request
 from dataclasses import dataclass
 
 import grpc
+import openai
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
@@ -178,3 +179,8 @@ async def assert_mesh_idle(mesh: Mesh, timeout: float = 30) -> None:
     while metric_value(gateway.metrics_url, "kvmesh_gateway_requests_in_flight"):
         assert time.monotonic() < deadline, "the gateway still holds streams"
         await asyncio.sleep(0.05)
+
+
+async def model_name(client: openai.AsyncOpenAI) -> str:
+    """The default model's name, as the OpenAI front lists it first."""
+    return (await client.models.list()).data[0].id

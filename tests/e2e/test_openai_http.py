@@ -16,21 +16,17 @@ import pytest
 
 from kvmesh.launcher import Mesh
 from shared.pb.kvmesh.v1 import inference_pb2_grpc
-from tests.e2e.mesh_helpers import chat_request, collect, output_text, settled_load
+from tests.e2e.mesh_helpers import (
+    chat_request,
+    collect,
+    model_name,
+    output_text,
+    settled_load,
+)
 from tests.engine_worker.test_structured_output import SCHEMAS
 
 QUESTION = "What is the capital of France?"
 SSE_EVENT = re.compile(rb"data: ([^\n]+)\n\n")
-
-
-@pytest.fixture
-async def client(mesh: Mesh):
-    async with openai.AsyncOpenAI(base_url=mesh.http_url, api_key="unused", max_retries=0) as c:
-        yield c
-
-
-async def model_name(client: openai.AsyncOpenAI) -> str:
-    return (await client.models.list()).data[0].id
 
 
 async def test_chat_answer_equals_the_grpc_answer(mesh: Mesh, client) -> None:
@@ -165,6 +161,23 @@ async def test_json_schema_answers_validate(client) -> None:
     )
     if json_object.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(json_object.choices[0].message.content), dict)
+
+
+async def test_response_format_holds_for_every_one_of_n_choices(client) -> None:
+    schema = SCHEMAS[2]  # an enum and a boolean: short, so every choice finishes
+    answer = await client.chat.completions.create(
+        model=await model_name(client),
+        messages=[{"role": "user", "content": "Answer with one JSON value."}],
+        max_tokens=60,
+        temperature=1.0,
+        seed=5,
+        n=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )
+    assert [choice.index for choice in answer.choices] == [0, 1, 2, 3]
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), schema)
 
 
 def raw_post(url: str, path: str, body: dict) -> tuple[http.client.HTTPResponse, bytes]:

@@ -241,3 +241,102 @@ def test_logit_bias_and_user_are_parsed() -> None:
         assert (
             raised.value.reason is Reason.INVALID_ARGUMENT and "logit_bias" in raised.value.message
         )
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+TOOL_CALL_FUNCTION = {"name": "f", "arguments": '{"x": 1}'}
+
+
+def test_tools_choice_and_earlier_calls_are_parsed() -> None:
+    parsed = parse_chat(
+        {
+            "messages": [
+                *HI,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "call_1", "type": "function", "function": TOOL_CALL_FUNCTION}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "4"},
+            ],
+            "tools": [TOOL, {"type": "function", "function": {"name": "g"}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+            "parallel_tool_calls": False,
+        },
+        context_of,
+    )
+    chat, choice = parsed.generate.chat, parsed.generate.tool_choice
+    assert [(t.name, t.parameters_json) for t in chat.tools] == [
+        ("f", '{"type": "object"}'),
+        ("g", ""),
+    ]
+    assert (choice.mode, choice.function, choice.single_call) == (
+        inference_pb2.ToolChoice.MODE_FUNCTION,
+        "f",
+        True,
+    )
+    call = chat.messages[1].tool_calls[0]
+    assert (call.id, call.name, call.arguments) == ("call_1", "f", '{"x": 1}')
+    assert chat.messages[2].tool_call_id == "call_1"
+    required = parse_chat({"messages": HI, "tools": [TOOL], "tool_choice": "required"}, context_of)
+    assert required.generate.tool_choice.mode == inference_pb2.ToolChoice.MODE_REQUIRED
+    assert not required.generate.tool_choice.single_call
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"tools": {}}, "'tools'"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+        ({"tools": [TOOL], "tool_choice": "always"}, "'tool_choice'"),
+        ({"tools": [TOOL], "parallel_tool_calls": "yes"}, "'parallel_tool_calls'"),
+        ({"functions": [TOOL["function"]]}, "'functions'"),
+    ],
+)
+def test_bad_tool_fields_name_the_field(extra: dict, words: str) -> None:
+    with pytest.raises(KvmeshError) as raised:
+        parse_chat({"messages": HI, **extra}, context_of)
+    assert raised.value.reason is Reason.INVALID_ARGUMENT and words in raised.value.message
+
+
+def test_a_call_whose_arguments_are_not_an_object_is_refused() -> None:
+    bad = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}
+    with pytest.raises(KvmeshError, match="JSON object"):
+        parse_chat({"messages": [*HI, bad]}, context_of)
+
+
+def test_tool_calls_in_chunks_and_in_the_whole_answer() -> None:
+    call = common_pb2.ToolCall(id="call_a", name="f", arguments='{"x": 1}')
+    second = common_pb2.ToolCall(id="call_b", name="f", arguments="{}")
+    stream = builder({"messages": HI, "stream": True})
+    chunk = stream.delta_chunk(inference_pb2.Delta(tool_calls=[call]))
+    later = stream.delta_chunk(inference_pb2.Delta(tool_calls=[second]))
+    assert chunk is not None and later is not None
+    assert chunk["choices"][0]["delta"] == {
+        "role": "assistant",
+        "tool_calls": [
+            {
+                "index": 0,
+                "id": "call_a",
+                "type": "function",
+                "function": {"name": "f", "arguments": '{"x": 1}'},
+            }
+        ],
+    }
+    assert later["choices"][0]["delta"]["tool_calls"][0]["index"] == 1
+    [last] = stream.finish_chunks(completed(common_pb2.FINISH_REASON_TOOL_CALLS))
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+
+    whole = builder({"messages": HI})
+    whole.collect(delta(tool_calls=[call]))
+    whole.collect(completed(common_pb2.FINISH_REASON_TOOL_CALLS))
+    message = whole.response()["choices"][0]["message"]
+    assert message == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+        ],
+    }

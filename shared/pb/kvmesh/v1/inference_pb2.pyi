@@ -1,5 +1,6 @@
 from shared.pb.kvmesh.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -28,7 +29,7 @@ class EmbedResponse(_message.Message):
     def __init__(self, embeddings: _Optional[_Iterable[_Union[_common_pb2.Embedding, _Mapping]]] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "text", "chat", "token_ids", "sampling", "stop", "timeout_ms", "request_id", "priority", "n", "user")
+    __slots__ = ("model", "text", "chat", "token_ids", "sampling", "stop", "timeout_ms", "request_id", "priority", "n", "user", "tool_choice")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +41,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     chat: _common_pb2.Chat
@@ -51,7 +53,28 @@ class GenerateRequest(_message.Message):
     priority: int
     n: int
     user: str
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.Chat, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., timeout_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., user: _Optional[str] = ...) -> None: ...
+    tool_choice: ToolChoice
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.Chat, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., timeout_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ..., user: _Optional[str] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ...) -> None: ...
+
+class ToolChoice(_message.Message):
+    __slots__ = ("mode", "function", "single_call")
+    class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        MODE_AUTO: _ClassVar[ToolChoice.Mode]
+        MODE_NONE: _ClassVar[ToolChoice.Mode]
+        MODE_REQUIRED: _ClassVar[ToolChoice.Mode]
+        MODE_FUNCTION: _ClassVar[ToolChoice.Mode]
+    MODE_AUTO: ToolChoice.Mode
+    MODE_NONE: ToolChoice.Mode
+    MODE_REQUIRED: ToolChoice.Mode
+    MODE_FUNCTION: ToolChoice.Mode
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    SINGLE_CALL_FIELD_NUMBER: _ClassVar[int]
+    mode: ToolChoice.Mode
+    function: str
+    single_call: bool
+    def __init__(self, mode: _Optional[_Union[ToolChoice.Mode, str]] = ..., function: _Optional[str] = ..., single_call: _Optional[bool] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("accepted", "delta", "usage", "completed", "cancelled", "failed", "index")
@@ -102,16 +125,18 @@ class RoutingDecision(_message.Message):
     def __init__(self, scheduler: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Delta(_message.Message):
-    __slots__ = ("text", "token_ids", "logprobs", "first_token")
+    __slots__ = ("text", "token_ids", "logprobs", "first_token", "tool_calls")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     first_token: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., first_token: _Optional[bool] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., first_token: _Optional[bool] = ..., tool_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -191,18 +216,20 @@ class Attempt(_message.Message):
     def __init__(self, attempt_id: _Optional[str] = ..., scheduler: _Optional[str] = ..., error_reason: _Optional[str] = ...) -> None: ...
 
 class Completed(_message.Message):
-    __slots__ = ("finish_reason", "stop_string", "usage", "timings", "execution")
+    __slots__ = ("finish_reason", "stop_string", "usage", "timings", "execution", "tool_calls")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _common_pb2.FinishReason
     stop_string: str
     usage: Usage
     timings: Timings
     execution: ExecutionRecord
-    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_string: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., execution: _Optional[_Union[ExecutionRecord, _Mapping]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_string: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., execution: _Optional[_Union[ExecutionRecord, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ...) -> None: ...
 
 class Cancelled(_message.Message):
     __slots__ = ("reason", "usage")
