@@ -57,6 +57,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     prefill_chunk_size: int | None = 512
+    # A tenant below its fair share gets its prefill in a step without the others' decodes.
+    fair_prefill_first: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")

@@ -112,6 +112,12 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
         default=env_default("no-prefix-caching", "") not in ("", "0", "false"),
         help="turn automatic prefix caching off",
     )
+    group.add_argument(
+        "--no-fair-prefill-first",
+        action="store_true",
+        default=env_default("no-fair-prefill-first", "") not in ("", "0", "false"),
+        help="run a below-share tenant's prefill beside the running decodes, not before them",
+    )
 
 
 def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
@@ -210,6 +216,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         max_num_batched_tokens=args.max_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         prefill_chunk_size=args.chunk_size or None,
+        fair_prefill_first=not args.no_fair_prefill_first,
     )
 
 
@@ -250,4 +257,5 @@ def worker_flag_args(args: argparse.Namespace) -> list[str]:
 def scheduler_flag_args(args: argparse.Namespace) -> list[str]:
     forwarded = ["--max-batched-tokens", str(args.max_batched_tokens)]
     forwarded += ["--max-num-seqs", str(args.max_num_seqs), "--chunk-size", str(args.chunk_size)]
+    forwarded += ["--no-fair-prefill-first"] if args.no_fair_prefill_first else []
     return forwarded + (["--no-prefix-caching"] if args.no_prefix_caching else [])

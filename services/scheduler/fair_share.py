@@ -7,6 +7,9 @@ weight (`SubmitRequest.tenant_weight`, from the gateway's API keys file).
   itself, and only while that tenant would still hold at least as much after the move (each
   move levels the shares, so two tenants never trade a slot back and forth).
 - KV room: preemption takes the newest request of the tenant holding the most.
+- Prefill first: a step that admits a request of a tenant below its share runs only prefills,
+  so its first token waits for the step in flight and its own prefill, not for the other
+  tenants' decodes too (they lose one step each time; `--no-fair-prefill-first` turns it off).
 
 A tenant that floods the queue waits behind the others, not in front of them; with one tenant
 all of this is plain FCFS.
@@ -67,3 +70,15 @@ class TenantShares:
         if self.share(victim, -len(victim.block_ids)) >= self.share(candidate, needed_blocks):
             return victim
         return None
+
+    def jumps(self, waiting: Sequence[Request], running: Sequence[Request], max_seqs: int) -> bool:
+        """Whether the next waiting request's prefill goes before the running decodes: its
+        tenant is below the share of another tenant running requests no more urgent than it,
+        and the batch has room for it."""
+        if not waiting or not running or len(running) >= max_seqs:
+            return False
+        candidate = self.next_waiting(waiting)
+        others = [r for r in running if r.tenant != candidate.tenant]
+        if not others or min(r.priority for r in others) < candidate.priority:
+            return False
+        return self.share(candidate) < self.share(self.most_above(others))

@@ -15,30 +15,17 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager, PrefixMatch
 from services.scheduler.fair_share import TenantShares
 from services.scheduler.groups import Groups
 from services.scheduler.request import Request, RequestStatus, check_prompt_fits
+from services.scheduler.scheduler_load import SchedulerLoad
 from shared.config import CacheConfig, SchedulerConfig
 from shared.errors import KvmeshError, Reason
 from shared.outputs import FinishReason, RequestOutput
 from shared.sampling import SamplingParams
 from shared.step import FailedRequest, NewRequestPlan, RunningRequestPlan, StepPlan, StepResult
-
-
-@dataclass(frozen=True)
-class SchedulerLoad:
-    """Counts a caller can check from outside: queues, blocks, lifetime totals."""
-
-    num_waiting: int
-    num_waiting_tokens: int  # prompt tokens waiting requests still have to compute (estimated)
-    num_running: int
-    num_free_blocks: int
-    num_blocks: int
-    num_preemptions: int
-    prefix_hit_tokens: int
 
 
 class Scheduler:
@@ -128,30 +115,14 @@ class Scheduler:
         self._preempt_for_fair_share(admissible)
         budget = self.config.max_num_batched_tokens
         new_plans: list[NewRequestPlan] = []
-        running_plans: list[RunningRequestPlan] = []
-        preempted = False
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = self._tokens_to_schedule(request, budget)
-            if num_new == 0:
-                index += 1
-                continue
-            num_blocks_before = len(request.block_ids)
-            while not self.block_manager.allocate(request, num_new):
-                preempted = True
-                self._preempt(self._preemption_victim(index), self.running[index:])
-                if request.status is not RequestStatus.RUNNING:
-                    break
-            if request.status is not RequestStatus.RUNNING:
-                break
-            running_plans.append(
-                RunningRequestPlan(
-                    request.request_id, tuple(request.block_ids[num_blocks_before:]), num_new
-                )
-            )
-            budget -= num_new
-            index += 1
+        # A tenant below its share gets its prefill in a step of its own, not behind the
+        # others' decodes (when it is admitted at all; else the running go on).
+        prefill_first = self.config.fair_prefill_first and TenantShares(self.running).jumps(
+            admissible, self.running, self.config.max_num_seqs
+        )
+        running_plans, budget, preempted = (
+            ([], budget, False) if prefill_first else self._schedule_running(budget)
+        )
         # A step that had to preempt admits nothing new: the pool is already too tight.
         shares = TenantShares(self.running)
         copies: list[tuple[int, int]] = []
@@ -178,10 +149,38 @@ class Scheduler:
             shares.add(request)
             new_plans.append(request.new_plan(num_new))
             budget -= num_new
+        if prefill_first and not new_plans:
+            running_plans, budget, preempted = self._schedule_running(budget)
         freed, self._freed_since_last_plan = tuple(self._freed_since_last_plan), []
         return StepPlan(
             next(self._step_ids), tuple(new_plans), tuple(running_plans), freed, tuple(copies)
         )
+
+    def _schedule_running(self, budget: int) -> tuple[list[RunningRequestPlan], int, bool]:
+        """Decodes and unfinished prefill chunks of the running, in priority order, preempting
+        the least urgent when blocks run out: the plans, the budget left, whether it preempted."""
+        plans: list[RunningRequestPlan] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._tokens_to_schedule(request, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            num_blocks_before = len(request.block_ids)
+            while not self.block_manager.allocate(request, num_new):
+                preempted = True
+                self._preempt(self._preemption_victim(index), self.running[index:])
+                if request.status is not RequestStatus.RUNNING:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            new_blocks = tuple(request.block_ids[num_blocks_before:])
+            plans.append(RunningRequestPlan(request.request_id, new_blocks, num_new))
+            budget -= num_new
+            index += 1
+        return plans, budget, preempted
 
     def _admissible(self) -> list[Request]:
         """Waiting requests, less group members whose sibling still computes their prompt."""

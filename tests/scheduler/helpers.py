@@ -14,10 +14,14 @@ def make_scheduler(
     prefix_caching: bool = True,
     max_seqs: int = 16,
     max_model_len: int = 4096,
+    fair_prefill_first: bool = True,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
-            max_num_batched_tokens=budget, max_num_seqs=max_seqs, prefill_chunk_size=chunk
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_seqs,
+            prefill_chunk_size=chunk,
+            fair_prefill_first=fair_prefill_first,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         num_blocks=num_blocks,

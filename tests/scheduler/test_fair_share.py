@@ -121,3 +121,43 @@ def test_a_tenant_holding_every_slot_gives_one_back_to_a_waiting_tenant() -> Non
         assert not plan.finished_request_ids
         scheduler.update(plan, worker.execute(plan))
     assert {r.tenant for r in scheduler.running} == {"a", "b"}
+
+
+def test_a_below_share_tenants_prefill_runs_before_the_others_decodes() -> None:
+    long = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    steps = {}
+    for prefill_first in (True, False):
+        worker = FakeWorker(4)
+        scheduler = make_scheduler(
+            max_seqs=4, budget=64, chunk=None, fair_prefill_first=prefill_first
+        )
+        for index in range(2):
+            scheduler.add_request(f"a{index}", [1, 2, 3, index], long, tenant="a")
+        for _ in range(3):  # a0 and a1 decode
+            plan = scheduler.schedule()
+            scheduler.update(plan, worker.execute(plan))
+        scheduler.add_request("b0", [7, 8, 9], long, tenant="b")
+        scheduler.add_request("b1", [7, 8, 10], long, tenant="b")
+        steps[prefill_first] = plan = scheduler.schedule()
+        scheduler.update(plan, worker.execute(plan))
+        # b now holds as much as a: the next steps are mixed again, every request decoding.
+        plan = scheduler.schedule()
+        assert sorted(p.request_id for p in plan.running_requests) == ["a0", "a1", "b0", "b1"]
+        assert run_to_completion(scheduler, worker) and not scheduler.has_unfinished()
+        assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    assert _admitted(steps[True]) == ["b0", "b1"] and not steps[True].running_requests
+    assert _admitted(steps[False]) == ["b0", "b1"] and len(steps[False].running_requests) == 2
+
+
+def test_prefill_first_never_jumps_more_urgent_decodes() -> None:
+    long = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    worker = FakeWorker(4)
+    scheduler = make_scheduler(max_seqs=4, budget=64, chunk=None)
+    scheduler.add_request("a0", [1, 2, 3], long, tenant="a", priority=-1)
+    scheduler.add_request("solo0", [1, 2, 4], long, tenant="solo")
+    plan = scheduler.schedule()
+    scheduler.update(plan, worker.execute(plan))
+    scheduler.add_request("b0", [7, 8, 9], long, tenant="b")  # below its share, less urgent
+    scheduler.add_request("solo1", [1, 2, 5], long, tenant="solo")
+    plan = scheduler.schedule()
+    assert {p.request_id for p in plan.running_requests} == {"a0", "solo0"}
