@@ -203,8 +203,11 @@ async def test_deadline_passing_mid_decode_ends_with_failed_and_frees_blocks(
     before = await settled_load(mesh.scheduler_addresses[0])
     request = text_request("A very long story:", max_tokens=2000, ignore_eos=True)
     # 2,000 tokens take 30 s or more on this model and CPU even alone: 12 s ends it mid-decode,
-    # and leaves room for a first token on a machine kept busy by something else.
-    events = await collect(inference, request, timeout=12.0)
+    # and leaves room for a first token on a machine kept busy by something else. The mesh's
+    # own deadline (timeout_ms), not the client's gRPC one: the mesh ends the request, and no
+    # transport deadline of the client's races the `failed` event on a starved machine.
+    request.timeout_ms = 12_000
+    events = await collect(inference, request, timeout=120.0)
     assert assert_one_terminal(events) == "failed"
     assert events[-1].failed.error.reason == "DEADLINE_EXCEEDED"
     assert events[-2].usage.completion_tokens > 0
