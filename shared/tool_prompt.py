@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -64,7 +65,7 @@ def message_dicts(chat: common_pb2.Chat) -> list[dict[str, Any]]:
                 {
                     "id": call.id,
                     "type": "function",
-                    "function": {"name": call.name, "arguments": json.loads(call.arguments)},
+                    "function": {"name": call.name, "arguments": _arguments(call)},
                 }
                 for call in message.tool_calls
             ]
@@ -74,6 +75,20 @@ def message_dicts(chat: common_pb2.Chat) -> list[dict[str, Any]]:
             entry["name"] = message.name
         messages.append(entry)
     return messages
+
+
+def _arguments(call: common_pb2.ToolCall) -> dict[str, Any]:
+    """An earlier call's arguments as the object templates expect; INVALID_ARGUMENT if the
+    text is not a JSON object."""
+    try:
+        arguments = json.loads(call.arguments or "{}")
+    except json.JSONDecodeError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise KvmeshError(
+            Reason.INVALID_ARGUMENT, f"tool call {call.id!r}: arguments must be a JSON object"
+        )
+    return arguments
 
 
 def with_tool_prompt(

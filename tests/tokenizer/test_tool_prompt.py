@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2
 from shared.text_tokenizer import TextTokenizer, load_tokenizer
 from shared.tool_prompt import call_block, function_specs, message_dicts
@@ -80,3 +81,12 @@ def test_a_template_that_renders_tools_gets_them_as_transformers_passes_them(
         'assistant: CALL get_weather{"city": "Oslo"};'
         "tool: -3 C;"
     )
+
+
+def test_an_earlier_call_whose_arguments_are_not_an_object_is_invalid() -> None:
+    chat = common_pb2.Chat()
+    chat.CopyFrom(CHAT)
+    chat.messages[1].tool_calls[0].arguments = "[1, 2]"
+    with pytest.raises(KvmeshError) as refused:
+        message_dicts(chat)
+    assert refused.value.reason == Reason.INVALID_ARGUMENT and "call_1" in refused.value.message
