@@ -50,7 +50,7 @@ class Tenant:
     limits: TenantLimits = field(default_factory=TenantLimits)
     admin: bool = False  # may call ModelAdmin (add schedulers, move traffic)
     highest_priority: int = 0  # the lowest priority value its requests may carry
-    weight: float = 1.0  # its fair share of a scheduler's KV blocks, against other tenants
+    weight: float = 1.0  # its fair share of a scheduler's batch and KV pool, against other tenants
 
     def check_priority(self, priority: int) -> None:
         if priority < self.highest_priority:

@@ -1,5 +1,11 @@
-"""Tenants share a scheduler fairly within a priority, by the KV blocks they hold per unit of
-weight (`SubmitRequest.tenant_weight`, from the gateway's API keys file).
+"""Tenants share a scheduler fairly within a priority, by their dominant share per unit of
+weight (`SubmitRequest.tenant_weight`, from the gateway's API keys file): the larger of the
+fraction of the batch's slots and the fraction of the KV pool their running requests hold.
+
+Counting both is what keeps a light tenant's latency flat (Dominant Resource Fairness, Ghodsi
+et al. 2011): counted by blocks alone, a tenant whose few requests have decoded long holds as
+many blocks as a flooding tenant's many young ones, and its next request waits for a slot that
+the flood keeps; counted by slots alone, a few long prompts could take the whole pool.
 
 - Admission: the next waiting request is the oldest of the tenant holding the least.
 - Slots: when the batch is full, a waiting request of a tenant below its share takes the room
@@ -23,19 +29,26 @@ from services.scheduler.request import Request
 
 
 class TenantShares:
-    """Blocks held per tenant, taken from the running batch at one moment."""
+    """Slots and blocks held per tenant, taken from the running batch at one moment."""
 
-    def __init__(self, running: Sequence[Request]) -> None:
-        self.held: dict[str, int] = {}
+    def __init__(self, running: Sequence[Request], max_seqs: int, num_blocks: int) -> None:
+        self.max_seqs = max_seqs
+        self.num_blocks = num_blocks
+        self.slots: dict[str, int] = {}
+        self.blocks: dict[str, int] = {}
         for request in running:
             self.add(request)
 
     def add(self, request: Request) -> None:
-        self.held[request.tenant] = self.held.get(request.tenant, 0) + len(request.block_ids)
+        self.slots[request.tenant] = self.slots.get(request.tenant, 0) + 1
+        self.blocks[request.tenant] = self.blocks.get(request.tenant, 0) + len(request.block_ids)
 
-    def share(self, request: Request, extra_blocks: int = 0) -> float:
-        """Its tenant's blocks per unit of weight (with `extra_blocks` more)."""
-        return (self.held.get(request.tenant, 0) + extra_blocks) / request.tenant_weight
+    def share(self, request: Request, extra_slots: int = 0, extra_blocks: int = 0) -> float:
+        """Its tenant's dominant share per unit of weight (with `extra_slots` and
+        `extra_blocks` more)."""
+        slots = (self.slots.get(request.tenant, 0) + extra_slots) / self.max_seqs
+        blocks = (self.blocks.get(request.tenant, 0) + extra_blocks) / self.num_blocks
+        return max(slots, blocks) / request.tenant_weight
 
     def next_waiting(self, waiting: Sequence[Request]) -> Request:
         """Among the most urgent waiting requests (`waiting` is in priority, arrival order):
@@ -67,7 +80,8 @@ class TenantShares:
         if not others:
             return None
         victim = self.most_above(others)
-        if self.share(victim, -len(victim.block_ids)) >= self.share(candidate, needed_blocks):
+        after_victim = self.share(victim, -1, -len(victim.block_ids))
+        if after_victim >= self.share(candidate, 1, needed_blocks):
             return victim
         return None
 

@@ -117,14 +117,14 @@ class Scheduler:
         new_plans: list[NewRequestPlan] = []
         # A tenant below its share gets its prefill in a step of its own, not behind the
         # others' decodes (when it is admitted at all; else the running go on).
-        prefill_first = self.config.fair_prefill_first and TenantShares(self.running).jumps(
+        prefill_first = self.config.fair_prefill_first and self._shares().jumps(
             admissible, self.running, self.config.max_num_seqs
         )
         running_plans, budget, preempted = (
             ([], budget, False) if prefill_first else self._schedule_running(budget)
         )
         # A step that had to preempt admits nothing new: the pool is already too tight.
-        shares = TenantShares(self.running)
+        shares = self._shares()
         copies: list[tuple[int, int]] = []
         while (
             admissible
@@ -190,22 +190,23 @@ class Scheduler:
         """A full batch gives one slot per step to a waiting tenant below its share."""
         if not admissible:
             return
-        shares = TenantShares(self.running)
+        shares = self._shares()
         candidate = shares.next_waiting(admissible)
         needed = self.block_manager.blocks_needed(candidate.num_tokens)
         full = len(self.running) >= self.config.max_num_seqs
-        if full or needed > self.block_manager.num_free_blocks:
-            victim = shares.slot_for(candidate, needed, self.running)
-            if victim is not None:
-                self._preempt(victim, self.running)
+        tight = full or needed > self.block_manager.num_free_blocks
+        if tight and (victim := shares.slot_for(candidate, needed, self.running)):
+            self._preempt(victim, self.running)
+
+    def _shares(self) -> TenantShares:
+        return TenantShares(self.running, self.config.max_num_seqs, self.block_manager.num_blocks)
 
     def _preemption_victim(self, first_unscheduled: int) -> Request:
         """Among the least urgent running requests not yet scheduled this step: the newest
-        of the tenant holding the most blocks per unit of weight."""
+        of the tenant with the largest share."""
         candidates = self.running[first_unscheduled:]
         lowest = candidates[-1].priority
-        shares = TenantShares(self.running)
-        return shares.most_above([r for r in candidates if r.priority == lowest])
+        return self._shares().most_above([r for r in candidates if r.priority == lowest])
 
     def _tokens_to_schedule(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens

@@ -161,3 +161,26 @@ def test_prefill_first_never_jumps_more_urgent_decodes() -> None:
     scheduler.add_request("solo1", [1, 2, 5], long, tenant="solo")
     plan = scheduler.schedule()
     assert {p.request_id for p in plan.running_requests} == {"a0", "solo0"}
+
+
+def test_slots_count_requests_not_blocks_so_few_long_requests_still_get_a_slot() -> None:
+    # b's one request holds more blocks (a long prompt) than a's three short ones together;
+    # counted by blocks b would be "above" a and wait behind a's flood for a slot.
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_seqs=4, budget=64, chunk=None)
+    long = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    worker = FakeWorker(4)
+    scheduler.add_request("b0", list(range(10, 50)), long, tenant="b")
+    for index in range(6):
+        scheduler.add_request(f"a{index}", [1, 2, index], long, tenant="a")
+    for _ in range(3):
+        plan = scheduler.schedule()
+        scheduler.update(plan, worker.execute(plan))
+    assert {r.request_id for r in scheduler.running} == {"b0", "a0", "a1", "a2"}
+    held = {t: sum(len(r.block_ids) for r in scheduler.running if r.tenant == t) for t in "ab"}
+    assert held["b"] > held["a"]
+    scheduler.add_request("b1", [7, 8, 9], long, tenant="b")
+    plan = scheduler.schedule()
+    assert _admitted(plan) == ["b1"] and plan.finished_request_ids == ("a2",)
+    scheduler.update(plan, worker.execute(plan))
+    assert run_to_completion(scheduler, worker) and not scheduler.has_unfinished()
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
