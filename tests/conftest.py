@@ -6,6 +6,11 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may reach a hub
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+# OpenMP threads that sleep when idle instead of spinning, here and in the meshes the tests
+# start (they inherit it): a spinning pool waits on a thread that another process's busy loop
+# holds, and the suite ran ~5x slower on a busy machine. Speed is measured by benchmarks,
+# which keep the default (spinning is ~15% faster on an idle machine).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch
