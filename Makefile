@@ -29,7 +29,7 @@ up: $(STAMP)
 	$(BIN)/kvmesh up
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests  # the slowest listed: the suite should stay ~15 min
 
 # The mesh across four network namespaces (gateway, two worker hosts, Redis): links cut and
 # restored under load. Needs root and iproute2; skips with the reason elsewhere. About 30 s.
