@@ -7,12 +7,12 @@ et al. 2011): counted by blocks alone, a tenant whose few requests have decoded 
 many blocks as a flooding tenant's many young ones, and its next request waits for a slot that
 the flood keeps; counted by slots alone, a few long prompts could take the whole pool.
 
-- Admission: the next waiting request is the oldest of the tenant holding the least.
+- Admission: the next waiting request is the oldest of the tenant with the smallest share.
 - Slots: when the batch is full, a waiting request of a tenant below its share takes the room
   of the newest running request of the tenant furthest above it, never one more urgent than
   itself, and only while that tenant would still hold at least as much after the move (each
   move levels the shares, so two tenants never trade a slot back and forth).
-- KV room: preemption takes the newest request of the tenant holding the most.
+- KV room: preemption takes the newest request of the tenant with the largest share.
 - Prefill first: a step that admits a request of a tenant below its share runs only prefills,
   so its first token waits for the step in flight and its own prefill, not for the other
   tenants' decodes too (they lose one step each time; `--no-fair-prefill-first` turns it off).
