@@ -82,7 +82,7 @@ class EngineConfig:
     backend: str = "torch"
     dtype: str = "float32"  # activations and the KV cache
     weights: str = "auto"  # auto or one of WEIGHT_FORMATS (linear.py)
-    quantize: str | None = None  # int8: quantize a float checkpoint's projections at load
+    quantize: str | None = None  # int8 | int4: quantize a float checkpoint's projections at load
     max_model_len: int | None = None  # None = the model's own context length
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -98,8 +98,8 @@ class EngineConfig:
             f"weights must be auto or one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}",
         )
         _require(
-            self.quantize in (None, "int8"),
-            f"quantize must be int8 (int4 has no fast kernel on AVX2 CPUs), got {self.quantize!r}",
+            self.quantize in (None, "int8", "int4"),
+            f"quantize must be int8 or int4, got {self.quantize!r}",
         )
         _require(
             self.quantize is None or self.weights in ("auto", "packed"),

@@ -6,8 +6,8 @@ transposed per block, (blocks, kv_heads, D, block), so each "row" is one dimensi
 block's positions and a block's scores are the q-weighted sum of its D rows. For P·V, each
 request's output is the p-weighted sum of its V rows. Partial softmaxes per (request, block) are
 merged per request with segment reductions. The torch call count per layer is fixed whatever
-the batch, and no request is padded. Prefill chunks (many queries each, few per step) run one
-SDPA call per request over their gathered blocks.
+the batch, and no request is padded. Prefill chunks (many queries each, few per step) gather
+their blocks once and run SDPA per KV block's worth of queries (see `_prefill`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class PrefillSegment:
     num_tokens: int
     context_len: int  # cached + new tokens it attends to
     block_ids: torch.Tensor  # (num_blocks_covering_context,)
-    mask: torch.Tensor | None  # (num_tokens, context_len) bool; None = plain causal square
+    mask: torch.Tensor  # (num_tokens, context_len) bool: causal, past the cached prefix
 
 
 @dataclass(frozen=True)
@@ -185,17 +185,29 @@ def _decode(
 def _prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment, scale: float
 ) -> torch.Tensor:
-    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    """Queries in pieces that end where KV blocks end, each over the keys up to its last
+    position: a query's attention is then computed from the same operands by the same call
+    whether its prompt prefix was cached or not (the cache holds whole blocks), so a prefill over
+    cached blocks gives the bits a cold one gives. One SDPA over all queries would not: its GEMMs
+    round a row differently with the number of rows beside it, which bfloat16 (packed weights)
+    turned into a different sampled token now and then for the same seed."""
+    kv_heads, head_dim, block = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     k = k_cache.index_select(0, seg.block_ids).permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
     v = v_cache.index_select(0, seg.block_ids).transpose(0, 1).reshape(kv_heads, -1, head_dim)
-    k, v = k[:, : seg.context_len], v[:, : seg.context_len]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.unsqueeze(0),
-        v.unsqueeze(0),
-        attn_mask=seg.mask,
-        is_causal=seg.mask is None,
-        scale=scale,
-        enable_gqa=True,
-    )
+    queries = q.transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
+    out = torch.empty_like(queries)
+    first = seg.context_len - seg.num_tokens  # position of the first query
+    row = 0
+    while row < seg.num_tokens:
+        end = min((first + row) // block * block + block, seg.context_len)  # keys [0, end)
+        rows = slice(row, end - first)
+        out[:, :, rows] = F.scaled_dot_product_attention(
+            queries[:, :, rows],
+            k[:, :end].unsqueeze(0),
+            v[:, :end].unsqueeze(0),
+            attn_mask=seg.mask[rows, :end],
+            scale=scale,
+            enable_gqa=True,
+        )
+        row = end - first
     return out.squeeze(0).transpose(0, 1)  # (n, H, D)

@@ -47,9 +47,8 @@ def build_batch(
     for index, (start, context) in enumerate(
         zip(flat.prefill_starts, flat.prefill_context_lens, strict=True)
     ):
-        mask = None
-        if start:  # a cached prefix: queries see all of it plus the causal part of the chunk
-            mask = torch.arange(context)[None, :] <= torch.arange(start, context)[:, None]
+        # Queries see the cached prefix (if any) and the causal part of their own chunk.
+        mask = torch.arange(context)[None, :] <= torch.arange(start, context)[:, None]
         token_start = flat.prefill_query_starts[index]
         block_table = torch.tensor(flat.prefill_blocks[index])
         segments.append(PrefillSegment(token_start, context - start, context, block_table, mask))

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from services.engine_worker.architecture import ModelArchitecture
+from services.engine_worker.int4_groups import INT4_BLOCK_TYPES, Int4Groups
 from services.engine_worker.weights import validate_tensor_table
 from shared.errors import ModelValidationError
 
@@ -132,23 +133,34 @@ class GGUFArtifact:
         if not array.flags.writeable:  # F32 tensors come back as the read-only file mapping
             array = array.copy()
         result = torch.from_numpy(array.reshape(tuple(int(d) for d in reversed(tensor.shape))))
-        if self.architecture.name != "Qwen2ForCausalLM":
-            arch = self.architecture
-            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-                result = _unpermute_rows(result, arch.num_heads)
-            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-                result = _unpermute_rows(result, arch.num_kv_heads)
-        return result
+        heads = self._permuted_heads(name)
+        return result if heads is None else result[_unpermuted_order(result.shape[0], heads)]
+
+    def load_int4(self, name: str) -> Int4Groups | None:
+        """A Q4_0/Q4_1 tensor's own nibbles and group scales in HF layout; None for others."""
+        tensor = self.tensors[name]
+        kind = tensor.tensor_type.name
+        if kind not in INT4_BLOCK_TYPES:
+            return None
+        rows, cols = (int(d) for d in reversed(tensor.shape))
+        groups = Int4Groups.from_blocks(tensor.data, kind, (rows, cols))
+        heads = self._permuted_heads(name)
+        return groups if heads is None else groups.rows(_unpermuted_order(rows, heads))
+
+    def _permuted_heads(self, name: str) -> int | None:
+        """The head count whose rows llama.cpp's converter interleaved, for Q and K."""
+        arch = self.architecture
+        if arch.name == "Qwen2ForCausalLM":
+            return None
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            return arch.num_heads
+        if name.endswith(("k_proj.weight", "k_proj.bias")):
+            return arch.num_kv_heads
+        return None
 
 
-def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    # llama.cpp stores each head's rows as interleaved pairs (i, i + d/2); restore halves order.
-    rows = weight.shape[0]
-    rest = weight.shape[1:]
+def _unpermuted_order(rows: int, num_heads: int) -> torch.Tensor:
+    """Row order undoing llama.cpp's interleave: it stores each head's rows as pairs
+    (i, i + d/2); this gives transformers' halves order."""
     head_dim = rows // num_heads
-    return (
-        weight.reshape(num_heads, head_dim // 2, 2, *rest)
-        .transpose(1, 2)
-        .reshape(rows, *rest)
-        .contiguous()
-    )
+    return torch.arange(rows).view(num_heads, head_dim // 2, 2).transpose(1, 2).reshape(rows)

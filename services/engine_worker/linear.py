@@ -1,14 +1,17 @@
-"""The projections a layer runs, one class per weight format: dense float, or packed int8.
+"""The projections a layer runs, one class per weight format: dense float, packed int4 or int8.
 
 Every projection takes x: (M, in) and returns (M, out) in x's dtype, and reports the bytes its
 weights keep resident. Which format runs is the manifest's `weights` field.
 
-Measured on this project's 2-core AVX2 machines (Zen 1 and Zen 3 VMs), torch 2.13 (see the CPU
-engine issue's notes): torch's weight-only kernels `_weight_int8pack_mm` and
-`_weight_int4pack_mm_for_cpu` run 4x and 17x slower than an fp32 GEMM there (they are tuned for
-AVX-512), while fbgemm's int8 GEMM (activations quantized on the fly, integer multiply-adds like
-llama.cpp's Q8 dot products) runs the model's matmuls 2.5x faster than fp32 at batch 8 from a
-quarter of the bytes. So `packed` means int8 per output channel through fbgemm.
+`packed` keeps a quantized file's weights as the file holds them wherever this CPU has a fast
+kernel for that form (measured, torch 2.13, 2 threads; see the CPU engine issue's notes):
+- 4-bit groups (Q4_0, Q4_1, `--quantize int4`) through torch's `_weight_int4pack_mm_for_cpu`
+  on AVX-512 CPUs: on a Zen 4 VM it runs the default model's projections at batch 1 as fast as
+  fbgemm's int8 GEMM from half the bytes, with no activation quantization. On AVX2 CPUs the
+  same kernel runs 17x slower than an fp32 GEMM (Zen 1), so there 4-bit groups fall back to:
+- int8 per output row through fbgemm (activations quantized on the fly, integer multiply-adds
+  like llama.cpp's Q8 dot products), the form of every other packed weight: 2.5x faster than
+  fp32 at batch 8 on Zen 1 from a quarter of the bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from services.engine_worker.int4_groups import GROUP, Int4Groups
 
 
 class Projection(Protocol):
@@ -181,3 +186,53 @@ class Int8Linear:
     @property
     def resident_bytes(self) -> int:
         return self._bytes + (0 if self.bias is None else self.bias.numel() * 4)
+
+
+def int4_kernel_is_fast() -> bool:
+    """Whether torch's 4-bit CPU kernel has its vectorized path on this CPU (AVX-512)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+class Int4Linear:
+    """4-bit groups of 32 inputs, one (scale, zero) pair each, through torch's weight-only
+    kernel with bfloat16 activations: w = (q - 8) * scale + zero, so scale = d and
+    zero = m + 8d for a group d * q + m. The pairs are held in bfloat16, as the kernel takes
+    them: d and m come from the file as fp16, so this rounds them (2**-9 relative) where the
+    nibbles stay exact (float16 activations, which would keep d exact, take the kernel's slow
+    path: the default model decoded 10x slower). A row's result does not depend on the rest of
+    its batch (tested bit for bit at 1 to 64 rows).
+    """
+
+    ACTIVATIONS = torch.bfloat16
+
+    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = groups.shape
+        # inner_k_tiles only matters to the CUDA layout; the CPU packing ignores it.
+        self._packed = torch._convert_weight_to_int4pack_for_cpu(groups.q.to(torch.int32), 1)
+        scale_zero = torch.stack((groups.d, groups.m + 8 * groups.d), dim=-1)  # (out, in/32, 2)
+        self._scale_zero = scale_zero.transpose(0, 1).to(self.ACTIVATIONS).contiguous()
+        self.bias = None if bias is None else bias.float()
+
+    @classmethod
+    def dequantized(cls, groups: Int4Groups) -> torch.Tensor:
+        """The float (out, in) weight this format computes with: what parity tests compare
+        against."""
+        rows, cols = groups.shape
+        scale = groups.d.to(cls.ACTIVATIONS).float().unsqueeze(-1)
+        zero = (groups.m + 8 * groups.d).to(cls.ACTIVATIONS).float().unsqueeze(-1)
+        centred = groups.q.view(rows, cols // GROUP, GROUP).float() - 8
+        return (centred * scale + zero).view(rows, cols)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch._weight_int4pack_mm_for_cpu(
+            x.to(self.ACTIVATIONS), self._packed, GROUP, self._scale_zero
+        ).to(x.dtype)
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+    @property
+    def resident_bytes(self) -> int:
+        total = self._packed.numel() * self._packed.element_size()
+        total += self._scale_zero.numel() * self._scale_zero.element_size()
+        return total + (0 if self.bias is None else self.bias.numel() * 4)

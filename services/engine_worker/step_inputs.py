@@ -70,15 +70,20 @@ class FlatBatch:
 
 
 def flatten(scheduled: list[tuple[RequestState, int]], block_size: int) -> FlatBatch:
-    """`scheduled`: (request, tokens to compute this step), in plan order."""
+    """`scheduled`: (request, tokens to compute this step), in plan order. A prompt's last token
+    computed alone (the rest cached, or chunked) is a prefill, not a decode: a cold prefill
+    computes that token with prefill attention, and a cached one must give the same bits."""
     flat = FlatBatch()
-    for state, _ in (pair for pair in scheduled if pair[1] == 1):
+    decoding = [n == 1 and s.num_computed_tokens >= s.prompt_len for s, n in scheduled]
+    decodes = [pair for pair, decode in zip(scheduled, decoding, strict=True) if decode]
+    prefills = [pair for pair, decode in zip(scheduled, decoding, strict=True) if not decode]
+    for state, _ in decodes:
         position = state.num_computed_tokens
         flat._add_rows(state, position, position + 1, block_size)
         flat.decode_blocks.append(state.block_ids[: position // block_size + 1])
         flat.decode_context_lens.append(position + 1)
     flat.prefill_query_starts.append(len(flat.input_ids))
-    for state, num_new in (pair for pair in scheduled if pair[1] > 1):
+    for state, num_new in prefills:
         start = state.num_computed_tokens
         context = start + num_new
         flat._add_rows(state, start, context, block_size)

@@ -18,7 +18,7 @@ from services.engine_worker.kv_cache import KVCache, KVCacheShape
 from services.engine_worker.model import CausalLM
 from services.engine_worker.sampler import sample
 from services.engine_worker.step_inputs import RequestState
-from services.engine_worker.torch_weights import TorchWeights
+from services.engine_worker.torch_weights import Int4Source, TorchWeights
 from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig
 from shared.step import FailedRequest, SampledToken
@@ -33,12 +33,13 @@ class Runner:
         max_model_len: int,
         dtype: torch.dtype,
         config: EngineConfig,
+        int4: Int4Source | None = None,
     ) -> None:
         self.arch = arch
         self.device = torch.device(os.environ.get("KVMESH_TORCH_DEVICE", "cpu"))
         if self.device.type != "cpu":
             weights = _moved(weights, self.device)
-        torch_weights = TorchWeights.from_float(weights, config.weights, dtype)
+        torch_weights = TorchWeights.from_float(weights, config.weights, dtype, int4)
         self.weights_resident_bytes = torch_weights.resident_bytes
         self.model = CausalLM(arch, torch_weights, max_model_len, dtype)
         self.model.cos, self.model.signed_sin = (

@@ -1,4 +1,5 @@
-"""The torch backend's weights in the format in force: float32, bfloat16, or packed int8.
+"""The torch backend's weights in the format in force: float32, bfloat16, float16, or packed
+(4-bit groups where the CPU runs them fast, int8 rows elsewhere).
 
 Built from the loaded `ModelWeights` (fused, (in, out) float tensors, which the cupy backend
 uses as they are) one layer at a time, so the float copy of a packed model is never whole in
@@ -7,37 +8,60 @@ memory beside the packed one for longer than a layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from services.engine_worker.artifacts import ModelArtifact
+from services.engine_worker.int4_groups import INT4_BLOCK_TYPES, Int4Groups
 from services.engine_worker.linear import (
     DenseLinear,
     InputScratch,
+    Int4Linear,
     Int8Linear,
     Projection,
+    int4_kernel_is_fast,
     quantize_rows,
 )
 from services.engine_worker.weights import ModelWeights
 from shared.config import WEIGHT_FORMATS
 
+# An HF tensor name -> its 4-bit groups (a Q4 file's own blocks, or quantized at load), or None
+# where the tensor has none: packed projections whose parts all have them run as Int4Linear.
+Int4Source = Callable[[str], Int4Groups | None]
+
+QUANTIZED_TYPES = (*INT4_BLOCK_TYPES, "Q8_0")
 _FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_weight_format(requested: str, quantize: str | None) -> str:
-    """`auto`: float32, unless --quantize asks for packed weights (EngineConfig has checked
-    that the two agree).
+def resolve_weight_format(requested: str, quantize: str | None, quantization: str) -> str:
+    """`auto`: packed for a quantized file (Q4_0, Q4_1 or Q8_0 tensors) or when --quantize asks
+    for it (EngineConfig has checked that the two agree); float32 otherwise. `quantization` is
+    the artifact's tensor types, e.g. "F32+Q4_1+Q8_0".
 
-    Packed stays opt-in, for quantized GGUFs too: its int8 rounding turns the float-level
-    difference between a cold prefill and one over a cached prefix into different tokens now and
-    then, so a seeded request would not always reproduce across prefix-cache states (the mesh
-    tests caught it). Until prefill is bit-identical whatever the cache holds, the default is the
-    path that computes the file's dequantized weights as transformers does.
+    Packed activations are rounded (to bfloat16 for 4-bit groups, per token to int8 rows), so a
+    float-level difference upstream can move a value a whole rounding step. Both kernels compute
+    a row the same whatever its batch, and prefill attention gives a cached prefix's queries the
+    bits a cold prefill gives (`attention._prefill`), so a seeded request still reproduces across
+    prefix-cache states (tested); before that, packed had to stay opt-in.
     """
     if requested != "auto":
         return requested
-    return "packed" if quantize is not None else "float32"
+    quantized = any(kind in quantization.split("+") for kind in QUANTIZED_TYPES)
+    return "packed" if quantize is not None or quantized else "float32"
+
+
+def int4_source(artifact: ModelArtifact, quantize: str | None) -> Int4Source | None:
+    """Where packed projections get 4-bit groups: `--quantize int4` quantizes each float tensor
+    at load; otherwise a GGUF's Q4_0/Q4_1 tensors bring their own (`--quantize int8` asks for
+    int8 rows throughout). None where this CPU has no fast 4-bit kernel."""
+    if not int4_kernel_is_fast() or quantize == "int8":
+        return None
+    if quantize == "int4":
+        return lambda name: Int4Groups.quantize(artifact.load(name))
+    return getattr(artifact, "load_int4", None)
 
 
 class DenseEmbedding:
@@ -103,8 +127,15 @@ class TorchWeights:
         return total
 
     @staticmethod
-    def from_float(weights: ModelWeights, fmt: str, compute_dtype: torch.dtype) -> TorchWeights:
-        """Projections in `fmt`; norms (and a dense embedding) in the compute dtype."""
+    def from_float(
+        weights: ModelWeights,
+        fmt: str,
+        compute_dtype: torch.dtype,
+        int4: Int4Source | None = None,
+    ) -> TorchWeights:
+        """Projections in `fmt`; norms (and a dense embedding) in the compute dtype. Packed
+        projections run on their 4-bit groups when `int4` has them for every part, else as
+        int8 rows quantized from the float weight."""
         if fmt not in WEIGHT_FORMATS:
             raise ValueError(fmt)
         dtype = _FLOAT_FORMATS.get(fmt, torch.float32)  # packed: quantized from float32
@@ -112,22 +143,32 @@ class TorchWeights:
         if fmt != "packed" and compute_dtype != torch.float32:
             dtype = compute_dtype  # float16/bfloat16 activations run same-dtype weights
 
-        def projection(transposed: torch.Tensor, bias: torch.Tensor | None) -> Projection:
+        def projection(
+            transposed: torch.Tensor, bias: torch.Tensor | None, names: tuple[str, ...]
+        ) -> Projection:
             weight = transposed.t()  # (out, in)
             if fmt == "packed":
+                parts = [int4(name) for name in names] if int4 is not None else [None]
+                if all(part is not None for part in parts):
+                    return Int4Linear(Int4Groups.cat(parts), bias)  # type: ignore[arg-type]
                 return Int8Linear(weight, bias, scratch=scratch)
             return DenseLinear(weight.to(dtype).contiguous(), bias)
 
         layers = []
-        for layer in weights.layers:
+        for index, layer in enumerate(weights.layers):
+            attn, mlp = f"model.layers.{index}.self_attn", f"model.layers.{index}.mlp"
             layers.append(
                 TorchLayer(
                     input_norm=layer.input_norm.to(compute_dtype),
-                    qkv=projection(layer.qkv, layer.qkv_bias),
-                    o_proj=projection(layer.o_proj, layer.o_bias),
+                    qkv=projection(
+                        layer.qkv, layer.qkv_bias, tuple(f"{attn}.{x}_proj.weight" for x in "qkv")
+                    ),
+                    o_proj=projection(layer.o_proj, layer.o_bias, (f"{attn}.o_proj.weight",)),
                     post_norm=layer.post_norm.to(compute_dtype),
-                    gate_up=projection(layer.gate_up, None),
-                    down=projection(layer.down, None),
+                    gate_up=projection(
+                        layer.gate_up, None, (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight")
+                    ),
+                    down=projection(layer.down, None, (f"{mlp}.down_proj.weight",)),
                 )
             )
         embed: DenseEmbedding | Int8Embedding

@@ -27,7 +27,7 @@ from services.engine_worker.step_failures import (
     run_isolated,
 )
 from services.engine_worker.step_inputs import RequestState
-from services.engine_worker.torch_weights import resolve_weight_format
+from services.engine_worker.torch_weights import int4_source, resolve_weight_format
 from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, ModelValidationError, Reason
@@ -61,14 +61,14 @@ class Worker:
         kv_shape = KVCacheShape.from_budget(
             arch, config.cache.block_size, config.cache.kv_memory_bytes, self.dtype
         )
-        # Packed weights are quantized from float32: the float copy is what they round.
-        weights_format = resolve_weight_format(config.weights, config.quantize)
+        weights_format = resolve_weight_format(
+            config.weights, config.quantize, artifact.quantization
+        )
         if self.backend != "torch" or os.environ.get("KVMESH_TORCH_DEVICE", "cpu") != "cpu":
             weights_format = config.dtype  # packed weights are a CPU format (fbgemm)
         load_dtype = torch.float32 if weights_format == "packed" else self.dtype
-        # Weights (packed ones are quantized from a float32 copy: that copy is the peak), the
-        # KV budget, taken whole, and a step's workspace: checked before any of them is
-        # allocated, never found short later while another model's worker serves traffic.
+        # Weights (packed ones come from a float32 copy, the peak), the KV budget and a step's
+        # workspace: checked before any is allocated, not found short while others serve.
         limits = config.scheduler
         check_memory_fits(
             {
@@ -81,15 +81,17 @@ class Worker:
             self.backend,
         )
         weights = ModelWeights.build(arch, artifact.load, load_dtype)
-        num_parameters = weights.num_parameters
-        runner_module = importlib.import_module(BACKENDS[self.backend])
-        self.runner = runner_module.Runner(
+        num_parameters, runner_module = weights.num_parameters, BACKENDS[self.backend]
+        packed = weights_format == "packed"  # torch only: a Q4 file's 4-bit groups if fast
+        int4 = {"int4": int4_source(artifact, config.quantize)} if packed else {}
+        self.runner = importlib.import_module(runner_module).Runner(
             arch,
             weights,
             kv_shape,
             self.max_model_len,
             self.dtype,
             dataclasses.replace(config, weights=weights_format),
+            **int4,
         )
         del weights  # the runner keeps what it needs, in its own format
         self.kv_shape = kv_shape

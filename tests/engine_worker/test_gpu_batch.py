@@ -15,15 +15,19 @@ BLOCK = 4
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
-def state(name: str, tokens: int, computed: int, blocks: list[int]) -> RequestState:
-    return RequestState(name, list(range(100, 100 + tokens)), blocks, computed, GREEDY, tokens)
+def state(
+    name: str, tokens: int, computed: int, blocks: list[int], prompt: int | None = None
+) -> RequestState:
+    """A prompt of `prompt` tokens (all of them by default) and what it generated after."""
+    ids = list(range(100, 100 + tokens))
+    return RequestState(name, ids, blocks, computed, GREEDY, tokens if prompt is None else prompt)
 
 
 def scheduled() -> list[tuple[RequestState, int]]:
     return [
-        (state("decode-a", 6, 5, [7, 3]), 1),  # position 5: block 3, offset 1
+        (state("decode-a", 6, 5, [7, 3], prompt=5), 1),  # position 5: block 3, offset 1
         (state("prefill-fresh", 5, 0, [1, 2]), 5),  # whole prompt
-        (state("decode-b", 1, 0, [9]), 1),
+        (state("decode-b", 2, 1, [9], prompt=1), 1),
         (state("prefill-cached", 10, 8, [4, 5, 6]), 2),  # 8 cached, 2 new: samples
         (state("prefill-chunk", 12, 0, [10, 11, 12]), 6),  # first chunk: does not sample
     ]
@@ -45,7 +49,7 @@ def test_the_same_tokens_positions_and_samples_as_the_torch_batch() -> None:
 def test_decode_and_prefill_tables() -> None:
     gpu = build_gpu_batch(scheduled(), BLOCK)
     assert gpu.num_decodes == 2 and not gpu.decode_only
-    assert gpu.decode_context_lens.tolist() == [6, 1]
+    assert gpu.decode_context_lens.tolist() == [6, 2]
     assert gpu.decode_block_tables.tolist() == [[7, 3], [9, 0]]  # padded with block 0
     assert gpu.prefill_query_starts.tolist() == [2, 7, 9, 15]
     assert gpu.prefill_context_lens.tolist() == [5, 10, 6]
@@ -55,10 +59,20 @@ def test_decode_and_prefill_tables() -> None:
 
 
 def test_a_decode_only_step_and_a_fixed_table_width() -> None:
-    decodes = [(state("a", 6, 5, [7, 3]), 1), (state("b", 2, 1, [9]), 1)]
+    decodes = [(state("a", 6, 5, [7, 3], prompt=4), 1), (state("b", 2, 1, [9], prompt=1), 1)]
     gpu = build_gpu_batch(decodes, BLOCK, decode_width=8)
     assert gpu.decode_only and gpu.decode_block_tables.shape == (2, 8)
     assert gpu.prefill_query_starts.tolist() == [2]
     assert torch.equal(
         torch.from_numpy(gpu.decode_context_lens), torch.tensor([6, 2], dtype=torch.int32)
     )
+
+
+def test_a_prompts_last_token_computed_alone_is_a_prefill() -> None:
+    """Its rest cached (or chunked before): a cold prefill computes that token with prefill
+    attention, so this one must too for the same bits (torch and cupy batches alike)."""
+    last = [(state("cached-all-but-one", 9, 8, [4, 5, 6]), 1)]
+    gpu = build_gpu_batch(last, BLOCK)
+    cpu = build_batch(last, BLOCK, kv_heads=1, num_heads=1, head_dim=1)
+    assert gpu.num_decodes == 0 and gpu.prefill_context_lens.tolist() == [9]
+    assert cpu.meta.decode is None and [s.num_tokens for s in cpu.meta.prefills] == [1]
