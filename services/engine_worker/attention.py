@@ -136,9 +136,10 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    exact_over_cache: bool = False,
 ) -> torch.Tensor:
     """q: (T, H, D); k_cache: (blocks, kv_heads, D, block); v_cache: (blocks, kv_heads, block, D).
-    Returns (T, H * D)."""
+    `exact_over_cache`: prefill queries by KV block (see `_prefill`). Returns (T, H * D)."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     if meta.decode is not None:
@@ -146,7 +147,7 @@ def paged_attention(
         out[:rows] = _decode(q[:rows], k_cache, v_cache, meta.decode, scale)
     for seg in meta.prefills:
         rows_of_seg = slice(seg.token_start, seg.token_start + seg.num_tokens)
-        out[rows_of_seg] = _prefill(q[rows_of_seg], k_cache, v_cache, seg, scale)
+        out[rows_of_seg] = _prefill(q[rows_of_seg], k_cache, v_cache, seg, scale, exact_over_cache)
     return out.view(num_tokens, num_heads * head_dim)
 
 
@@ -183,14 +184,21 @@ def _decode(
 
 
 def _prefill(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seg: PrefillSegment,
+    scale: float,
+    by_block: bool,
 ) -> torch.Tensor:
-    """Queries in pieces that end where KV blocks end, each over the keys up to its last
-    position: a query's attention is then computed from the same operands by the same call
-    whether its prompt prefix was cached or not (the cache holds whole blocks), so a prefill over
-    cached blocks gives the bits a cold one gives. One SDPA over all queries would not: its GEMMs
-    round a row differently with the number of rows beside it, which bfloat16 (packed weights)
-    turned into a different sampled token now and then for the same seed."""
+    """`by_block`: queries in pieces that end where KV blocks end, each over the keys up to its
+    last position. A query's attention is then computed from the same operands by the same call
+    whether its prompt prefix was cached or not (the cache holds whole blocks), so a prefill
+    over cached blocks gives the bits a cold one gives. One SDPA over all queries does not: it
+    rounds a row differently with the number of rows beside it (measured at most lengths under
+    300), which rounded activations (packed weights) turned into a different sampled token now
+    and then for the same seed. The price: 16-row SDPA calls, a 2,000-token prefill 20% slower;
+    float32 pays nothing, its GEMMs round by batch anyway and its tokens do not change."""
     kv_heads, head_dim, block = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     k = k_cache.index_select(0, seg.block_ids).permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
     v = v_cache.index_select(0, seg.block_ids).transpose(0, 1).reshape(kv_heads, -1, head_dim)
@@ -199,7 +207,9 @@ def _prefill(
     first = seg.context_len - seg.num_tokens  # position of the first query
     row = 0
     while row < seg.num_tokens:
-        end = min((first + row) // block * block + block, seg.context_len)  # keys [0, end)
+        end = seg.context_len  # keys [0, end)
+        if by_block:
+            end = min((first + row) // block * block + block, end)
         rows = slice(row, end - first)
         out[:, :, rows] = F.scaled_dot_product_attention(
             queries[:, :, rows],

@@ -35,6 +35,8 @@ class CausalLM:
         )
         self.scale = arch.head_dim**-0.5
         self._qk_size = arch.q_size + arch.kv_size
+        # Rounded activations need a cached prefix's prefill to give a cold prefill's bits.
+        self._exact_over_cache = weights.format == "packed"
 
     @torch.inference_mode()
     def forward(
@@ -63,7 +65,7 @@ class CausalLM:
             write_kv(
                 k_cache, v_cache, k, v.view(num_tokens, arch.num_kv_heads, arch.head_dim), meta
             )
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self._exact_over_cache)
             x = x + layer.o_proj(attn)
             h = F.rms_norm(x, hidden_shape, layer.post_norm, arch.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
