@@ -57,14 +57,16 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         "--weights",
         default=env_default("weights", "auto"),
         choices=["auto", *WEIGHT_FORMATS],
-        help="torch backend weight format; packed: int8 per output row through fbgemm, a "
-        "quarter of float32's bytes; auto: packed with --quantize, else float32",
+        help="torch backend weight format; packed: a Q4 file's own 4-bit groups on AVX-512 CPUs, "
+        "int8 rows through fbgemm otherwise; auto: packed for a quantized file or with "
+        "--quantize, else float32",
     )
     group.add_argument(
         "--quantize",
         default=env_default("quantize", None),
-        choices=["int8"],
-        help="quantize a float checkpoint's projections to int8 at load (packed weights)",
+        choices=["int8", "int4"],
+        help="quantize a float checkpoint's projections at load (packed weights): int8 rows, or "
+        "4-bit groups of 32 (llama.cpp's Q4_1 recipe; int8 rows on CPUs without AVX-512)",
     )
     group.add_argument(
         "--kv-memory", default=env_default("kv-memory", "1GiB"), help="KV cache budget, e.g. 512MiB"

@@ -54,7 +54,7 @@ class ServingConfig:
     backend: str | None = None
     dtype: str | None = None
     weights: str | None = None  # auto or one of shared.config.WEIGHT_FORMATS
-    quantize: str | None = None  # int8
+    quantize: str | None = None  # int8 | int4
     max_model_len: int | None = None
     kv_memory: str | None = None
     block_size: int | None = None

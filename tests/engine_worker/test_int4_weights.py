@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from services.engine_worker.int4_groups import Int4Groups
 from services.engine_worker.linear import Int4Linear, Int8Linear, int4_kernel_is_fast
 from services.engine_worker.torch_weights import resolve_weight_format
 from shared.config import CacheConfig, EngineConfig
+from shared.flags import add_scheduler_flags, add_worker_flags, engine_config
 from shared.sampling import SamplingParams
 from tests.engine_worker.test_gguf_quantized import LAYER_TYPES, write_gguf
 from tests.model_fixtures import save_random_checkpoint
@@ -119,6 +121,16 @@ def test_without_a_fast_int4_kernel_packed_runs_int8_rows(
     assert engine.manifest["weights"] == "packed"
     layer = engine.worker.runner.model.weights.layers[0]
     assert all(isinstance(p, Int8Linear) for p in (layer.qkv, layer.o_proj, layer.down))
+
+
+def test_quantize_int4_is_a_flag_the_engine_takes() -> None:
+    parser = argparse.ArgumentParser()
+    add_worker_flags(parser)
+    add_scheduler_flags(parser)
+    config = engine_config(parser.parse_args(["--quantize", "int4"]))
+    assert config.quantize == "int4" and config.weights == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantize", "int2"])
 
 
 def test_auto_weights_follow_the_files_quantization() -> None:
