@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from services.engine_worker.architecture import ModelArchitecture
+from services.engine_worker.int4_groups import Int4Groups
 from shared.errors import ModelValidationError
 
 
@@ -23,6 +24,8 @@ class ModelArtifact(Protocol):
     def validate(self) -> None: ...
 
     def load(self, name: str) -> torch.Tensor: ...
+
+    def load_int4(self, name: str) -> Int4Groups | None: ...
 
 
 def open_artifact(path: str) -> ModelArtifact:

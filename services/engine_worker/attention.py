@@ -204,13 +204,23 @@ def _prefill(
     k = k_cache.index_select(0, seg.block_ids).permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
     v = v_cache.index_select(0, seg.block_ids).transpose(0, 1).reshape(kv_heads, -1, head_dim)
     queries = q.transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
-    out = torch.empty_like(queries)
     first = seg.context_len - seg.num_tokens  # position of the first query
+    if not by_block:
+        cold = first == 0  # a plain causal square: SDPA skips the masked half itself
+        out = F.scaled_dot_product_attention(
+            queries,
+            k[:, : seg.context_len].unsqueeze(0),
+            v[:, : seg.context_len].unsqueeze(0),
+            attn_mask=None if cold else seg.mask,
+            is_causal=cold,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(0).transpose(0, 1)  # (n, H, D)
+    out = torch.empty_like(queries)
     row = 0
     while row < seg.num_tokens:
-        end = seg.context_len  # keys [0, end)
-        if by_block:
-            end = min((first + row) // block * block + block, end)
+        end = min((first + row) // block * block + block, seg.context_len)  # keys [0, end)
         rows = slice(row, end - first)
         out[:, :, rows] = F.scaled_dot_product_attention(
             queries[:, :, rows],

@@ -156,3 +156,7 @@ class HFArtifact:
             offset=entry.begin,
         )
         return flat.view(entry.shape)
+
+    def load_int4(self, name: str) -> None:
+        """safetensors hold float tensors: no 4-bit groups (`--quantize int4` makes them)."""
+        return None

@@ -209,17 +209,21 @@ class Int4Linear:
         self.out_features, self.in_features = groups.shape
         # inner_k_tiles only matters to the CUDA layout; the CPU packing ignores it.
         self._packed = torch._convert_weight_to_int4pack_for_cpu(groups.q.to(torch.int32), 1)
-        scale_zero = torch.stack((groups.d, groups.m + 8 * groups.d), dim=-1)  # (out, in/32, 2)
-        self._scale_zero = scale_zero.transpose(0, 1).to(self.ACTIVATIONS).contiguous()
+        scale_zero = torch.stack(self._scale_zero_of(groups), dim=-1)  # (out, in/32, 2)
+        self._scale_zero = scale_zero.transpose(0, 1).contiguous()
         self.bias = None if bias is None else bias.float()
+
+    @classmethod
+    def _scale_zero_of(cls, groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, in/32) each, in the dtype the kernel takes them in."""
+        return groups.d.to(cls.ACTIVATIONS), (groups.m + 8 * groups.d).to(cls.ACTIVATIONS)
 
     @classmethod
     def dequantized(cls, groups: Int4Groups) -> torch.Tensor:
         """The float (out, in) weight this format computes with: what parity tests compare
         against."""
         rows, cols = groups.shape
-        scale = groups.d.to(cls.ACTIVATIONS).float().unsqueeze(-1)
-        zero = (groups.m + 8 * groups.d).to(cls.ACTIVATIONS).float().unsqueeze(-1)
+        scale, zero = (t.float().unsqueeze(-1) for t in cls._scale_zero_of(groups))
         centred = groups.q.view(rows, cols // GROUP, GROUP).float() - 8
         return (centred * scale + zero).view(rows, cols)
 

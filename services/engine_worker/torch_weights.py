@@ -28,9 +28,9 @@ from services.engine_worker.linear import (
 from services.engine_worker.weights import ModelWeights
 from shared.config import WEIGHT_FORMATS
 
-# An HF tensor name -> its 4-bit groups (a Q4 file's own blocks, or quantized at load), or None
-# where the tensor has none: packed projections whose parts all have them run as Int4Linear.
-Int4Source = Callable[[str], Int4Groups | None]
+# A packed projection's HF tensor names and fused float (out, in) weight -> its 4-bit groups (a
+# Q4 file's own blocks, or quantized at load), or None: it then runs as int8 rows.
+Int4Source = Callable[[tuple[str, ...], torch.Tensor], Int4Groups | None]
 
 QUANTIZED_TYPES = (*INT4_BLOCK_TYPES, "Q8_0")
 _FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,14 +54,20 @@ def resolve_weight_format(requested: str, quantize: str | None, quantization: st
 
 
 def int4_source(artifact: ModelArtifact, quantize: str | None) -> Int4Source | None:
-    """Where packed projections get 4-bit groups: `--quantize int4` quantizes each float tensor
-    at load; otherwise a GGUF's Q4_0/Q4_1 tensors bring their own (`--quantize int8` asks for
-    int8 rows throughout). None where this CPU has no fast 4-bit kernel."""
+    """Where packed projections get 4-bit groups: `--quantize int4` quantizes each projection's
+    float weight at load; otherwise a GGUF's Q4_0/Q4_1 tensors bring their own (`--quantize
+    int8` asks for int8 rows throughout). None where this CPU has no fast 4-bit kernel."""
     if not int4_kernel_is_fast() or quantize == "int8":
         return None
-    if quantize == "int4":
-        return lambda name: Int4Groups.quantize(artifact.load(name))
-    return getattr(artifact, "load_int4", None)
+    if quantize == "int4":  # rows are independent: the fused weight quantizes as its parts
+        return lambda names, weight: Int4Groups.quantize(weight)
+
+    def files_groups(names: tuple[str, ...], weight: torch.Tensor) -> Int4Groups | None:
+        parts = [artifact.load_int4(name) for name in names]
+        present = [part for part in parts if part is not None]
+        return Int4Groups.cat(present) if len(present) == len(parts) else None
+
+    return files_groups
 
 
 class DenseEmbedding:
@@ -148,9 +154,9 @@ class TorchWeights:
         ) -> Projection:
             weight = transposed.t()  # (out, in)
             if fmt == "packed":
-                parts = [int4(name) for name in names] if int4 is not None else [None]
-                if all(part is not None for part in parts):
-                    return Int4Linear(Int4Groups.cat(parts), bias)  # type: ignore[arg-type]
+                groups = int4(names, weight) if int4 is not None else None
+                if groups is not None:
+                    return Int4Linear(groups, bias)
                 return Int8Linear(weight, bias, scratch=scratch)
             return DenseLinear(weight.to(dtype).contiguous(), bias)
 

@@ -65,7 +65,7 @@ class Worker:
             config.weights, config.quantize, artifact.quantization
         )
         if self.backend != "torch" or os.environ.get("KVMESH_TORCH_DEVICE", "cpu") != "cpu":
-            weights_format = config.dtype  # packed weights are a CPU format (fbgemm)
+            weights_format = config.dtype  # packed weights are CPU kernels' formats
         load_dtype = torch.float32 if weights_format == "packed" else self.dtype
         # Weights (packed ones come from a float32 copy, the peak), the KV budget and a step's
         # workspace: checked before any is allocated, not found short while others serve.
