@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu bench-kernels bench-gpu bench-peers bench-cpu profile-step perplexity soak clean
+.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu bench-kernels bench-gpu bench-peers bench-cpu bench-spec profile-step perplexity soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -127,6 +127,10 @@ bench-peers: $(STAMP)
 # llama-server --parallel 32 on 32 sharegpt streams.
 bench-cpu: $(STAMP)
 	$(BIN)/python -m loadtest.cpu_bench $(CPU_ARGS)
+
+# Speculative decoding off / ngram / suffix on copy-heavy and sharegpt prompts (SPEC_ARGS).
+bench-spec: $(STAMP)
+	$(BIN)/python -m loadtest.spec_bench $(SPEC_ARGS)
 
 # Where a decode step's time goes, op by op (PROFILE_ARGS='--batch 8 --weights packed').
 profile-step: $(STAMP)

@@ -48,6 +48,7 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
         if has("response_format")
         else None,
         logit_bias=tuple(message.logit_bias.items()),
+        disable_speculation=message.disable_speculation,
     )
 
 
@@ -78,6 +79,7 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         frequency_penalty=params.frequency_penalty,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
+        disable_speculation=params.disable_speculation,
     )
     if params.seed is not None:
         message.seed = params.seed
@@ -124,6 +126,7 @@ def plan_to_pb(plan: StepPlan) -> engine_worker_pb2.StepPlan:
                 request_id=r.request_id,
                 new_block_ids=r.new_block_ids,
                 num_scheduled_tokens=r.num_scheduled_tokens,
+                draft_token_ids=r.draft_token_ids,
             )
             for r in plan.running_requests
         ],
@@ -151,7 +154,12 @@ def plan_from_pb(message: engine_worker_pb2.StepPlan) -> StepPlan:
             for r in message.new_requests
         ),
         tuple(
-            RunningRequestPlan(r.request_id, tuple(r.new_block_ids), r.num_scheduled_tokens)
+            RunningRequestPlan(
+                r.request_id,
+                tuple(r.new_block_ids),
+                r.num_scheduled_tokens,
+                tuple(r.draft_token_ids),
+            )
             for r in message.running_requests
         ),
         tuple(message.finished_request_ids),
@@ -163,7 +171,10 @@ def result_to_pb(result: StepResult, compute_ms: float = 0.0) -> engine_worker_p
     sampled = []
     for token in result.sampled:
         message = engine_worker_pb2.SampledToken(
-            request_id=token.request_id, token_id=token.token_id
+            request_id=token.request_id,
+            token_id=token.token_id,
+            num_accepted_drafts=token.num_accepted_drafts,
+            draft_logprobs=[logprobs_to_pb(lp) for lp in token.draft_logprobs],
         )
         if token.logprobs is not None:
             message.logprobs.CopyFrom(logprobs_to_pb(token.logprobs))
@@ -187,6 +198,8 @@ def result_from_pb(message: engine_worker_pb2.StepResult) -> StepResult:
                 s.request_id,
                 s.token_id,
                 logprobs_from_pb(s.logprobs) if s.HasField("logprobs") else None,
+                s.num_accepted_drafts,
+                tuple(logprobs_from_pb(lp) for lp in s.draft_logprobs),
             )
             for s in message.sampled
         ),

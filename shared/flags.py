@@ -10,10 +10,12 @@ import argparse
 import os
 
 from shared.config import (
+    SPECULATIVE_METHODS,
     WEIGHT_FORMATS,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     parse_bytes,
 )
 
@@ -120,6 +122,19 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
         default=env_default("no-fair-prefill-first", "") not in ("", "0", "false"),
         help="run a below-share tenant's prefill beside the running decodes, not before them",
     )
+    group.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        default=env_default("speculative", "off"),
+        help="draft tokens from the request's own text, verified in the same step: ngram "
+        "(prompt lookup) or suffix (a suffix trie of the request and recent outputs)",
+    )
+    group.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=env_int("num-speculative-tokens", SpeculativeConfig.max_draft_tokens),
+        help="longest proposal; each request adapts its own length below it",
+    )
 
 
 def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
@@ -219,6 +234,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         max_num_seqs=args.max_num_seqs,
         prefill_chunk_size=args.chunk_size or None,
         fair_prefill_first=not args.no_fair_prefill_first,
+        speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens),
     )
 
 
@@ -260,4 +276,6 @@ def scheduler_flag_args(args: argparse.Namespace) -> list[str]:
     forwarded = ["--max-batched-tokens", str(args.max_batched_tokens)]
     forwarded += ["--max-num-seqs", str(args.max_num_seqs), "--chunk-size", str(args.chunk_size)]
     forwarded += ["--no-fair-prefill-first"] if args.no_fair_prefill_first else []
+    forwarded += ["--speculative", args.speculative]
+    forwarded += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
     return forwarded + (["--no-prefix-caching"] if args.no_prefix_caching else [])

@@ -25,6 +25,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache; set when finished
     failure: FailedRequest | None = None  # the step could not compute it: it ended failed
+    num_draft_tokens: int = 0  # speculative drafts proposed for it, and accepted; when finished
+    num_accepted_drafts: int = 0
 
     @property
     def finished(self) -> bool:

@@ -56,6 +56,7 @@ class SamplingParams:
     logprobs: int | None = None
     response_format: ResponseFormat | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    disable_speculation: bool = False  # no draft tokens for it where the server speculates
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

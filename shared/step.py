@@ -8,6 +8,7 @@ tokens it samples itself, so the plan never resends them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from shared.sampling import SamplingParams
 
@@ -23,6 +24,7 @@ class NewRequestPlan:
     num_scheduled_tokens: int
     sampling: SamplingParams
     prompt_len: int  # penalties treat prompt and output tokens differently
+    draft_token_ids: ClassVar[tuple[int, ...]] = ()  # a request speculates once it decodes
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,9 @@ class RunningRequestPlan:
 
     request_id: str
     new_block_ids: tuple[int, ...]
-    num_scheduled_tokens: int
+    num_scheduled_tokens: int  # its last known token, plus its draft tokens
+    # Speculative tokens the step verifies after the last known token (speculation.py).
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -64,11 +68,16 @@ class TokenLogprobs:
 
 @dataclass(frozen=True)
 class SampledToken:
-    """A request whose scheduled tokens reached its end this step, and the token sampled."""
+    """A request whose scheduled tokens reached its end this step, and the token sampled.
+
+    A speculating request also gets its leading accepted draft tokens: its output grows by
+    drafts[:num_accepted_drafts] and then token_id."""
 
     request_id: str
     token_id: int
     logprobs: TokenLogprobs | None = None
+    num_accepted_drafts: int = 0
+    draft_logprobs: tuple[TokenLogprobs, ...] = ()  # of the accepted drafts, with logprobs on
 
 
 @dataclass(frozen=True)

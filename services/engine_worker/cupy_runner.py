@@ -27,7 +27,8 @@ from services.engine_worker.kernels.library import DTYPES
 from services.engine_worker.kernels.paged_decode_attention import num_splits
 from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.sampler import sample
-from services.engine_worker.step_inputs import RequestState
+from services.engine_worker.step_inputs import RequestState, unique_states
+from services.engine_worker.verification import sample_and_verify
 from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig
 from shared.step import FailedRequest, SampledToken, TokenLogprobs
@@ -72,7 +73,11 @@ class Runner:
         self.workspace: Workspace | None = None  # eager steps; grown to the largest seen
         self.graphs = (
             DecodeGraphs(
-                self.model, self.cache, max_model_len, self.stream, config.scheduler.max_num_seqs
+                self.model,
+                self.cache,
+                max_model_len,
+                self.stream,
+                config.scheduler.max_sampled_rows,
             )
             if cuda_graphs_enabled()
             else None
@@ -95,7 +100,7 @@ class Runner:
             logits = self.graphs.run(batch)
         if logits is None:
             logits = self._eager(batch)
-        return batch.sampling_states, self._sample(logits, batch, rng)
+        return unique_states(batch.sampling_states), self._sample(logits, batch, rng)
 
     def _eager(self, batch: GpuBatch) -> Any:
         tokens, samples, decodes = batch.num_tokens, len(batch.sampling_states), batch.num_decodes
@@ -127,6 +132,10 @@ class Runner:
         self, logits: Any, batch: GpuBatch, rng: torch.Generator
     ) -> list[SampledToken | FailedRequest]:
         states = batch.sampling_states
+        if any(state.num_drafts for state in states):  # verification runs on the host
+            with self.stream:
+                host_logits = torch.from_numpy(cupy.asnumpy(logits))
+            return sample_and_verify(host_logits, states, rng)
         fast = [row for row, state in enumerate(states) if on_gpu_sampler(state)]
         slow = [row for row, state in enumerate(states) if not on_gpu_sampler(state)]
         results: list[SampledToken | FailedRequest | None] = [None] * len(states)

@@ -29,7 +29,8 @@ def sample(
     """logits: (S, vocab) float32, one row per state; one outcome per state, in order. Logprobs
     come from the model's own distribution; a response format only narrows what may be
     sampled. Each row's own work runs in its own error boundary: a row that raises (a grammar,
-    a penalty, non-finite logits) becomes a FailedRequest and the other rows keep their token."""
+    a penalty, non-finite logits) becomes a FailedRequest and the other rows keep their token.
+    Rows with draft tokens to verify go through verification.py instead."""
     raw = logits
     outcomes: list[SampledToken | FailedRequest | None] = [None] * len(states)
     for row in (~torch.isfinite(raw).all(dim=-1)).nonzero().flatten().tolist():
@@ -72,7 +73,7 @@ def sample(
         state = states[row]
         logprobs = None
         if state.sampling.logprobs is not None:
-            logprobs = _logprobs(raw[row], chosen[row], state.sampling.logprobs)
+            logprobs = logprobs_of(raw[row], chosen[row], state.sampling.logprobs)
         if state.matcher is not None:
             state.matcher.consume_token(chosen[row])
         outcomes[row] = SampledToken(state.request_id, chosen[row], logprobs)
@@ -98,6 +99,17 @@ def _each_row(
 
 
 def _sample_row(logits: torch.Tensor, state: RequestState, rng: torch.Generator) -> int:
+    logits, probs = processed(logits, state)
+    if probs is None:
+        return int(logits.argmax())
+    return int(torch.multinomial(probs, 1, generator=generator_of(state, rng)))
+
+
+def processed(
+    logits: torch.Tensor, state: RequestState
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The row's logits after penalties and bias, and the (unnormalized) probabilities it
+    samples from after temperature, min-p, top-k and top-p; None for a greedy request."""
     params = state.sampling
     if params.has_penalties:
         logits = _apply_penalties(logits.clone(), state.token_ids, state.prompt_len, params)
@@ -105,7 +117,7 @@ def _sample_row(logits: torch.Tensor, state: RequestState, rng: torch.Generator)
         tokens, biases = zip(*params.logit_bias, strict=True)
         logits = logits.index_add(0, torch.tensor(tokens), torch.tensor(biases, dtype=logits.dtype))
     if params.greedy:
-        return int(logits.argmax())
+        return logits, None
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
@@ -119,9 +131,14 @@ def _sample_row(logits: torch.Tensor, state: RequestState, rng: torch.Generator)
             mass_before > params.top_p * sorted_probs.sum(), 0.0
         )
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    output_index = len(state.token_ids) - state.prompt_len
-    generator = token_generator(params.seed, output_index) if params.seed is not None else rng
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return logits, probs
+
+
+def generator_of(state: RequestState, rng: torch.Generator) -> torch.Generator:
+    """A seeded request's generator for its next output token; the step's otherwise."""
+    if state.sampling.seed is None:
+        return rng
+    return token_generator(state.sampling.seed, len(state.token_ids) - state.prompt_len)
 
 
 def _apply_penalties(
@@ -145,7 +162,7 @@ def _apply_penalties(
     return logits
 
 
-def _logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
+def logprobs_of(logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
     log_probs = torch.log_softmax(logits, dim=-1)
     top: tuple[tuple[int, float], ...] = ()
     if top_n:

@@ -1,19 +1,21 @@
 """What one step computes, whatever the backend: each request's state between steps, and the
 step's scheduled requests flattened once into token rows.
 
-Row order: decodes (one new token each) first, then prefill chunks, each request's tokens
-contiguous. The torch batch (batch.py) and the GPU batch (gpu_batch.py) are both built from
-one `FlatBatch`, so the two backends never disagree on which row is which.
+Row order: decodes (one new token each, or with draft tokens one row per token, each sampled)
+first, then prefill chunks, each request's tokens contiguous. The torch batch (batch.py) and
+the GPU batch (gpu_batch.py) are both built from one `FlatBatch`, so the two backends never
+disagree on which row is which.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import llguidance
 
 from shared.sampling import SamplingParams
-from shared.step import NewRequestPlan
+from shared.step import NewRequestPlan, RunningRequestPlan
 
 
 @dataclass
@@ -27,10 +29,38 @@ class RequestState:
     sampling: SamplingParams
     prompt_len: int
     matcher: llguidance.LLMatcher | None = None  # a response format's state, if it has one
+    num_drafts: int = 0  # draft tokens at the end of token_ids, verified by this step
+    speculated: bool = False  # this step's plan gave it drafts (a response format may take all)
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    def apply(self, plan: RunningRequestPlan) -> int:
+        """A step's plan for it: its new blocks, and the draft tokens to verify after its last
+        known one, less any its response format forbids (the proposal ends there). Returns
+        the tokens to compute."""
+        self.block_ids += plan.new_block_ids
+        drafts = plan.draft_token_ids
+        if not drafts:
+            return plan.num_scheduled_tokens
+        if self.matcher is not None:
+            drafts = drafts[: self.matcher.validate_tokens(list(drafts))]
+        self.token_ids += drafts
+        self.num_drafts, self.speculated = len(drafts), True
+        return plan.num_scheduled_tokens - len(plan.draft_token_ids) + len(drafts)
+
+    def settle_drafts(self, accepted: int, block_size: int) -> None:
+        """After a step that verified drafts: the rejected ones leave its tokens and computed
+        count, and the blocks past its computed tokens leave its table (the scheduler frees
+        them alike)."""
+        if not self.speculated:
+            return
+        rejected = self.num_drafts - accepted
+        del self.token_ids[len(self.token_ids) - rejected :]
+        self.num_computed_tokens -= rejected
+        del self.block_ids[-(-self.num_computed_tokens // block_size) :]
+        self.num_drafts, self.speculated = 0, False
 
     @classmethod
     def from_plan(cls, new: NewRequestPlan) -> RequestState:
@@ -64,7 +94,8 @@ class FlatBatch:
         self.input_ids += state.token_ids[start:stop]
         self.positions += range(start, stop)
         self.token_blocks += [state.block_ids[p // block_size] for p in range(start, stop)]
-        if stop == len(state.token_ids):  # its last known token: the next one is sampled
+        # Its last token samples the next one; a draft's row is compared with it too.
+        if stop > len(state.token_ids) - 1 - state.num_drafts:
             self.sample_rows.append(len(self.input_ids) - 1)
             self.sampling_states.append(state)
 
@@ -74,14 +105,18 @@ def flatten(scheduled: list[tuple[RequestState, int]], block_size: int) -> FlatB
     computed alone (the rest cached, or chunked) is a prefill, not a decode: a cold prefill
     computes that token with prefill attention, and a cached one must give the same bits."""
     flat = FlatBatch()
-    decoding = [n == 1 and s.num_computed_tokens >= s.prompt_len for s, n in scheduled]
+    decoding = [
+        n == 1 + s.num_drafts and s.num_computed_tokens >= s.prompt_len for s, n in scheduled
+    ]
     decodes = [pair for pair, decode in zip(scheduled, decoding, strict=True) if decode]
     prefills = [pair for pair, decode in zip(scheduled, decoding, strict=True) if not decode]
-    for state, _ in decodes:
-        position = state.num_computed_tokens
-        flat._add_rows(state, position, position + 1, block_size)
-        flat.decode_blocks.append(state.block_ids[: position // block_size + 1])
-        flat.decode_context_lens.append(position + 1)
+    for state, num_new in decodes:
+        # A draft verifies as a decode row of its own over the tokens before it: each row's
+        # result is then the bits the same token decoded alone would have.
+        for position in range(state.num_computed_tokens, state.num_computed_tokens + num_new):
+            flat._add_rows(state, position, position + 1, block_size)
+            flat.decode_blocks.append(state.block_ids[: position // block_size + 1])
+            flat.decode_context_lens.append(position + 1)
     flat.prefill_query_starts.append(len(flat.input_ids))
     for state, num_new in prefills:
         start = state.num_computed_tokens
@@ -92,3 +127,12 @@ def flatten(scheduled: list[tuple[RequestState, int]], block_size: int) -> FlatB
         flat.prefill_query_starts.append(len(flat.input_ids))
         flat.prefill_context_lens.append(context)
     return flat
+
+
+def unique_states(states: Sequence[RequestState]) -> tuple[RequestState, ...]:
+    """Each request once, in row order (a speculating request samples several rows, together)."""
+    unique: list[RequestState] = []
+    for state in states:
+        if not unique or unique[-1] is not state:
+            unique.append(state)
+    return tuple(unique)

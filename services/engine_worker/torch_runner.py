@@ -16,9 +16,9 @@ from services.engine_worker.architecture import ModelArchitecture
 from services.engine_worker.batch import build_batch
 from services.engine_worker.kv_cache import KVCache, KVCacheShape
 from services.engine_worker.model import CausalLM
-from services.engine_worker.sampler import sample
-from services.engine_worker.step_inputs import RequestState
+from services.engine_worker.step_inputs import RequestState, unique_states
 from services.engine_worker.torch_weights import Int4Source, TorchWeights
+from services.engine_worker.verification import sample_and_verify
 from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig
 from shared.step import FailedRequest, SampledToken
@@ -78,7 +78,8 @@ class Runner:
         logits = self.model.forward(
             batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.sample_rows
         )
-        return batch.sampling_states, sample(logits.cpu(), batch.sampling_states, rng)
+        states = batch.sampling_states
+        return unique_states(states), sample_and_verify(logits.cpu(), states, rng)
 
     def prompt_log_softmax(self, state: RequestState) -> torch.Tensor:
         """(prompt_len - 1, vocab): the next-token log-distribution after each prompt prefix,

@@ -75,7 +75,7 @@ class Worker:
                 "weights": arch.num_parameters * load_dtype.itemsize,
                 "KV cache": kv_shape.num_bytes(self.dtype.itemsize),
                 "step workspace": arch.step_workspace_bytes(
-                    limits.max_num_batched_tokens, limits.max_num_seqs, self.dtype.itemsize
+                    limits.max_num_batched_tokens, limits.max_sampled_rows, self.dtype.itemsize
                 ),
             },
             self.backend,
@@ -254,8 +254,7 @@ class Worker:
             scheduled.append((state, new.num_scheduled_tokens))
         for running in plan.running_requests:
             state = self.requests[running.request_id]
-            state.block_ids.extend(running.new_block_ids)
-            scheduled.append((state, running.num_scheduled_tokens))
+            scheduled.append((state, state.apply(running)))
         sampled: list[SampledToken] = []
         if scheduled:
             sampled, failed_running = run_isolated(self._run, scheduled)
@@ -295,6 +294,7 @@ class Worker:
             if isinstance(outcome, FailedRequest):
                 failed.append(outcome)
                 continue
+            state.settle_drafts(outcome.num_accepted_drafts, self.kv_shape.block_size)
             state.token_ids.append(outcome.token_id)
             sampled.append(outcome)
         return sampled, failed

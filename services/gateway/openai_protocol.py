@@ -4,7 +4,7 @@ A thin translation: everything past parsing (admission, auth, tokenization, samp
 stop strings) is the gRPC path's own code. Parsing checks only the JSON shapes, so a wrong
 type is a 400 naming the field, never a protobuf TypeError. Beyond OpenAI's fields, the
 sampling extensions vLLM users know (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`stop_token_ids`) plus `priority` and `timeout_ms` are accepted.
+`stop_token_ids`) plus `priority`, `timeout_ms` and `disable_speculation` are accepted.
 """
 
 from __future__ import annotations
@@ -190,6 +190,7 @@ def _common(
         if count is not None:
             setattr(sampling, name, count)
     sampling.ignore_eos = _flag(body, "ignore_eos")
+    sampling.disable_speculation = _flag(body, "disable_speculation")
     stop_ids = _typed(body, "stop_token_ids", (list,), "a list of token ids") or []
     if not _token_ids(stop_ids):
         raise _invalid("'stop_token_ids' must be a list of token ids")

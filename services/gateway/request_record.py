@@ -120,6 +120,8 @@ def completed_event(
         timings.queue_ms = finished.queue_ms
         timings.prefill_ms = finished.prefill_ms
         timings.decode_ms = finished.decode_ms
+        timings.draft_tokens = finished.draft_tokens
+        timings.accepted_draft_tokens = finished.accepted_draft_tokens
     elif progress.first_timings is not None:  # a stop string: the gateway ended it
         timings.queue_ms = progress.first_timings.queue_ms
         timings.prefill_ms = progress.first_timings.prefill_ms

@@ -190,6 +190,18 @@ class BlockManager:
                     self._free.move_to_end(block_id, last=False)
         request.block_ids.clear()
 
+    def trim(self, request: Request) -> None:
+        """Frees the request's blocks past its computed tokens: what a step reserved for draft
+        tokens it rejected (never cached: only blocks of computed tokens are)."""
+        keep = self.blocks_needed(request.num_computed_tokens)
+        for block_id in reversed(request.block_ids[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
+        del request.block_ids[keep:]
+
     def _uncache(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         if self._by_hash.get(block.block_hash) == block.block_id:

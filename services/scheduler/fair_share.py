@@ -66,6 +66,12 @@ class TenantShares:
                 best, best_share = request, share
         return best
 
+    def victim_among(self, unscheduled: Sequence[Request]) -> Request:
+        """Among the least urgent running requests not yet scheduled this step: the newest
+        of the tenant with the largest share."""
+        lowest = unscheduled[-1].priority
+        return self.most_above([r for r in unscheduled if r.priority == lowest])
+
     def most_above(self, candidates: Sequence[Request]) -> Request:
         """The newest request of the tenant with the largest share."""
         return max(candidates, key=lambda r: (self.share(r), r.arrival_seq))

@@ -44,6 +44,8 @@ class LoadReporter:
             report.prefix_hit_tokens = load.prefix_hit_tokens
             report.prefix_query_tokens = scheduler.block_manager.stats.queries
             report.prefix_evictions = scheduler.block_manager.stats.evictions
+            report.num_draft_tokens = scheduler.speculator.num_draft_tokens
+            report.num_accepted_draft_tokens = scheduler.speculator.num_accepted_drafts
         if include_recent_frees:
             report.recent_frees.extend(
                 scheduler_pb2.FreedRequest(request_id=r, freed_unix_ns=t)

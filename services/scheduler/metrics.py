@@ -92,6 +92,14 @@ class SchedulerMetrics(Collector):
             ),
             "kvmesh_preemptions": ("Requests preempted for KV room", report.num_preemptions),
             "kvmesh_scheduler_steps": ("Steps sent to the engine-worker", report.num_steps),
+            "kvmesh_spec_draft_tokens": (
+                "Speculative draft tokens proposed for verification",
+                report.num_draft_tokens,
+            ),
+            "kvmesh_spec_accepted_draft_tokens": (
+                "Speculative draft tokens accepted (acceptance rate: accepted / draft)",
+                report.num_accepted_draft_tokens,
+            ),
             "kvmesh_deadline_expired": (
                 "Requests whose deadline passed in the scheduler",
                 report.num_expired_waiting + report.num_expired_running,

@@ -8,9 +8,9 @@ from enum import Enum
 from shared.block_hash import ROOT_HASH, hash_block
 from shared.config import SchedulerConfig
 from shared.errors import KvmeshError, Reason
-from shared.outputs import FinishReason
+from shared.outputs import FinishReason, RequestOutput
 from shared.sampling import SamplingParams
-from shared.step import NewRequestPlan
+from shared.step import NewRequestPlan, TokenLogprobs
 
 
 class RequestStatus(Enum):
@@ -42,6 +42,8 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     num_cached_on_arrival: int = 0  # the hit it would have had on arrival (a load estimate)
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative tokens proposed for it, and accepted
+    num_accepted_drafts: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
     status: RequestStatus = RequestStatus.WAITING
@@ -70,6 +72,36 @@ class Request:
         if self.num_output_tokens >= sampling.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.FINISH_REASON_LENGTH
         return None
+
+    def append_output(
+        self,
+        token_ids: tuple[int, ...],
+        logprobs: tuple[TokenLogprobs, ...],
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+    ) -> tuple[tuple[int, ...], tuple[TokenLogprobs, ...], FinishReason | None]:
+        """Appends a step's tokens (accepted drafts, then the sampled one) up to the first that
+        ends it: the tokens and logprobs appended, and why it ended, if it did."""
+        for count, token_id in enumerate(token_ids, 1):
+            self.token_ids.append(token_id)
+            reason = self.stop_reason(token_id, eos_token_ids, max_model_len)
+            if reason is not None:
+                return token_ids[:count], logprobs[:count], reason
+        return token_ids, logprobs, None
+
+    def final_output(
+        self, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...]
+    ) -> RequestOutput:
+        """Its last output, once finish_reason is set: with its cache and draft counts."""
+        return RequestOutput(
+            self.request_id,
+            token_ids,
+            logprobs,
+            self.finish_reason,
+            self.num_cached_tokens,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_drafts=self.num_accepted_drafts,
+        )
 
     @property
     def num_shareable_tokens(self) -> int:

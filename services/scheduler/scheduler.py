@@ -7,7 +7,8 @@ later (its cached full blocks usually make that cheap).
 
 Within a priority, tenants share the batch and the pool by weight (fair_share.py): which
 waiting request is admitted next, which running one gives up its slot or its blocks. The n
-completions of one request compute their prompt once and fork (groups.py).
+completions of one request compute their prompt once and fork (groups.py). A decoding request
+may verify draft tokens beside its next one (speculation.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from services.scheduler.fair_share import TenantShares
 from services.scheduler.groups import Groups
 from services.scheduler.request import Request, RequestStatus, check_prompt_fits
 from services.scheduler.scheduler_load import SchedulerLoad
+from services.scheduler.speculation import Speculator
 from shared.config import CacheConfig, SchedulerConfig
 from shared.errors import KvmeshError, Reason
 from shared.outputs import FinishReason, RequestOutput
@@ -47,13 +49,12 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key
         self.groups = Groups()
+        self.speculator = Speculator(config.speculative, self.block_manager, self.max_model_len)
         self._arrivals = itertools.count()
         self._step_ids = itertools.count()
         self._freed_since_last_plan: list[str] = []
         self.num_preemptions = 0
         self.num_finished = 0  # completed or aborted
-
-    # ---- requests in and out -------------------------------------------------------------
 
     def add_request(
         self,
@@ -97,17 +98,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def load(self) -> SchedulerLoad:
-        return SchedulerLoad(
-            len(self.waiting),
-            sum(r.num_tokens - r.num_cached_on_arrival for r in self.waiting),
-            len(self.running),
-            self.block_manager.num_free_blocks,
-            self.block_manager.num_blocks,
-            self.num_preemptions,
-            self.block_manager.stats.hits,
+        return SchedulerLoad.of(
+            self.waiting, self.running, self.block_manager, self.num_preemptions
         )
-
-    # ---- one step -------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
         # Once a step: a request this step preempts waits for the next one anyway.
@@ -168,16 +161,19 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
+            drafts = self.speculator.drafts(request, num_new, budget, len(self.running))
+            num_new += len(drafts)
             num_blocks_before = len(request.block_ids)
             while not self.block_manager.allocate(request, num_new):
                 preempted = True
-                self._preempt(self._preemption_victim(index), self.running[index:])
+                unscheduled = self.running[index:]
+                self._preempt(self._shares().victim_among(unscheduled), unscheduled)
                 if request.status is not RequestStatus.RUNNING:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
             new_blocks = tuple(request.block_ids[num_blocks_before:])
-            plans.append(RunningRequestPlan(request.request_id, new_blocks, num_new))
+            plans.append(RunningRequestPlan(request.request_id, new_blocks, num_new, drafts))
             budget -= num_new
             index += 1
         return plans, budget, preempted
@@ -200,13 +196,6 @@ class Scheduler:
 
     def _shares(self) -> TenantShares:
         return TenantShares(self.running, self.config.max_num_seqs, self.block_manager.num_blocks)
-
-    def _preemption_victim(self, first_unscheduled: int) -> Request:
-        """Among the least urgent running requests not yet scheduled this step: the newest
-        of the tenant with the largest share."""
-        candidates = self.running[first_unscheduled:]
-        lowest = candidates[-1].priority
-        return self._shares().most_above([r for r in candidates if r.priority == lowest])
 
     def _tokens_to_schedule(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
@@ -244,24 +233,36 @@ class Scheduler:
         # Failures first: a failed request's blocks must not be cached as computed below.
         outputs = [self._fail(f) for f in result.failed if f.request_id in self.requests]
         sampled = {s.request_id: s for s in result.sampled}
-        scheduled = [(p.request_id, p.num_scheduled_tokens) for p in plan.new_requests]
-        scheduled += [(p.request_id, p.num_scheduled_tokens) for p in plan.running_requests]
-        for request_id, num_scheduled in scheduled:
+        planned_requests: list[NewRequestPlan | RunningRequestPlan] = [*plan.new_requests]
+        for planned in planned_requests + list(plan.running_requests):
+            request_id, drafts = planned.request_id, planned.draft_token_ids
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            request.num_computed_tokens += num_scheduled
-            self.block_manager.cache_full_blocks(request)
             token = sampled.get(request_id)
+            # Computed: the tokens before the drafts, and the drafts the worker accepted.
+            accepted = token.num_accepted_drafts if token and drafts else 0
+            request.num_computed_tokens += planned.num_scheduled_tokens - len(drafts) + accepted
             if token is None:
+                self.block_manager.cache_full_blocks(request)
                 continue
-            request.token_ids.append(token.token_id)
-            logprobs = (token.logprobs,) if token.logprobs is not None else ()
-            reason = request.stop_reason(token.token_id, self.eos_token_ids, self.max_model_len)
-            if reason is None:
-                outputs.append(RequestOutput(request_id, (token.token_id,), logprobs))
-            else:
-                outputs.append(self._finish(request, reason, (token.token_id,), logprobs))
+            logprobs = () if token.logprobs is None else (*token.draft_logprobs, token.logprobs)
+            emitted, logprobs, reason = request.append_output(
+                (*drafts[:accepted], token.token_id),
+                logprobs,
+                self.eos_token_ids,
+                self.max_model_len,
+            )
+            # A stop among the drafts ends it there: the K/V past the stop is not its own.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            self.block_manager.cache_full_blocks(request)
+            if drafts:  # the slots of rejected drafts go back
+                self.speculator.settle(request, len(drafts), accepted)
+            outputs.append(
+                RequestOutput(request_id, emitted, logprobs)
+                if reason is None
+                else self._finish(request, reason, emitted, logprobs)
+            )
         return outputs
 
     def _fail(self, failure: FailedRequest) -> RequestOutput:
@@ -282,9 +283,7 @@ class Scheduler:
     ) -> RequestOutput:
         self._end(request)
         request.finish_reason = reason
-        return RequestOutput(
-            request.request_id, new_token_ids, logprobs, reason, request.num_cached_tokens
-        )
+        return request.final_output(new_token_ids, logprobs)
 
     def _end(self, request: Request, drop_cached: bool = False) -> None:
         """Out of its queue and the pool; the worker forgets it with the next plan."""
@@ -294,6 +293,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.block_manager.free(request, drop_cached)
         self.groups.remove(request)
+        self.speculator.forget(request)
         self.num_finished += 1
         request.status = RequestStatus.FINISHED
         del self.requests[request.request_id]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.request import Request
+
 
 @dataclass(frozen=True)
 class SchedulerLoad:
@@ -16,3 +19,17 @@ class SchedulerLoad:
     num_blocks: int
     num_preemptions: int
     prefix_hit_tokens: int
+
+    @staticmethod
+    def of(
+        waiting: list[Request], running: list[Request], blocks: BlockManager, preemptions: int
+    ) -> SchedulerLoad:
+        return SchedulerLoad(
+            len(waiting),
+            sum(r.num_tokens - r.num_cached_on_arrival for r in waiting),
+            len(running),
+            blocks.num_free_blocks,
+            blocks.num_blocks,
+            preemptions,
+            blocks.stats.hits,
+        )

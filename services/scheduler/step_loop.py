@@ -169,7 +169,7 @@ class StepLoop:
                     tokens.first.CopyFrom(self._first_token_timings(tracked, output, now))
                 tracked.events.put_nowait(scheduler_pb2.SubmitEvent(tokens=tokens))
             if output.finish_reason is not None:
-                self.finish(tracked, output.finish_reason, output.num_cached_tokens, now)
+                self.finish(tracked, output.finish_reason, output.num_cached_tokens, now, output)
             elif output.failure is not None:
                 self.fail_execution(tracked, output.failure)
 
@@ -205,7 +205,12 @@ class StepLoop:
         self._close(tracked, scheduler_pb2.SubmitEvent(failed=grpc_errors.to_pb(error)))
 
     def finish(
-        self, tracked: Tracked, reason: FinishReason, cached_tokens: int, now: float
+        self,
+        tracked: Tracked,
+        reason: FinishReason,
+        cached_tokens: int,
+        now: float,
+        output: RequestOutput | None = None,
     ) -> None:
         if reason != FinishReason.FINISH_REASON_ABORT:
             self.queue_estimate.finished(tracked.output_tokens)
@@ -218,7 +223,16 @@ class StepLoop:
             queue_ms=(first_step - trace.arrival) * 1e3,
             prefill_ms=(first_token - first_step) * 1e3,
             decode_ms=(now - first_token) * 1e3,
+            draft_tokens=output.num_draft_tokens if output else 0,
+            accepted_draft_tokens=output.num_accepted_drafts if output else 0,
         )
+        if finished.draft_tokens:
+            trace.span.set_attributes(
+                {
+                    "kvmesh.spec.draft_tokens": finished.draft_tokens,
+                    "kvmesh.spec.accepted_tokens": finished.accepted_draft_tokens,
+                }
+            )
         self._close(tracked, scheduler_pb2.SubmitEvent(finished=finished))
 
     def _close(self, tracked: Tracked, terminal: scheduler_pb2.SubmitEvent) -> None:

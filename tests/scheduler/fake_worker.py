@@ -19,6 +19,7 @@ class _State:
     token_ids: list[int]
     block_ids: list[int]
     num_computed: int
+    num_drafts: int = 0
 
 
 def next_token(history: list[int], vocab: int) -> int:
@@ -51,6 +52,8 @@ class FakeWorker:
         for running in plan.running_requests:
             state = self.states[running.request_id]
             state.block_ids.extend(running.new_block_ids)
+            state.token_ids.extend(running.draft_token_ids)
+            state.num_drafts = len(running.draft_token_ids)
             scheduled.append((running.request_id, state, running.num_scheduled_tokens))
         sampled = []
         for request_id, state, num_new in scheduled:
@@ -62,6 +65,7 @@ class FakeWorker:
             state.num_computed = end
         for request_id, state, _ in scheduled:
             if state.num_computed == len(state.token_ids):
+                accepted = self._verify(state)
                 for position in range(state.num_computed):  # attention reads the whole context
                     found = self.slots.get(self._slot(state, position))
                     assert found == state.token_ids[position], (
@@ -70,8 +74,25 @@ class FakeWorker:
                     )
                 token = next_token(state.token_ids, self.vocab)
                 state.token_ids.append(token)
-                sampled.append(SampledToken(request_id, token))
+                sampled.append(SampledToken(request_id, token, num_accepted_drafts=accepted))
         return StepResult(plan.step_id, tuple(sampled))
+
+    def _verify(self, state: _State) -> int:
+        """A speculating request keeps the drafts its next tokens would have been; the rest of
+        its tokens, computed count and blocks past them are rolled back (as the worker does)."""
+        if not state.num_drafts:
+            return 0
+        known = len(state.token_ids) - state.num_drafts
+        accepted = 0
+        while accepted < state.num_drafts and state.token_ids[known + accepted] == next_token(
+            state.token_ids[: known + accepted], self.vocab
+        ):
+            accepted += 1
+        del state.token_ids[known + accepted :]
+        state.num_computed = len(state.token_ids)
+        del state.block_ids[-(-state.num_computed // self.block_size) :]
+        state.num_drafts = 0
+        return accepted
 
     def _slot(self, state: _State, position: int) -> tuple[int, int]:
         return state.block_ids[position // self.block_size], position % self.block_size

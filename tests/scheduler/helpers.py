@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import random
+
 from services.scheduler.scheduler import Scheduler
-from shared.config import CacheConfig, SchedulerConfig
+from shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from shared.outputs import RequestOutput
+from shared.step import FailedRequest, StepResult
 from tests.scheduler.fake_worker import FakeWorker
 
 
@@ -15,6 +18,7 @@ def make_scheduler(
     max_seqs: int = 16,
     max_model_len: int = 4096,
     fair_prefill_first: bool = True,
+    speculative: str = "off",
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -22,6 +26,7 @@ def make_scheduler(
             max_num_seqs=max_seqs,
             prefill_chunk_size=chunk,
             fair_prefill_first=fair_prefill_first,
+            speculative=SpeculativeConfig(speculative, max_draft_tokens=4, ngram_min=1),
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         num_blocks=num_blocks,
@@ -46,3 +51,11 @@ def run_to_completion(
 def step(scheduler: Scheduler, worker: FakeWorker) -> list[RequestOutput]:
     plan = scheduler.schedule()
     return scheduler.update(plan, worker.execute(plan))
+
+
+def fail_one(result: StepResult, rng: random.Random) -> StepResult:
+    """The result with one sampled request's computation raised instead (it alone fails)."""
+    failing = rng.choice(result.sampled).request_id
+    sampled = tuple(t for t in result.sampled if t.request_id != failing)
+    failure = FailedRequest(failing, "EXECUTION_FAILED", "ValueError")
+    return StepResult(result.step_id, sampled, (failure,))

@@ -8,9 +8,8 @@ import random
 
 from services.scheduler.request import RequestStatus
 from shared.sampling import SamplingParams
-from shared.step import FailedRequest, StepResult
 from tests.scheduler.fake_worker import FakeWorker
-from tests.scheduler.helpers import make_scheduler
+from tests.scheduler.helpers import fail_one, make_scheduler
 
 STEPS = 10_000
 
@@ -55,10 +54,7 @@ def test_random_workload_never_leaks_or_double_frees_blocks() -> None:
         assert plan.num_scheduled_tokens <= 24
         result = worker.execute(plan)
         if result.sampled and rng.random() < 0.03:  # one request's computation raised
-            failing = rng.choice(result.sampled).request_id
-            sampled = tuple(t for t in result.sampled if t.request_id != failing)
-            failure = FailedRequest(failing, "EXECUTION_FAILED", "ValueError")
-            result = StepResult(result.step_id, sampled, (failure,))
+            result = fail_one(result, rng)
             failed += 1
         for output in scheduler.update(plan, result):
             finished += output.finished

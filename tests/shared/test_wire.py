@@ -40,6 +40,7 @@ SAMPLING = SamplingParams(
     stop_token_ids=(3, 4),
     ignore_eos=True,
     logprobs=2,
+    disable_speculation=True,
 )
 
 
@@ -67,13 +68,19 @@ def test_step_plan_and_result_round_trip() -> None:
     plan = StepPlan(
         9,
         (NewRequestPlan("a", (1, 2, 3), (0, 5), 0, 3, SAMPLING, 3),),
-        (RunningRequestPlan("b", (7,), 1), RunningRequestPlan("c", (), 1)),
+        (RunningRequestPlan("b", (7,), 1), RunningRequestPlan("c", (), 4, (8, 9, 10))),
         ("d", "e"),
     )
     assert plan_from_pb(plan_to_pb(plan)) == plan
     result = StepResult(
         9,
-        (SampledToken("a", 11), SampledToken("b", 12, TokenLogprobs(12, -0.5, ((12, -0.5),)))),
+        (
+            SampledToken("a", 11),
+            SampledToken("b", 12, TokenLogprobs(12, -0.5, ((12, -0.5),))),
+            SampledToken(  # a speculating request: two drafts accepted before the token
+                "c", 5, TokenLogprobs(5, -1.0, ()), 2, (TokenLogprobs(8, -0.25, ()),) * 2
+            ),
+        ),
     )
     assert result_from_pb(result_to_pb(result, 3.0)) == result
 
