@@ -1,6 +1,6 @@
 """Speculative decoding's benchmark: tokens/s and TPOT with speculation off, ngram and suffix,
-at concurrency 1 and 8, on a copy-heavy workload (workloads/copy_edit.toml), open-ended chat
-questions (workloads/open_chat.toml) and sharegpt (random-token prompts, on which the small
+at concurrency 1 and 8, on a copy-heavy workload (workloads/text/copy_edit.toml), open-ended chat
+questions (workloads/text/open_chat.toml) and sharegpt (random-token prompts, on which the small
 model's greedy answers fall into loops: drafts thrive there), in process on the default model,
 one run. Ratios are against `off` in the same run.
 
@@ -26,7 +26,7 @@ HERE = Path(__file__).parent
 
 
 def copy_prompts(engine: Engine, count: int) -> tuple[list[list[int]], int]:
-    spec = tomllib.loads((HERE / "workloads" / "copy_edit.toml").read_text())
+    spec = tomllib.loads((HERE / "workloads" / "text" / "copy_edit.toml").read_text())
     text = (HERE / "texts" / spec["text"]).read_text()
     size, tasks = spec["passage_chars"], spec["tasks"]
     assert engine.tokenizer is not None
@@ -40,7 +40,7 @@ def copy_prompts(engine: Engine, count: int) -> tuple[list[list[int]], int]:
 
 
 def chat_prompts(engine: Engine, count: int) -> tuple[list[list[int]], int]:
-    spec = tomllib.loads((HERE / "workloads" / "open_chat.toml").read_text())
+    spec = tomllib.loads((HERE / "workloads" / "text" / "open_chat.toml").read_text())
     assert engine.tokenizer is not None
     questions = [spec["prompts"][i % len(spec["prompts"])] for i in range(count)]
     chats = [[{"role": "user", "content": question}] for question in questions]

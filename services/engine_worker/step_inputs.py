@@ -1,10 +1,10 @@
 """What one step computes, whatever the backend: each request's state between steps, and the
 step's scheduled requests flattened once into token rows.
 
-Row order: decodes (one new token each, or with draft tokens one row per token, each sampled)
-first, then prefill chunks, each request's tokens contiguous. The torch batch (batch.py) and
-the GPU batch (gpu_batch.py) are both built from one `FlatBatch`, so the two backends never
-disagree on which row is which.
+Row order: decode rows (one per token past the prompt: a new token, a draft to verify, or an
+output recomputed after preemption) first, then prefill chunks of prompts, each request's rows
+contiguous. The torch batch (batch.py) and the GPU batch (gpu_batch.py) are both built from one
+`FlatBatch`, so the two backends never disagree on which row is which.
 """
 
 from __future__ import annotations
@@ -101,26 +101,27 @@ class FlatBatch:
 
 
 def flatten(scheduled: list[tuple[RequestState, int]], block_size: int) -> FlatBatch:
-    """`scheduled`: (request, tokens to compute this step), in plan order. A prompt's last token
-    computed alone (the rest cached, or chunked) is a prefill, not a decode: a cold prefill
-    computes that token with prefill attention, and a cached one must give the same bits."""
+    """`scheduled`: (request, tokens to compute this step), in plan order.
+
+    A token past the prompt is always a decode row of its own over the tokens before it, and
+    a prompt token always a prefill row: whether the token is decoded the first time, verified
+    as a draft, or recomputed after preemption, its row computes the same bits (decode rows do
+    not depend on their batch; prefills over cached blocks give a cold prefill's bits, see
+    attention.py). So a preempted request resumes with the tokens it would have produced, and
+    drafts change no greedy output."""
     flat = FlatBatch()
-    decoding = [
-        n == 1 + s.num_drafts and s.num_computed_tokens >= s.prompt_len for s, n in scheduled
-    ]
-    decodes = [pair for pair, decode in zip(scheduled, decoding, strict=True) if decode]
-    prefills = [pair for pair, decode in zip(scheduled, decoding, strict=True) if not decode]
-    for state, num_new in decodes:
-        # A draft verifies as a decode row of its own over the tokens before it: each row's
-        # result is then the bits the same token decoded alone would have.
-        for position in range(state.num_computed_tokens, state.num_computed_tokens + num_new):
+    for state, num_new in scheduled:
+        start, stop = state.num_computed_tokens, state.num_computed_tokens + num_new
+        for position in range(max(start, state.prompt_len), stop):
             flat._add_rows(state, position, position + 1, block_size)
             flat.decode_blocks.append(state.block_ids[: position // block_size + 1])
             flat.decode_context_lens.append(position + 1)
     flat.prefill_query_starts.append(len(flat.input_ids))
-    for state, num_new in prefills:
+    for state, num_new in scheduled:
         start = state.num_computed_tokens
-        context = start + num_new
+        context = min(start + num_new, state.prompt_len)
+        if context <= start:
+            continue
         flat._add_rows(state, start, context, block_size)
         flat.prefill_starts.append(start)
         flat.prefill_blocks.append(state.block_ids[: -(-context // block_size)])

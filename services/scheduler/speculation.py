@@ -8,10 +8,10 @@ returns how many it accepted. Two proposers, both pure Python:
   latest earlier occurrence of the context's last n tokens (n from ngram_max down to
   ngram_min) in the prompt and output so far, and what followed it.
 - `SuffixProposer` (suffix decoding): a bounded-depth suffix trie of the request's own tokens,
-  and one shared by the scheduler over the outputs of its recently finished requests, so an
-  agent loop that repeats a tool's output or an answer the model gave before is proposed from
-  it. A draft token is the most frequent continuation of the longest suffix of the context
-  (plus the draft so far) found in either trie, while its frequency share stays high.
+  and one shared by the scheduler over the outputs of its recently finished requests (one per
+  cache salt), so an agent loop that repeats a tool's output or an answer the model gave before
+  is proposed from it. A draft token is the most frequent continuation of the longest suffix of
+  the context (plus the draft so far) found in either trie, while its frequency share stays high.
 
 `Speculator` sets each request's proposal length from the share of its drafts it recently
 accepted and the batch size (see there): on a CPU a verified row costs a part of a decode step
@@ -130,14 +130,15 @@ class SuffixTrie:
 
 
 class SuffixProposer:
-    """Per-request tries over prompt and output, and a shared trie over the outputs of the last
-    `shared_outputs` finished requests."""
+    """Per-request tries over prompt and output, and shared tries over the outputs of the last
+    `shared_outputs` finished requests: one per cache salt, as the prefix cache keeps them
+    apart, so a request's speed never tells what another tenant's answers were."""
 
     def __init__(self, depth: int = 8, min_share: float = 0.3, shared_outputs: int = 64) -> None:
         self.depth, self.min_share = depth, min_share
         self._own: dict[str, tuple[SuffixTrie, list[int]]] = {}
-        self.shared = SuffixTrie(depth)
-        self._shared_outputs: collections.deque[list[int]] = collections.deque()
+        self.shared: dict[bytes, SuffixTrie] = {}
+        self._shared_outputs: collections.deque[tuple[bytes, list[int]]] = collections.deque()
         self._max_shared = shared_outputs
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
@@ -145,10 +146,12 @@ class SuffixProposer:
         tokens = request.token_ids
         own.extend(tokens, indexed[0], len(tokens))
         indexed[0] = len(tokens)
+        shared = self.shared.get(request.cache_salt)
+        tries = [own] if shared is None else [own, shared]
         context = tokens[-(self.depth - 1) :]
         draft: list[int] = []
         while len(draft) < max_tokens:
-            picks = [p for p in (own.next_token(context), self.shared.next_token(context)) if p]
+            picks = [pick for trie in tries if (pick := trie.next_token(context))]
             if not picks:
                 break
             token, _, share = max(picks, key=lambda pick: pick[1])  # the longer match
@@ -163,11 +166,14 @@ class SuffixProposer:
         output = request.token_ids[request.prompt_len :]
         if not output:
             return
-        self.shared.extend(output, 0, len(output))
-        self._shared_outputs.append(output)
+        salt = request.cache_salt
+        self.shared.setdefault(salt, SuffixTrie(self.depth)).extend(output, 0, len(output))
+        self._shared_outputs.append((salt, output))
         if len(self._shared_outputs) > self._max_shared:
-            oldest = self._shared_outputs.popleft()
-            self.shared.extend(oldest, 0, len(oldest), delta=-1)
+            salt, oldest = self._shared_outputs.popleft()
+            self.shared[salt].extend(oldest, 0, len(oldest), delta=-1)
+            if not self.shared[salt].root[1]:
+                del self.shared[salt]
 
 
 @dataclass

@@ -61,6 +61,10 @@ def test_suffix_proposer_learns_from_the_request_and_from_finished_outputs() -> 
     proposer.forget(done)
     fresh = request([50, 20, 21], prompt_len=3, rid="fresh")
     assert proposer.propose(fresh, 3) == [22, 23, 24]
+    # Another tenant's request (its own cache salt) learns nothing from that output.
+    salted = request([50, 20, 21], prompt_len=3, rid="salted")
+    salted.cache_salt = b"tenant-b"
+    assert proposer.propose(salted, 3) == []
     for index in range(2):  # the shared trie holds the last two outputs only
         proposer.forget(request([60, 70 + index, 71 + index], prompt_len=1, rid=f"x{index}"))
     assert proposer.propose(request([51, 20, 21], prompt_len=3, rid="late"), 3) == []
