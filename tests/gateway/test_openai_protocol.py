@@ -37,6 +37,7 @@ def test_chat_fields_become_the_grpc_request() -> None:
             "logprobs": True,
             "top_logprobs": 4,
             "top_k": 7,
+            "disable_speculation": True,
             "stream": True,
             "stream_options": {"include_usage": True},
             "response_format": {"type": "json_object"},
@@ -49,6 +50,7 @@ def test_chat_fields_become_the_grpc_request() -> None:
     assert (sampling.temperature, sampling.top_p, sampling.seed, sampling.top_k) == (0, 0.5, 3, 7)
     assert (sampling.max_tokens, sampling.logprobs) == (9, 4)
     assert sampling.response_format.kind == "json_object"
+    assert sampling.disable_speculation
     assert parsed.stream and parsed.include_usage and parsed.logprobs and parsed.chat
 
 
