@@ -57,25 +57,22 @@ def workload(engine: Engine, name: str, count: int) -> tuple[list[list[int]], li
 
 
 def run(engine: Engine, prompts: list[list[int]], outputs: list[int], concurrency: int) -> dict:
-    """Keeps `concurrency` requests in flight; decode tok/s and mean TPOT over all of them."""
+    """Keeps `concurrency` requests in flight: output tok/s over the whole run (prefills
+    included), and the mean TPOT (first token to last, per later token)."""
     pending = list(zip(prompts, outputs, strict=True))
-    started_at: dict[str, float] = {}
     first_at: dict[str, float] = {}
     produced: dict[str, int] = {}
     tpots: list[float] = []
     began = time.perf_counter()
     while pending or engine.has_unfinished():
-        while pending and len(started_at) - len(tpots) < concurrency:
+        while pending and len(produced) - len(tpots) < concurrency:  # started less finished
             prompt, max_tokens = pending.pop(0)
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-            rid = engine.add_request(prompt, params)
-            started_at[rid], produced[rid] = time.perf_counter(), 0
+            produced[engine.add_request(prompt, params)] = 0
         for output in engine.step():
             now = time.perf_counter()
             rid = output.request_id
-            if output.new_token_ids and rid not in first_at:
-                first_at[rid] = now
-                produced[rid] -= len(output.new_token_ids) - 1  # the first token is prefill's
+            first_at.setdefault(rid, now)  # a prefill's one token comes first, alone
             produced[rid] += len(output.new_token_ids)
             if output.finished:
                 tokens = produced[rid] - 1
