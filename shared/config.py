@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from shared.errors import KvmeshError, Reason
@@ -125,6 +126,9 @@ class EngineConfig:
     quantize: str | None = None  # int8 | int4: quantize a float checkpoint's projections at load
     max_model_len: int | None = None  # None = the model's own context length
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
+    # auto: a packed 4-bit model on the CPU runs as one compiled graph (compiled_model.py);
+    # off: eager. KVMESH_COMPILE sets the default (the test suite's is off, see conftest.py).
+    compile: str = field(default_factory=lambda: os.environ.get("KVMESH_COMPILE", "auto"))
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -146,3 +150,6 @@ class EngineConfig:
             f"--quantize {self.quantize} needs --weights packed or auto",
         )
         _require(self.max_model_len is None or self.max_model_len > 1, "max_model_len must be > 1")
+        _require(
+            self.compile in ("auto", "off"), f"compile must be auto or off, got {self.compile!r}"
+        )

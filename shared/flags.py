@@ -71,6 +71,13 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         "4-bit groups of 32 (llama.cpp's Q4_1 recipe; int8 rows on CPUs without AVX-512)",
     )
     group.add_argument(
+        "--compile",
+        default=env_default("compile", "auto"),
+        choices=["auto", "off"],
+        help="auto: a packed 4-bit model on the CPU runs each step as one TorchInductor graph "
+        "(compiled at warm-up: ~35 s the first time, seconds from the on-disk cache); off: eager",
+    )
+    group.add_argument(
         "--kv-memory", default=env_default("kv-memory", "1GiB"), help="KV cache budget, e.g. 512MiB"
     )
     group.add_argument(
@@ -246,6 +253,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         weights=args.weights,
         quantize=args.quantize,
+        compile=args.compile,
         max_model_len=args.max_model_len,
         num_threads=args.threads,
         cache=CacheConfig(
@@ -266,7 +274,7 @@ def worker_flag_args(args: argparse.Namespace) -> list[str]:
     forwarded += ["--weights", args.weights] + (
         ["--quantize", args.quantize] if args.quantize else []
     )
-    forwarded += ["--block-size", str(args.block_size)]
+    forwarded += ["--block-size", str(args.block_size), "--compile", args.compile]
     if args.max_model_len is not None:
         forwarded += ["--max-model-len", str(args.max_model_len)]
     return forwarded

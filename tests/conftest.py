@@ -11,6 +11,10 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 # holds, and the suite ran ~5x slower on a busy machine. Speed is measured by benchmarks,
 # which keep the default (spinning is ~15% faster on an idle machine).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Engines run eager unless a test asks for the compiled graph (compile="auto"), here and in the
+# meshes the tests start: a compile costs ~35 s cold, ~5 s from inductor's disk cache, per
+# process and model shape. test_compiled_model.py and a mesh test run the compiled path.
+os.environ.setdefault("KVMESH_COMPILE", "off")
 
 import pytest
 import torch

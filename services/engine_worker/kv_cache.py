@@ -43,35 +43,38 @@ class KVCacheShape:
 class KVCache:
     """Per layer, K as (num_blocks, num_kv_heads, head_dim, block_size) and V as
     (num_blocks, num_kv_heads, block_size, head_dim): the layouts decode attention reads rows of
-    (see attention.py). Both are views of one pool allocated once.
+    (see attention.py). Each layer's K and V are tensors of their own, not views of one pool: a
+    compiled graph that writes one layer's cache must not see every other layer alias it.
     """
 
     def __init__(self, shape: KVCacheShape, dtype: torch.dtype, device: str = "cpu") -> None:
         self.shape = shape
-        dims = (
-            shape.num_layers,
-            2,
+        blocks, heads, size, dim = (
             shape.num_blocks,
             shape.num_kv_heads,
             shape.block_size,
             shape.head_dim,
         )
-        self.pool = torch.zeros(dims, dtype=dtype, device=device)
+        self.keys = [
+            torch.zeros((blocks, heads, dim, size), dtype=dtype, device=device)
+            for _ in range(shape.num_layers)
+        ]
+        self.values = [
+            torch.zeros((blocks, heads, size, dim), dtype=dtype, device=device)
+            for _ in range(shape.num_layers)
+        ]
 
     @property
     def num_bytes(self) -> int:
-        return self.pool.numel() * self.pool.element_size()
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Each (source, destination): the destination block becomes the source's copy, in
         every layer, K and V (a fork's own copy of its sibling's partial block)."""
         if pairs:
             sources, destinations = (list(column) for column in zip(*pairs, strict=True))
-            self.pool[:, :, destinations] = self.pool[:, :, sources]
+            for tensor in (*self.keys, *self.values):
+                tensor[destinations] = tensor[sources]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = self.shape
-        keys = self.pool[index, 0].view(
-            shape.num_blocks, shape.num_kv_heads, shape.head_dim, shape.block_size
-        )
-        return keys, self.pool[index, 1]
+        return self.keys[index], self.values[index]

@@ -14,9 +14,10 @@ import torch
 
 from services.engine_worker.architecture import ModelArchitecture
 from services.engine_worker.batch import build_batch
+from services.engine_worker.compiled_model import CompiledCausalLM, GraphBatch, can_compile
 from services.engine_worker.kv_cache import KVCache, KVCacheShape
 from services.engine_worker.model import CausalLM
-from services.engine_worker.step_inputs import RequestState, unique_states
+from services.engine_worker.step_inputs import RequestState, flatten, unique_states
 from services.engine_worker.torch_weights import Int4Source, TorchWeights
 from services.engine_worker.verification import sample_and_verify
 from services.engine_worker.weights import ModelWeights
@@ -46,6 +47,9 @@ class Runner:
             t.to(self.device) for t in (self.model.cos, self.model.signed_sin)
         )
         self.kv_cache = KVCache(kv_shape, dtype, str(self.device))
+        self.compiled = None
+        if config.compile == "auto" and self.device.type == "cpu" and can_compile(torch_weights):
+            self.compiled = CompiledCausalLM(self.model, self.kv_cache)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -59,6 +63,11 @@ class Runner:
     ) -> tuple[tuple[RequestState, ...], list[SampledToken | FailedRequest]]:
         """Runs the scheduled tokens; returns the requests that sampled, and for each its token
         or, when its own sampling raised, its failure."""
+        if self.compiled is not None:
+            flat = flatten(scheduled, self.kv_cache.shape.block_size)
+            logits = self.compiled.forward(GraphBatch.of(flat))
+            states = tuple(flat.sampling_states)
+            return unique_states(states), sample_and_verify(logits, states, rng)
         arch = self.arch
         batch = build_batch(
             scheduled,
@@ -85,6 +94,11 @@ class Runner:
         """(prompt_len - 1, vocab): the next-token log-distribution after each prompt prefix,
         from one prefill of `state` (on its blocks) with logits at every position."""
         tokens = len(state.token_ids)
+        rows = torch.arange(tokens - 1)
+        if self.compiled is not None:
+            flat = flatten([(state, tokens)], self.kv_cache.shape.block_size)
+            graph_batch = dataclasses.replace(GraphBatch.of(flat), sample_rows=rows)
+            return torch.log_softmax(self.compiled.forward(graph_batch), dim=-1)
         batch = build_batch(
             [(state, tokens)],
             self.kv_cache.shape.block_size,
@@ -92,7 +106,6 @@ class Runner:
             self.arch.num_heads,
             self.arch.head_dim,
         )
-        rows = torch.arange(tokens - 1)
         logits = self.model.forward(
             batch.input_ids, batch.positions, self.kv_cache, batch.meta, rows
         )

@@ -117,6 +117,7 @@ class Worker:
             quantization=artifact.quantization,
             weights=weights_format,
             weights_resident_bytes=self.runner.weights_resident_bytes,
+            compiled=getattr(self.runner, "compiled", None) is not None,
             backend=self.backend,
             max_model_len=self.max_model_len,
             kv_bytes_per_token=arch.kv_bytes_per_token(self.dtype.itemsize),
@@ -167,8 +168,7 @@ class Worker:
         self._run_scratch([(decode, 1), (prefill, len(tokens))])
 
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
-        """Greedy tokens (EOS included, not stopped at) on scratch blocks, before any request
-        runs: warm-up fixtures are recorded and checked with exactly this."""
+        """Greedy tokens (EOS included) on scratch blocks: how warm-up fixtures are checked."""
         block = self.kv_shape.block_size
         num_blocks = -(-(len(prompt_ids) + max_tokens) // block)
         if not prompt_ids or num_blocks > self.kv_shape.num_blocks:

@@ -1,0 +1,153 @@
+"""The packed model's compiled graph (compiled_model.py), on the default model and a random
+Qwen2 (q/k/v biases) quantized at load: one graph for every kind of step, greedy output against
+float32 by the near-tie rule, and the row-exactness the eager packed path has: a row's bits do
+not depend on its batch, on a cached prefix, or on drafts verified beside it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvmesh.engine import Engine
+from loadtest.perplexity import SHIPPED_TEXT, perplexity, text_token_ids
+from services.engine_worker import compiled_model
+from services.engine_worker.linear import int4_kernel_is_fast
+from shared.config import CacheConfig, EngineConfig, SchedulerConfig
+from shared.sampling import SamplingParams
+from tests.engine_worker.parity import compare
+from tests.engine_worker.test_speculative import COPY_PROMPT, run, speculating
+from tests.engine_worker.test_weight_formats import greedy_runs
+
+pytestmark = pytest.mark.skipif(
+    not int4_kernel_is_fast(), reason="the graph runs 4-bit groups: AVX-512 CPUs only"
+)
+# Prompts arrive over several steps, prefill chunks share steps with decodes.
+BATCHING = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4, prefill_chunk_size=16)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 2 + 2?",
+    "Who wrote Hamlet?",
+    "What do bees make?",
+    "How many legs does a spider have?",
+    "What is the boiling point of water?",
+    "Translate 'hello' into Spanish.",
+    "What planet is known as the red planet?",
+    "What is the largest ocean?",
+    "Give a synonym for happy.",
+    "What gas do plants absorb?",
+    "How many days are in a week?",
+    "What is the opposite of cold?",
+    "What color is the sky on a clear day?",
+    "What is the square root of 81?",
+]
+
+
+def load(model: str | None, compile: str, **overrides: object) -> Engine:
+    cache = CacheConfig(kv_memory_bytes=128 << 20)  # the perplexity text's ~2k tokens fit
+    config = EngineConfig(model=model, compile=compile, cache=cache, **overrides)  # type: ignore[arg-type]
+    return Engine(config)
+
+
+GRAPHS_AT_START: list[int] = []  # graphs compiled in this process once the fixture warmed up
+
+
+@pytest.fixture(scope="module")
+def compiled(default_model_path: str) -> Iterator[Engine]:
+    engine = load(None, "auto", scheduler=BATCHING)
+    assert engine.manifest["weights"] == "packed" and engine.manifest["compiled"]
+    assert engine.worker.runner.compiled is not None
+    GRAPHS_AT_START.append(graphs_compiled())
+    yield engine
+
+
+def graphs_compiled() -> int:
+    code = compiled_model._graph.__code__
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+
+
+def test_compile_is_off_where_asked_and_for_float_weights(default_model_path: str) -> None:
+    assert load(None, "off").worker.runner.compiled is None
+    assert load(None, "auto", weights="float32").worker.runner.compiled is None
+
+
+def test_greedy_output_matches_float32_on_the_default_model(compiled: Engine) -> None:
+    assert compiled.tokenizer is not None
+    prompts = [compiled.tokenizer.encode(q) for q in QUESTIONS]
+    reference = greedy_runs(load(None, "off", weights="float32"), prompts, 16)
+    verdicts = [
+        compare(c, f) for c, f in zip(greedy_runs(compiled, prompts, 16), reference, strict=True)
+    ]
+    assert sum(v in ("match", "near_tie") for v in verdicts) >= 14, verdicts
+
+
+def test_a_row_is_the_same_alone_and_in_a_batch(compiled: Engine) -> None:
+    """Batched: decode rows beside prefill chunks and beside rows with longer block tables."""
+    prompts = [[(331 * i + n) % 20000 + 100 for i in range(n)] for n in (3, 17, 40, 130, 9)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    together = compiled.generate(prompts, params)
+    for prompt, batched in zip(prompts, together, strict=True):
+        alone = compiled.generate([prompt], params)[0]
+        assert alone.token_ids == batched.token_ids
+        assert [lp.top for lp in alone.logprobs] == [lp.top for lp in batched.logprobs]
+
+
+def test_a_prefill_over_cached_blocks_gives_a_cold_prefills_bits(compiled: Engine) -> None:
+    for length in (18, 21, 33, 47):  # 16 or 32 tokens cached, then 1 to 15 computed
+        prompt = [(977 * i + length) % 20000 + 100 for i in range(length)]
+        params = SamplingParams(max_tokens=8, temperature=1.0, seed=length, logprobs=2)
+        cold, cached = (compiled.generate([prompt], params)[0] for _ in range(2))
+        assert cached.cached_tokens >= 16 and cold.cached_tokens == 0
+        assert cached.token_ids == cold.token_ids
+        assert [lp.top for lp in cached.logprobs] == [lp.top for lp in cold.logprobs], length
+
+
+def test_drafts_change_no_greedy_output(compiled: Engine) -> None:
+    assert compiled.tokenizer is not None
+    copy = compiled.tokenizer.encode(COPY_PROMPT)
+    prompts = [copy, copy[:20] + copy, "The capital of France is", copy[5:]]
+    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=2)
+    plain = run(speculating(compiled, "off"), prompts, params)
+    drafted = run(speculating(compiled, "ngram"), prompts, params)
+    assert compiled.scheduler.speculator.num_accepted_drafts > 20  # it did speculate
+    assert [c.token_ids for c in drafted] == [c.token_ids for c in plain]
+    assert [[lp.top for lp in c.logprobs] for c in drafted] == [
+        [lp.top for lp in c.logprobs] for c in plain
+    ]
+    speculating(compiled, "off")
+
+
+def test_perplexity_within_one_percent_of_float32(compiled: Engine) -> None:
+    """Through the graph's prompt-logprob rows (every position of a ~2k-token prefill)."""
+    reference = load(None, "off", weights="float32")
+    values = {}
+    for name, engine in (("compiled", compiled), ("float32", reference)):
+        ids = text_token_ids(engine.worker.model_path, SHIPPED_TEXT.read_text(encoding="utf-8"))
+        values[name] = perplexity(engine.worker.prompt_log_softmax(ids), ids)
+    assert 10 < values["float32"] < 40
+    assert values["compiled"] / values["float32"] < 1.01
+
+
+def test_one_graph_serves_every_kind_of_step(compiled: Engine) -> None:
+    """After prefill-only, decode-only and mixed steps of 1 to 4 rows and any block count (the
+    tests above ran on this engine): no graph more than its warm-up compiled, and another engine
+    of the model, with another KV budget, reuses it."""
+    assert graphs_compiled() == GRAPHS_AT_START[0]
+    other = Engine(EngineConfig(compile="auto", cache=CacheConfig(kv_memory_bytes=40 << 20)))
+    other.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+    assert graphs_compiled() == GRAPHS_AT_START[0]
+
+
+def test_a_qwen2_checkpoint_quantized_at_load_compiles_with_its_biases(
+    tiny_qwen2_dir: str,
+) -> None:
+    prompts = [[5 + i, 9, 200 - i, 17, *range(3 + i, 30 + 3 * i)] for i in range(16)]
+    engine = load(tiny_qwen2_dir, "auto", quantize="int4")
+    assert engine.worker.runner.compiled is not None
+    eager = load(tiny_qwen2_dir, "off", quantize="int4")
+    # The same 4-bit weights eager: the graph's fused float ops round differently, not more.
+    runs = [greedy_runs(e, prompts, 12) for e in (engine, eager)]
+    verdicts = [compare(c, e) for c, e in zip(*runs, strict=True)]
+    assert sum(v in ("match", "near_tie") for v in verdicts) >= 14, verdicts
