@@ -23,68 +23,23 @@ the longest row beside it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
+from torch._inductor import cpp_builder
 
+from services.engine_worker import graph_ops  # noqa: F401  (registers kvmesh::cache_and_prefill)
 from services.engine_worker.architecture import ModelArchitecture
-from services.engine_worker.attention import PrefillSegment, _prefill, kv_write_indices
+from services.engine_worker.attention import kv_write_indices
 from services.engine_worker.int4_groups import GROUP
 from services.engine_worker.kv_cache import KVCache
 from services.engine_worker.linear import Int4Linear
 from services.engine_worker.model import CausalLM
 from services.engine_worker.step_inputs import FlatBatch
 from services.engine_worker.torch_weights import Int8Embedding, TorchWeights
-
-# One opaque op a layer, called from the graph: the KV write (traced, an index copy's checks
-# guard the token count against 1: a graph per size) and the prefill chunks' attention (SDPA
-# per chunk, eager). A plain library op: through `torch.library.custom_op`'s wrappers the write
-# alone took 47 µs a call (profiled), this op with the write and an empty prefill 29 µs.
-_OPS = torch.library.Library("kvmesh", "DEF")
-_OPS.define(
-    "cache_and_prefill(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
-    "Tensor key_write, Tensor value_write, Tensor q, Tensor segments, Tensor blocks, "
-    "float scale, bool by_block) -> Tensor"
-)
-
-
-def _cache_and_prefill(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_write: torch.Tensor,
-    value_write: torch.Tensor,
-    q: torch.Tensor,
-    segments: torch.Tensor,
-    blocks: torch.Tensor,
-    scale: float,
-    by_block: bool,
-) -> torch.Tensor:
-    """k, v: (T, kv_heads, D) into their slots (attention.kv_write_indices); then q: (P, H, D),
-    the step's prefill rows, attend. segments: (S, 3) first row, rows and context length of
-    each prefill chunk; blocks: (S, max blocks) each chunk's block table, padded."""
-    k_cache.view(-1).index_copy_(0, key_write, k.reshape(-1))
-    v_cache.view(-1, v.shape[-1]).index_copy_(0, value_write, v.reshape(-1, v.shape[-1]))
-    out = torch.empty_like(q)
-    for (row, rows, context), table in zip(segments.tolist(), blocks, strict=True):
-        start = context - rows
-        mask = torch.arange(context)[None, :] <= torch.arange(start, context)[:, None]
-        segment = PrefillSegment(row, rows, context, table[: -(-context // k_cache.shape[3])], mask)
-        out[row : row + rows] = _prefill(
-            q[row : row + rows], k_cache, v_cache, segment, scale, by_block
-        )
-    return out
-
-
-_OPS.impl("cache_and_prefill", _cache_and_prefill, "CPU")
-
-
-@torch.library.register_fake("kvmesh::cache_and_prefill")
-def _(k_cache, v_cache, k, v, key_write, value_write, q, *rest):
-    return torch.empty_like(q)
 
 
 @dataclass(frozen=True)
@@ -149,14 +104,32 @@ class GraphBatch:
         torch._dynamo.mark_dynamic(self.prefill_blocks, 1)
 
 
+log = logging.getLogger(__name__)
+
+
+def has_cpp_compiler() -> bool:
+    """Inductor builds its kernels with a C++ compiler at run time (a slim image has none)."""
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception:  # inductor's own error type for it has moved between torch versions
+        return False
+    return True
+
+
 def can_compile(weights: TorchWeights) -> bool:
-    """The graph is written for packed 4-bit projections and int8 embedding rows."""
+    """The graph is written for packed 4-bit projections and int8 embedding rows, and needs a
+    C++ compiler; without one such a model runs eager, with a warning."""
     projections = [
         p for layer in weights.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
     ]
-    return isinstance(weights.embed, Int8Embedding) and all(
+    if not isinstance(weights.embed, Int8Embedding) or not all(
         isinstance(p, Int4Linear) for p in projections
-    )
+    ):
+        return False
+    if not has_cpp_compiler():
+        log.warning("no C++ compiler (g++) for the compiled step: the model runs eager")
+        return False
+    return True
 
 
 # A projection as the graph takes it: packed 4-bit weight, (scale, zero) pairs, optional bias.

@@ -15,6 +15,27 @@ class Greedy:
     top: list[list[int]]  # top-3 token ids at each generated position
 
 
+# Short questions the default model answers in a few tokens: greedy parity's prompts.
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 2 + 2?",
+    "Who wrote Hamlet?",
+    "What do bees make?",
+    "How many legs does a spider have?",
+    "What is the boiling point of water?",
+    "Translate 'hello' into Spanish.",
+    "What planet is known as the red planet?",
+    "What is the largest ocean?",
+    "Give a synonym for happy.",
+    "What gas do plants absorb?",
+    "How many days are in a week?",
+    "What is the opposite of cold?",
+    "What color is the sky on a clear day?",
+    "What is the square root of 81?",
+]
+
+
 def transformers_greedy(
     model, prompts: list[list[int]], max_new_tokens: int, eos: int
 ) -> list[Greedy]:

@@ -16,7 +16,7 @@ from services.engine_worker import compiled_model
 from services.engine_worker.linear import int4_kernel_is_fast
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig
 from shared.sampling import SamplingParams
-from tests.engine_worker.parity import compare
+from tests.engine_worker.parity import QUESTIONS, compare
 from tests.engine_worker.test_speculative import COPY_PROMPT, run, speculating
 from tests.engine_worker.test_weight_formats import greedy_runs
 
@@ -25,24 +25,6 @@ pytestmark = pytest.mark.skipif(
 )
 # Prompts arrive over several steps, prefill chunks share steps with decodes.
 BATCHING = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4, prefill_chunk_size=16)
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "What is 2 + 2?",
-    "Who wrote Hamlet?",
-    "What do bees make?",
-    "How many legs does a spider have?",
-    "What is the boiling point of water?",
-    "Translate 'hello' into Spanish.",
-    "What planet is known as the red planet?",
-    "What is the largest ocean?",
-    "Give a synonym for happy.",
-    "What gas do plants absorb?",
-    "How many days are in a week?",
-    "What is the opposite of cold?",
-    "What color is the sky on a clear day?",
-    "What is the square root of 81?",
-]
 
 
 def load(model: str | None, compile: str, **overrides: object) -> Engine:
@@ -71,6 +53,16 @@ def graphs_compiled() -> int:
 def test_compile_is_off_where_asked_and_for_float_weights(default_model_path: str) -> None:
     assert load(None, "off").worker.runner.compiled is None
     assert load(None, "auto", weights="float32").worker.runner.compiled is None
+
+
+def test_without_a_cpp_compiler_auto_runs_eager(
+    default_model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slim image has no g++: inductor could not build the graph, so warm-up must not try."""
+    monkeypatch.setattr(compiled_model, "has_cpp_compiler", lambda: False)
+    engine = load(None, "auto")
+    assert engine.worker.runner.compiled is None and not engine.manifest["compiled"]
+    assert len(engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
 
 
 def test_greedy_output_matches_float32_on_the_default_model(compiled: Engine) -> None:

@@ -15,7 +15,7 @@ from services.engine_worker.torch_weights import resolve_weight_format
 from shared.config import CacheConfig, EngineConfig
 from shared.errors import KvmeshError, Reason
 from shared.sampling import SamplingParams
-from tests.engine_worker.parity import TOP, Greedy, compare
+from tests.engine_worker.parity import QUESTIONS, TOP, Greedy, compare
 from tests.engine_worker.test_gguf_quantized import LAYER_TYPES, write_gguf
 from tests.model_fixtures import save_random_checkpoint
 
@@ -86,25 +86,7 @@ def test_packed_greedy_matches_float32_on_the_default_model(
 ) -> None:
     tokenizer = default_engines["float32"].tokenizer
     assert tokenizer is not None
-    questions = [
-        "What is the capital of France?",
-        "Name three primary colors.",
-        "What is 2 + 2?",
-        "Who wrote Hamlet?",
-        "What do bees make?",
-        "How many legs does a spider have?",
-        "What is the boiling point of water?",
-        "Translate 'hello' into Spanish.",
-        "What planet is known as the red planet?",
-        "What is the largest ocean?",
-        "Give a synonym for happy.",
-        "What gas do plants absorb?",
-        "How many days are in a week?",
-        "What is the opposite of cold?",
-        "What color is the sky on a clear day?",
-        "What is the square root of 81?",
-    ]
-    prompts = [tokenizer.encode(q) for q in questions]
+    prompts = [tokenizer.encode(q) for q in QUESTIONS]
     runs = {w: greedy_runs(engine, prompts, 16) for w, engine in default_engines.items()}
     verdicts = [compare(p, f) for p, f in zip(runs["packed"], runs["float32"], strict=True)]
     assert sum(v in ("match", "near_tie") for v in verdicts) >= 14, verdicts
