@@ -41,6 +41,8 @@ from services.engine_worker.model import CausalLM
 from services.engine_worker.step_inputs import FlatBatch
 from services.engine_worker.torch_weights import Int8Embedding, TorchWeights
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class GraphBatch:
@@ -102,9 +104,6 @@ class GraphBatch:
         torch._dynamo.mark_dynamic(self.decode_context_lens, 0)
         torch._dynamo.mark_dynamic(self.decode_table, 1)
         torch._dynamo.mark_dynamic(self.prefill_blocks, 1)
-
-
-log = logging.getLogger(__name__)
 
 
 def has_cpp_compiler() -> bool:

@@ -17,6 +17,7 @@ from services.engine_worker.linear import int4_kernel_is_fast
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig
 from shared.sampling import SamplingParams
 from tests.engine_worker.parity import QUESTIONS, compare
+from tests.engine_worker.test_int4_weights import assert_cached_prefills_give_cold_bits
 from tests.engine_worker.test_speculative import COPY_PROMPT, run, speculating
 from tests.engine_worker.test_weight_formats import greedy_runs
 
@@ -87,13 +88,7 @@ def test_a_row_is_the_same_alone_and_in_a_batch(compiled: Engine) -> None:
 
 
 def test_a_prefill_over_cached_blocks_gives_a_cold_prefills_bits(compiled: Engine) -> None:
-    for length in (18, 21, 33, 47):  # 16 or 32 tokens cached, then 1 to 15 computed
-        prompt = [(977 * i + length) % 20000 + 100 for i in range(length)]
-        params = SamplingParams(max_tokens=8, temperature=1.0, seed=length, logprobs=2)
-        cold, cached = (compiled.generate([prompt], params)[0] for _ in range(2))
-        assert cached.cached_tokens >= 16 and cold.cached_tokens == 0
-        assert cached.token_ids == cold.token_ids
-        assert [lp.top for lp in cached.logprobs] == [lp.top for lp in cold.logprobs], length
+    assert_cached_prefills_give_cold_bits(compiled)
 
 
 def test_drafts_change_no_greedy_output(compiled: Engine) -> None:

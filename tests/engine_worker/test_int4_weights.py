@@ -159,6 +159,12 @@ def test_a_prefill_over_cached_blocks_gives_a_cold_prefills_bits(
     assert engine.manifest["weights"] == "packed"
     layer = engine.worker.runner.model.weights.layers[0]
     assert isinstance(layer.down, Int4Linear if kernel == "int4" else Int8Linear)
+    assert_cached_prefills_give_cold_bits(engine)
+
+
+def assert_cached_prefills_give_cold_bits(engine: Engine) -> None:
+    """Each prompt twice with one seed: the second run prefills over the first's cached whole
+    blocks and must give its tokens and logprobs bit for bit."""
     for length in (18, 21, 33, 47):  # 16 or 32 tokens cached, then 1 to 15 computed
         prompt = [(977 * i + length) % 20000 + 100 for i in range(length)]
         params = SamplingParams(max_tokens=8, temperature=1.0, seed=length, logprobs=2)
