@@ -126,7 +126,7 @@ class EngineConfig:
     quantize: str | None = None  # int8 | int4: quantize a float checkpoint's projections at load
     max_model_len: int | None = None  # None = the model's own context length
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
-    # auto: a packed 4-bit model on the CPU runs as one compiled graph (compiled_model.py);
+    # auto: a packed model on the CPU runs as one compiled graph (compiled_model.py);
     # off: eager. KVMESH_COMPILE sets the default (the test suite's is off, see conftest.py).
     compile: str = field(default_factory=lambda: os.environ.get("KVMESH_COMPILE", "auto"))
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -74,8 +74,8 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         "--compile",
         default=env_default("compile", "auto"),
         choices=["auto", "off"],
-        help="auto: a packed 4-bit model on the CPU runs each step as one TorchInductor graph "
-        "(compiled at warm-up: ~35 s the first time, seconds from the on-disk cache); off: eager",
+        help="auto: a packed model on the CPU runs each step as one TorchInductor graph "
+        "(compiled at warm-up: 35-165 s the first time, seconds from the disk cache); off: eager",
     )
     group.add_argument(
         "--kv-memory", default=env_default("kv-memory", "1GiB"), help="KV cache budget, e.g. 512MiB"

@@ -4,7 +4,10 @@ per-op overhead.
 At batch 1 the eager forward makes ~7,100 torch calls a step for ~3.3 ms of 4-bit GEMMs in a
 10.6 ms step: the rest is dispatch and tiny kernels (README, "One compiled graph per step").
 Compiled, every elementwise op, norm and the decode attention of a layer fuse into a few C++
-loops, and the 4-bit GEMMs are the same extern calls as in eager mode.
+loops, and the 4-bit GEMMs are the same extern calls as in eager mode. Where projections are
+int8 rows (AVX2 CPUs), the graph fuses their two-level input quantization (`linear.
+two_level_rows`, eager the costliest part of a batch-1 projection) into those loops and calls
+fbgemm's GEMM through `kvmesh::int8_rows` (graph_ops.py).
 
 One graph serves every step: the token count, decode rows, blocks per row and prefill segments
 are dynamic dimensions, and `backed_size_oblivious` keeps sizes 0 and 1 from getting graphs of
@@ -25,18 +28,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 from torch._inductor import cpp_builder
 
-from services.engine_worker import graph_ops  # noqa: F401  (registers kvmesh::cache_and_prefill)
+from services.engine_worker import graph_ops  # registers the kvmesh:: ops the graph calls
 from services.engine_worker.architecture import ModelArchitecture
 from services.engine_worker.attention import kv_write_indices
 from services.engine_worker.int4_groups import GROUP
 from services.engine_worker.kv_cache import KVCache
-from services.engine_worker.linear import Int4Linear
+from services.engine_worker.linear import Int4Linear, Int8Linear, from_two_level, two_level_rows
 from services.engine_worker.model import CausalLM
 from services.engine_worker.step_inputs import FlatBatch
 from services.engine_worker.torch_weights import Int8Embedding, TorchWeights
@@ -115,39 +119,67 @@ def has_cpp_compiler() -> bool:
     return True
 
 
+def compiler_available() -> bool:
+    """Whether the step can compile here; without a C++ compiler it runs eager, with a
+    warning."""
+    if has_cpp_compiler():
+        return True
+    log.warning("no C++ compiler (g++) for the compiled step: the model runs eager")
+    return False
+
+
 def can_compile(weights: TorchWeights) -> bool:
-    """The graph is written for packed 4-bit projections and int8 embedding rows, and needs a
-    C++ compiler; without one such a model runs eager, with a warning."""
+    """The graph is written for packed projections (4-bit groups, or int8 rows where the 4-bit
+    kernel is slow) and int8 embedding rows."""
     projections = [
         p for layer in weights.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
     ]
-    if not isinstance(weights.embed, Int8Embedding) or not all(
-        isinstance(p, Int4Linear) for p in projections
-    ):
-        return False
-    if not has_cpp_compiler():
-        log.warning("no C++ compiler (g++) for the compiled step: the model runs eager")
-        return False
-    return True
+    return isinstance(weights.embed, Int8Embedding) and all(
+        isinstance(p, Int4Linear | Int8Linear) for p in projections
+    )
 
 
-# A projection as the graph takes it: packed 4-bit weight, (scale, zero) pairs, optional bias.
-Int4Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+class Int4Parts(NamedTuple):
+    """An `Int4Linear` as the graph takes it."""
+
+    packed: torch.Tensor
+    scale_zero: torch.Tensor
+    bias: torch.Tensor | None
+
+
+class Int8Parts(NamedTuple):
+    """An `Int8Linear` as the graph takes it (graph_ops.int8_rows)."""
+
+    handle: torch.Tensor
+    out_features: int
+    bias: torch.Tensor | None
+
+
+ProjectionParts = Int4Parts | Int8Parts
 # A layer: input norm, post-attention norm, then qkv, o, gate_up and down projections.
-LayerParts = tuple[torch.Tensor, torch.Tensor, Int4Parts, Int4Parts, Int4Parts, Int4Parts]
+LayerParts = tuple[
+    torch.Tensor, torch.Tensor, ProjectionParts, ProjectionParts, ProjectionParts, ProjectionParts
+]
 
 
-def _int4(x: torch.Tensor, parts: Int4Parts) -> torch.Tensor:
-    packed, scale_zero, bias = parts
-    out = torch._weight_int4pack_mm_for_cpu(
-        x.to(Int4Linear.ACTIVATIONS), packed, GROUP, scale_zero
-    ).to(x.dtype)
-    return out if bias is None else out + bias
+def _project(x: torch.Tensor, parts: ProjectionParts) -> torch.Tensor:
+    if isinstance(parts, Int8Parts):  # fixed per graph: no branch at run time
+        rows, row_max, residual_max = two_level_rows(x.float())
+        both = torch.ops.kvmesh.int8_rows(rows, parts.handle, parts.out_features)
+        out = from_two_level(both, row_max, residual_max).to(x.dtype)
+    else:
+        out = torch._weight_int4pack_mm_for_cpu(
+            x.to(Int4Linear.ACTIVATIONS), parts.packed, GROUP, parts.scale_zero
+        ).to(x.dtype)
+    return out if parts.bias is None else out + parts.bias
 
 
-def _int4_parts(projection: object) -> Int4Parts:
+def _projection_parts(projection: object) -> ProjectionParts:
+    if isinstance(projection, Int8Linear):
+        handle = graph_ops.int8_handle(projection)
+        return Int8Parts(handle, projection.out_features, projection.bias)
     assert isinstance(projection, Int4Linear)
-    return projection._packed, projection._scale_zero, projection.bias
+    return Int4Parts(projection._packed, projection._scale_zero, projection.bias)
 
 
 def _graph(
@@ -182,7 +214,7 @@ def _graph(
     x = F.embedding(input_ids, embed_rows).float() * F.embedding(input_ids, embed_scale)
     for k_cache, v_cache, layer in zip(keys, values, layers, strict=True):
         in_norm, post_norm, qkv_proj, o_proj, gate_up, down = layer
-        qkv = _int4(F.rms_norm(x, hidden, in_norm, eps), qkv_proj)
+        qkv = _project(F.rms_norm(x, hidden, in_norm, eps), qkv_proj)
         # Q and K heads side by side, rotated in one pass (swapping halves is roll by D/2).
         qk = qkv[:, :qk_size].view(tokens, -1, dim)
         qk = qk * cos + torch.cat((qk[..., dim // 2 :], qk[..., : dim // 2]), -1) * sin
@@ -212,9 +244,9 @@ def _graph(
         decoded = weighted / probs.sum(dim=(1, 4)).unsqueeze(-1)
         width = heads * dim
         attn = torch.cat((decoded.reshape(decodes, width), prefilled.reshape(prefills, width)))
-        x = x + _int4(attn, o_proj)
-        gate, up = _int4(F.rms_norm(x, hidden, post_norm, eps), gate_up).chunk(2, dim=-1)
-        x = x + _int4(F.silu(gate) * up, down)
+        x = x + _project(attn, o_proj)
+        gate, up = _project(F.rms_norm(x, hidden, post_norm, eps), gate_up).chunk(2, dim=-1)
+        x = x + _project(F.silu(gate) * up, down)
     return F.rms_norm(x.index_select(0, batch.sample_rows), hidden, final_norm, eps)
 
 
@@ -232,7 +264,7 @@ class CompiledCausalLM:
             (
                 layer.input_norm,
                 layer.post_norm,
-                *(_int4_parts(p) for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)),
+                *map(_projection_parts, (layer.qkv, layer.o_proj, layer.gate_up, layer.down)),
             )  # type: ignore[misc]
             for layer in w.layers
         ]

@@ -1,18 +1,27 @@
-"""The compiled step's one opaque op a layer, `kvmesh::cache_and_prefill`: what the graph
-(compiled_model.py) must not trace.
+"""The compiled step's opaque ops: what the graph (compiled_model.py) must not trace.
 
-The KV write: traced, every form of it (`index_copy_`, `index_put_`, `scatter_`) made the graph
-guard the token count against 1, i.e. a graph per size. Prefill attention: SDPA per chunk,
-eager, as the eager path runs it (`attention._prefill`), so a prefill over cached blocks keeps
-a cold prefill's bits. A plain library op: through `torch.library.custom_op`'s wrappers the
-write alone took 47 µs a call (profiled), this op with the write and an empty prefill 29 µs.
+`kvmesh::cache_and_prefill`, one a layer. The KV write: traced, every form of it
+(`index_copy_`, `index_put_`, `scatter_`) made the graph guard the token count against 1, i.e.
+a graph per size. Prefill attention: SDPA per chunk, eager, as the eager path runs it
+(`attention._prefill`), so a prefill over cached blocks keeps a cold prefill's bits. A plain
+library op: through `torch.library.custom_op`'s wrappers the write alone took 47 µs a call
+(profiled), this op with the write and an empty prefill 29 µs.
+
+`kvmesh::int8_rows`, one a projection where projections are int8 rows (AVX2 CPUs): fbgemm's
+GEMM on the rows `linear.two_level_rows` made, which the graph traces and fuses (eager, they
+cost more than the GEMM itself at batch 1). fbgemm's packed weight is a TorchScript object
+that dynamo cannot take as an input, so the graph passes a handle tensor instead, which names
+the projection here.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from services.engine_worker.attention import PrefillSegment, _prefill
+from services.engine_worker.linear import Int8Linear
 
 _OPS = torch.library.Library("kvmesh", "DEF")
 _OPS.define(
@@ -57,3 +66,39 @@ _OPS.impl("cache_and_prefill", _cache_and_prefill, "CPU")
 @torch.library.register_fake("kvmesh::cache_and_prefill")
 def _(k_cache, v_cache, k, v, key_write, value_write, q, *rest):
     return torch.empty_like(q)
+
+
+_OPS.define("int8_rows(Tensor rows, Tensor handle, int out_features) -> Tensor")
+# handle -> its projection, for as long as the projection lives.
+_INT8_PROJECTIONS: dict[int, weakref.ref[Int8Linear]] = {}
+
+
+def int8_handle(projection: Int8Linear) -> torch.Tensor:
+    """The tensor that names `projection` to `kvmesh::int8_rows`."""
+    key = id(projection)
+    _INT8_PROJECTIONS[key] = weakref.ref(projection)
+    weakref.finalize(projection, _INT8_PROJECTIONS.pop, key, None)
+    return torch.tensor(key)
+
+
+def int8_projection(handle: torch.Tensor) -> Int8Linear:
+    """The live projection `handle` names (KeyError once it is gone)."""
+    projection = _INT8_PROJECTIONS[int(handle)]()
+    if projection is None:  # collected, its finalizer not yet run
+        raise KeyError(int(handle))
+    return projection
+
+
+_LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default
+
+
+def _int8_rows(rows: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
+    return _LINEAR_DYNAMIC(rows, int8_projection(handle)._packed, True)
+
+
+_OPS.impl("int8_rows", _int8_rows, "CPU")
+
+
+@torch.library.register_fake("kvmesh::int8_rows")
+def _(rows, handle, out_features):
+    return rows.new_empty((rows.shape[0], out_features))

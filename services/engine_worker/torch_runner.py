@@ -14,7 +14,12 @@ import torch
 
 from services.engine_worker.architecture import ModelArchitecture
 from services.engine_worker.batch import build_batch
-from services.engine_worker.compiled_model import CompiledCausalLM, GraphBatch, can_compile
+from services.engine_worker.compiled_model import (
+    CompiledCausalLM,
+    GraphBatch,
+    can_compile,
+    compiler_available,
+)
 from services.engine_worker.kv_cache import KVCache, KVCacheShape
 from services.engine_worker.model import CausalLM
 from services.engine_worker.step_inputs import RequestState, flatten, unique_states
@@ -48,7 +53,12 @@ class Runner:
         )
         self.kv_cache = KVCache(kv_shape, dtype, str(self.device))
         self.compiled = None
-        if config.compile == "auto" and self.device.type == "cpu" and can_compile(torch_weights):
+        if (
+            config.compile == "auto"
+            and self.device.type == "cpu"
+            and can_compile(torch_weights)
+            and compiler_available()
+        ):
             self.compiled = CompiledCausalLM(self.model, self.kv_cache)
 
     @property

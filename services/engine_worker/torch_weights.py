@@ -18,7 +18,6 @@ from services.engine_worker.artifacts import ModelArtifact
 from services.engine_worker.int4_groups import INT4_BLOCK_TYPES, Int4Groups
 from services.engine_worker.linear import (
     DenseLinear,
-    InputScratch,
     Int4Linear,
     Int8Linear,
     Projection,
@@ -145,7 +144,6 @@ class TorchWeights:
         if fmt not in WEIGHT_FORMATS:
             raise ValueError(fmt)
         dtype = _FLOAT_FORMATS.get(fmt, torch.float32)  # packed: quantized from float32
-        scratch = InputScratch()  # one set of fbgemm input buffers for the whole model
         if fmt != "packed" and compute_dtype != torch.float32:
             dtype = compute_dtype  # float16/bfloat16 activations run same-dtype weights
 
@@ -157,7 +155,7 @@ class TorchWeights:
                 groups = int4(names, weight) if int4 is not None else None
                 if groups is not None:
                     return Int4Linear(groups, bias)
-                return Int8Linear(weight, bias, scratch=scratch)
+                return Int8Linear(weight, bias)
             return DenseLinear(weight.to(dtype).contiguous(), bias)
 
         layers = []
@@ -181,7 +179,7 @@ class TorchWeights:
         lm_head: Projection
         if fmt == "packed":
             embed = Int8Embedding(weights.embed)
-            lm_head = Int8Linear(weights.lm_head.t(), scratch=scratch)
+            lm_head = Int8Linear(weights.lm_head.t())
         else:
             table = weights.embed.to(dtype)
             embed = DenseEmbedding(table)

@@ -1,7 +1,11 @@
 """The packed model's compiled graph (compiled_model.py), on the default model and a random
 Qwen2 (q/k/v biases) quantized at load: one graph for every kind of step, greedy output against
 float32 by the near-tie rule, and the row-exactness the eager packed path has: a row's bits do
-not depend on its batch, on a cached prefix, or on drafts verified beside it."""
+not depend on its batch, on a cached prefix, or on drafts verified beside it.
+
+The default model's projections run as 4-bit groups on AVX-512 CPUs and as int8 rows
+(fbgemm, through `kvmesh::int8_rows`) on AVX2 ones; the Qwen2 test runs both forms on any CPU
+that has them."""
 
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import torch
 from kvmesh.engine import Engine
 from loadtest.perplexity import SHIPPED_TEXT, perplexity, text_token_ids
 from services.engine_worker import compiled_model
-from services.engine_worker.linear import int4_kernel_is_fast
+from services.engine_worker.graph_ops import int8_handle, int8_projection
+from services.engine_worker.linear import Int4Linear, Int8Linear, int4_kernel_is_fast
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig
 from shared.sampling import SamplingParams
 from tests.engine_worker.parity import QUESTIONS, compare
@@ -22,7 +27,7 @@ from tests.engine_worker.test_speculative import COPY_PROMPT, run, speculating
 from tests.engine_worker.test_weight_formats import greedy_runs
 
 pytestmark = pytest.mark.skipif(
-    not int4_kernel_is_fast(), reason="the graph runs 4-bit groups: AVX-512 CPUs only"
+    not compiled_model.has_cpp_compiler(), reason="inductor needs a C++ compiler"
 )
 # Prompts arrive over several steps, prefill chunks share steps with decodes.
 BATCHING = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4, prefill_chunk_size=16)
@@ -127,14 +132,31 @@ def test_one_graph_serves_every_kind_of_step(compiled: Engine) -> None:
     assert graphs_compiled() == GRAPHS_AT_START[0]
 
 
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
 def test_a_qwen2_checkpoint_quantized_at_load_compiles_with_its_biases(
-    tiny_qwen2_dir: str,
+    tiny_qwen2_dir: str, quantize: str
 ) -> None:
     prompts = [[5 + i, 9, 200 - i, 17, *range(3 + i, 30 + 3 * i)] for i in range(16)]
-    engine = load(tiny_qwen2_dir, "auto", quantize="int4")
+    engine = load(tiny_qwen2_dir, "auto", quantize=quantize)
     assert engine.worker.runner.compiled is not None
-    eager = load(tiny_qwen2_dir, "off", quantize="int4")
-    # The same 4-bit weights eager: the graph's fused float ops round differently, not more.
+    fast_int4 = quantize == "int4" and int4_kernel_is_fast()
+    projection = engine.worker.runner.model.weights.layers[0].qkv
+    assert isinstance(projection, Int4Linear if fast_int4 else Int8Linear)
+    eager = load(tiny_qwen2_dir, "off", quantize=quantize)
+    # The same weights eager: the graph's fused float ops round differently, not more.
     runs = [greedy_runs(e, prompts, 12) for e in (engine, eager)]
     verdicts = [compare(c, e) for c, e in zip(*runs, strict=True)]
     assert sum(v in ("match", "near_tie") for v in verdicts) >= 14, verdicts
+
+
+def test_an_int8_handle_names_its_projection_while_it_lives() -> None:
+    """The graph names fbgemm's packed weights by handle; a dropped model's handles go too."""
+    projection = Int8Linear(torch.randn(8, 16))
+    handle = int8_handle(projection)
+    rows = torch.randn(2, 18)
+    expected = torch.ops.quantized.linear_dynamic(rows, projection._packed, True)
+    assert torch.equal(torch.ops.kvmesh.int8_rows(rows, handle, 8), expected)
+    assert int8_projection(handle) is projection
+    del projection
+    with pytest.raises(KeyError):
+        int8_projection(handle)
