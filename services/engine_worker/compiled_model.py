@@ -5,8 +5,8 @@ At batch 1 the eager forward makes ~7,100 torch calls a step for ~3.3 ms of 4-bi
 10.6 ms step: the rest is dispatch and tiny kernels (README, "One compiled graph per step").
 Compiled, every elementwise op, norm and the decode attention of a layer fuse into a few C++
 loops, and the 4-bit GEMMs are the same extern calls as in eager mode. Where projections are
-int8 rows (AVX2 CPUs), the graph fuses their two-level input quantization (`linear.
-two_level_rows`, eager the costliest part of a batch-1 projection) into those loops and calls
+int8 rows (AVX2 CPUs), the graph fuses their two-level input quantization (`Int8Linear.
+product`, eager the costliest part of a batch-1 projection) into those loops and calls
 fbgemm's GEMM through `kvmesh::int8_rows` (graph_ops.py).
 
 One graph serves every step: the token count, decode rows, blocks per row and prefill segments
@@ -38,9 +38,8 @@ from torch._inductor import cpp_builder
 from services.engine_worker import graph_ops  # registers the kvmesh:: ops the graph calls
 from services.engine_worker.architecture import ModelArchitecture
 from services.engine_worker.attention import kv_write_indices
-from services.engine_worker.int4_groups import GROUP
 from services.engine_worker.kv_cache import KVCache
-from services.engine_worker.linear import Int4Linear, Int8Linear, from_two_level, two_level_rows
+from services.engine_worker.linear import Int4Linear, Int8Linear
 from services.engine_worker.model import CausalLM
 from services.engine_worker.step_inputs import FlatBatch
 from services.engine_worker.torch_weights import Int8Embedding, TorchWeights
@@ -103,9 +102,9 @@ class GraphBatch:
     def mark_dynamic(self) -> None:
         for tensor in (*self.decode_rows, *self.prefill_rows, self.sample_rows):
             torch._dynamo.mark_dynamic(tensor, 0)
-        for tensor in (self.decode_table, self.prefill_segments, self.prefill_blocks):
+        for tensor in (self.decode_table, self.decode_context_lens, self.prefill_segments):
             torch._dynamo.mark_dynamic(tensor, 0)
-        torch._dynamo.mark_dynamic(self.decode_context_lens, 0)
+        torch._dynamo.mark_dynamic(self.prefill_blocks, 0)
         torch._dynamo.mark_dynamic(self.decode_table, 1)
         torch._dynamo.mark_dynamic(self.prefill_blocks, 1)
 
@@ -164,13 +163,12 @@ LayerParts = tuple[
 
 def _project(x: torch.Tensor, parts: ProjectionParts) -> torch.Tensor:
     if isinstance(parts, Int8Parts):  # fixed per graph: no branch at run time
-        rows, row_max, residual_max = two_level_rows(x.float())
-        both = torch.ops.kvmesh.int8_rows(rows, parts.handle, parts.out_features)
-        out = from_two_level(both, row_max, residual_max).to(x.dtype)
+        handle, out_features = parts.handle, parts.out_features
+        out = Int8Linear.product(
+            x, lambda rows: torch.ops.kvmesh.int8_rows(rows, handle, out_features)
+        )
     else:
-        out = torch._weight_int4pack_mm_for_cpu(
-            x.to(Int4Linear.ACTIVATIONS), parts.packed, GROUP, parts.scale_zero
-        ).to(x.dtype)
+        out = Int4Linear.product(x, parts.packed, parts.scale_zero)
     return out if parts.bias is None else out + parts.bias
 
 

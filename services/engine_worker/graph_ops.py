@@ -8,7 +8,7 @@ library op: through `torch.library.custom_op`'s wrappers the write alone took 47
 (profiled), this op with the write and an empty prefill 29 µs.
 
 `kvmesh::int8_rows`, one a projection where projections are int8 rows (AVX2 CPUs): fbgemm's
-GEMM on the rows `linear.two_level_rows` made, which the graph traces and fuses (eager, they
+GEMM on the rows `Int8Linear.product` makes, which the graph traces and fuses (eager, they
 cost more than the GEMM itself at batch 1). fbgemm's packed weight is a TorchScript object
 that dynamo cannot take as an input, so the graph passes a handle tensor instead, which names
 the projection here.

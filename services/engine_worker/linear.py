@@ -20,6 +20,7 @@ kernel for that form (measured, torch 2.13, 2 threads; see the CPU engine issue'
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -86,31 +87,6 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows.to(torch.int8), scale
 
 
-def two_level_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fbgemm's input for float32 x: (M, in) -> (rows (2M, in + 2), row max (M, 1), residual
-    max (M, 1)). Rows 0..M-1 are x scaled to max |x| = 1, rows M.. what fbgemm's 7-bit grid
-    drops of them, scaled to their own max; the last two columns, +1 and -1 (against zero
-    weights), pin the tensor's range to [-1, 1] (see Int8Linear). Plain out-of-place ops: the
-    eager path runs them as they are, the compiled step fuses them."""
-    count = x.shape[0]
-    row_max = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
-    scaled = x / row_max
-    on_grid = (scaled * _GRID).round().clamp(_GRID_LOW, _GRID_HIGH) / _GRID
-    residual = scaled - on_grid
-    residual_max = residual.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
-    pins = torch.tensor([1.0, -1.0], device=x.device).expand(2 * count, 2)
-    rows = torch.cat((torch.cat((scaled, residual / residual_max)), pins), dim=1)
-    return rows, row_max, residual_max
-
-
-def from_two_level(
-    both: torch.Tensor, row_max: torch.Tensor, residual_max: torch.Tensor
-) -> torch.Tensor:
-    """fbgemm's (2M, out) result for `two_level_rows` -> the (M, out) product."""
-    count = row_max.shape[0]
-    return (both[:count] + both[count:] * residual_max) * row_max
-
-
 class Int8Linear:
     """int8 weights, one scale per output row, run by fbgemm with int8 activations.
 
@@ -160,13 +136,28 @@ class Int8Linear:
         rows, scale = quantize_rows(weight)
         return rows * scale
 
+    @staticmethod
+    def product(x: torch.Tensor, gemm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """x (M, in) times the weight, in x's dtype, where `gemm` is fbgemm's GEMM on this
+        weight: eager, `linear_dynamic` on the packed weight; in the compiled step, the same
+        behind `kvmesh::int8_rows`, and the ops here, traced, fuse with their neighbours.
+        fbgemm gets 2M rows, each level scaled to [-1, 1], plus the two pinning columns."""
+        x32 = x.float()
+        count = x32.shape[0]
+        row_max = x32.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
+        scaled = x32 / row_max
+        on_grid = (scaled * _GRID).round().clamp(_GRID_LOW, _GRID_HIGH) / _GRID
+        residual = scaled - on_grid
+        residual_max = residual.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
+        pins = torch.tensor([1.0, -1.0], device=x.device).expand(2 * count, 2)
+        both = gemm(torch.cat((torch.cat((scaled, residual / residual_max)), pins), dim=1))
+        return ((both[:count] + both[count:] * residual_max) * row_max).to(x.dtype)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows, row_max, residual_max = two_level_rows(x.float())
-        both = torch.ops.quantized.linear_dynamic(rows, self._packed, True)
-        out = from_two_level(both, row_max, residual_max)
-        if self.bias is not None:
-            out += self.bias
-        return out.to(x.dtype)
+        out = self.product(
+            x, lambda rows: torch.ops.quantized.linear_dynamic(rows, self._packed, True)
+        )
+        return out if self.bias is None else out + self.bias
 
     @property
     def resident_bytes(self) -> int:
@@ -212,13 +203,17 @@ class Int4Linear:
         centred = groups.q.view(rows, cols // GROUP, GROUP).float() - 8
         return (centred * scale + zero).view(rows, cols)
 
+    @classmethod
+    def product(
+        cls, x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor
+    ) -> torch.Tensor:
+        """x (M, in) times a packed weight, in x's dtype (eager, and in the compiled step)."""
+        out = torch._weight_int4pack_mm_for_cpu(x.to(cls.ACTIVATIONS), packed, GROUP, scale_zero)
+        return out.to(x.dtype)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch._weight_int4pack_mm_for_cpu(
-            x.to(self.ACTIVATIONS), self._packed, GROUP, self._scale_zero
-        ).to(x.dtype)
-        if self.bias is not None:
-            out += self.bias
-        return out
+        out = self.product(x, self._packed, self._scale_zero)
+        return out if self.bias is None else out + self.bias
 
     @property
     def resident_bytes(self) -> int:
