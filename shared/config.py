@@ -35,6 +35,9 @@ def _require(condition: bool, message: str) -> None:
         raise KvmeshError(Reason.INVALID_ARGUMENT, message)
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: the pool is sized from a memory budget, not from the context length."""
@@ -42,8 +45,15 @@ class CacheConfig:
     block_size: int = 16
     kv_memory_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
+    # auto: float16 where the step compiles (a packed model on the CPU), else the activation
+    # dtype; a dtype other than the activations' needs the compiled step (kv_cache.py).
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(
+            self.dtype in KV_CACHE_DTYPES,
+            f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.dtype!r}",
+        )
         _require(
             self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
             f"block_size must be a power of two, got {self.block_size}",

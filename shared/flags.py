@@ -10,6 +10,7 @@ import argparse
 import os
 
 from shared.config import (
+    KV_CACHE_DTYPES,
     SPECULATIVE_METHODS,
     WEIGHT_FORMATS,
     CacheConfig,
@@ -79,6 +80,13 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--kv-memory", default=env_default("kv-memory", "1GiB"), help="KV cache budget, e.g. 512MiB"
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        default=env_default("kv-cache-dtype", "auto"),
+        choices=list(KV_CACHE_DTYPES),
+        help="KV cache element type; auto: float16 where the step compiles (a packed model on "
+        "the CPU: half the bytes per token, as llama.cpp keeps it), else the activation dtype",
     )
     group.add_argument(
         "--block-size", type=int, default=env_int("block-size", 16), help="tokens per KV block"
@@ -259,6 +267,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(
             block_size=args.block_size,
             kv_memory_bytes=parse_bytes(args.kv_memory),
+            dtype=args.kv_cache_dtype,
             enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
         ),
         scheduler=(
@@ -275,6 +284,7 @@ def worker_flag_args(args: argparse.Namespace) -> list[str]:
         ["--quantize", args.quantize] if args.quantize else []
     )
     forwarded += ["--block-size", str(args.block_size), "--compile", args.compile]
+    forwarded += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.max_model_len is not None:
         forwarded += ["--max-model-len", str(args.max_model_len)]
     return forwarded

@@ -203,6 +203,7 @@ def _prefill(
     kv_heads, head_dim, block = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     k = k_cache.index_select(0, seg.block_ids).permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
     v = v_cache.index_select(0, seg.block_ids).transpose(0, 1).reshape(kv_heads, -1, head_dim)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # the compiled step's pool may be float16
     queries = q.transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
     first = seg.context_len - seg.num_tokens  # position of the first query
     if not by_block:

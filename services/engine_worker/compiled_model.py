@@ -21,7 +21,8 @@ Decode attention reads each (row, block) of K and V once, straight from the pool
 block table: the gather, both products, the mask and the softmax fuse into loops over the
 block's 16 positions (one AVX-512 vector of float32). A row's sums run over its padded block
 table in position order; the padding contributes exact zeros, so a row's bits do not depend on
-the longest row beside it.
+the longest row beside it. The pool is float16 unless asked otherwise (kv_cache.kv_cache_dtype):
+K and V convert where the kernels write and read them.
 """
 
 from __future__ import annotations
@@ -222,8 +223,8 @@ def _graph(
         prefilled = torch.ops.kvmesh.cache_and_prefill(
             k_cache,
             v_cache,
-            k,
-            v,
+            k.to(k_cache.dtype),  # float16 by default: converted in the kernel before
+            v.to(v_cache.dtype),
             key_write,
             value_write,
             q.narrow(0, decodes, prefills),
@@ -235,9 +236,10 @@ def _graph(
         # Decode rows: scores (B, blocks, kv_heads, group, slot), reduced over D in place.
         q_rows = (q.narrow(0, 0, decodes) * scale).view(decodes, 1, kv_heads, group, dim, 1)
         k_rows = k_cache[batch.decode_table].view(decodes, num_blocks, kv_heads, 1, dim, block)
-        scores = (q_rows * k_rows).sum(4).masked_fill(outside, float("-inf"))
+        scores = (q_rows * k_rows.to(x.dtype)).sum(4).masked_fill(outside, float("-inf"))
         probs = torch.exp(scores - scores.amax(dim=(1, 4), keepdim=True))
         v_rows = v_cache[batch.decode_table].view(decodes, num_blocks, kv_heads, 1, block, dim)
+        v_rows = v_rows.to(x.dtype)
         weighted = (probs.unsqueeze(-1) * v_rows).sum(dim=(1, 4))  # (B, kv_heads, group, D)
         decoded = weighted / probs.sum(dim=(1, 4)).unsqueeze(-1)
         width = heads * dim

@@ -27,6 +27,7 @@ class ModelManifest:
     weights: str = "float32"  # the format the weights run in: packed | float32 | bfloat16
     weights_resident_bytes: int = 0  # what the weights keep in memory in that format
     compiled: bool = False  # steps run as one TorchInductor graph (compiled_model.py)
+    kv_cache_dtype: str = "float32"  # the KV pool's elements (kv_cache.kv_cache_dtype)
     repository_version: str = ""  # the repository entry's version; "" when loaded from a path
     aliases: tuple[str, ...] = ()
     default_sampling: dict[str, Any] | None = None  # the entry's [sampling] table

@@ -18,7 +18,6 @@ from services.engine_worker.compiled_model import (
     CompiledCausalLM,
     GraphBatch,
     can_compile,
-    compiler_available,
 )
 from services.engine_worker.kv_cache import KVCache, KVCacheShape
 from services.engine_worker.model import CausalLM
@@ -51,15 +50,15 @@ class Runner:
         self.model.cos, self.model.signed_sin = (
             t.to(self.device) for t in (self.model.cos, self.model.signed_sin)
         )
-        self.kv_cache = KVCache(kv_shape, dtype, str(self.device))
+        # The worker resolved both: compile is auto only where the step compiles here, and the
+        # pool's dtype differs from the activations' only then (kv_cache.kv_cache_dtype).
+        kv_dtype = getattr(torch, config.cache.dtype)
+        self.kv_cache = KVCache(kv_shape, kv_dtype, str(self.device))
         self.compiled = None
-        if (
-            config.compile == "auto"
-            and self.device.type == "cpu"
-            and can_compile(torch_weights)
-            and compiler_available()
-        ):
+        if config.compile == "auto" and self.device.type == "cpu" and can_compile(torch_weights):
             self.compiled = CompiledCausalLM(self.model, self.kv_cache)
+        if self.compiled is None and kv_dtype != dtype:
+            raise ValueError(f"a {kv_dtype} KV cache needs the compiled step")
 
     @property
     def kv_cache_bytes(self) -> int:

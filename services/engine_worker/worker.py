@@ -5,7 +5,6 @@ Order matters: every check that can refuse a model runs before any large allocat
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import os
 import threading
@@ -26,8 +25,9 @@ from services.engine_worker.step_failures import (
     failure_of,
     run_isolated,
 )
+from services.engine_worker.step_formats import StepFormats, dtype_name
 from services.engine_worker.step_inputs import RequestState
-from services.engine_worker.torch_weights import int4_source, resolve_weight_format
+from services.engine_worker.torch_weights import int4_source
 from services.engine_worker.weights import ModelWeights
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, ModelValidationError, Reason
@@ -36,8 +36,6 @@ from shared.model_paths import resolve_model_path
 from shared.sampling import SamplingParams
 from shared.step import FailedRequest, NewRequestPlan, SampledToken, StepPlan, StepResult
 from shared.text_tokenizer import load_tokenizer
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Worker:
@@ -56,41 +54,38 @@ class Worker:
         artifact.validate()
         self.architecture = arch = artifact.architecture
         self.max_model_len = self._max_model_len(config, arch.max_position_embeddings)
-        self.dtype = _DTYPES[config.dtype]
         self.backend = resolve_backend(config.backend)
+        self.formats = formats = StepFormats.resolve(config, self.backend, artifact.quantization)
         kv_shape = KVCacheShape.from_budget(
-            arch, config.cache.block_size, config.cache.kv_memory_bytes, self.dtype
+            arch, config.cache.block_size, config.cache.kv_memory_bytes, formats.kv_cache
         )
-        weights_format = resolve_weight_format(
-            config.weights, config.quantize, artifact.quantization
-        )
-        if self.backend != "torch" or os.environ.get("KVMESH_TORCH_DEVICE", "cpu") != "cpu":
-            weights_format = config.dtype  # packed weights are CPU kernels' formats
-        load_dtype = torch.float32 if weights_format == "packed" else self.dtype
+        load_dtype = torch.float32 if formats.weights == "packed" else formats.activations
         # Weights (packed ones come from a float32 copy, the peak), the KV budget and a step's
         # workspace: checked before any is allocated, not found short while others serve.
         limits = config.scheduler
         check_memory_fits(
             {
                 "weights": arch.num_parameters * load_dtype.itemsize,
-                "KV cache": kv_shape.num_bytes(self.dtype.itemsize),
+                "KV cache": kv_shape.num_bytes(formats.kv_cache.itemsize),
                 "step workspace": arch.step_workspace_bytes(
-                    limits.max_num_batched_tokens, limits.max_sampled_rows, self.dtype.itemsize
+                    limits.max_num_batched_tokens,
+                    limits.max_sampled_rows,
+                    formats.activations.itemsize,
                 ),
             },
             self.backend,
         )
         weights = ModelWeights.build(arch, artifact.load, load_dtype)
         num_parameters, runner_module = weights.num_parameters, BACKENDS[self.backend]
-        packed = weights_format == "packed"  # torch only: a Q4 file's 4-bit groups if fast
+        packed = formats.weights == "packed"  # torch only: a Q4 file's 4-bit groups if fast
         int4 = {"int4": int4_source(artifact, config.quantize)} if packed else {}
         self.runner = importlib.import_module(runner_module).Runner(
             arch,
             weights,
             kv_shape,
             self.max_model_len,
-            self.dtype,
-            dataclasses.replace(config, weights=weights_format),
+            formats.activations,
+            formats.runner_config(config),
             **int4,
         )
         del weights  # the runner keeps what it needs, in its own format
@@ -115,12 +110,13 @@ class Worker:
             num_parameters=num_parameters,
             dtype=config.dtype,
             quantization=artifact.quantization,
-            weights=weights_format,
+            weights=formats.weights,
             weights_resident_bytes=self.runner.weights_resident_bytes,
             compiled=getattr(self.runner, "compiled", None) is not None,
             backend=self.backend,
             max_model_len=self.max_model_len,
-            kv_bytes_per_token=arch.kv_bytes_per_token(self.dtype.itemsize),
+            kv_cache_dtype=dtype_name(formats.kv_cache),
+            kv_bytes_per_token=arch.kv_bytes_per_token(formats.kv_cache.itemsize),
             kv_block_size=kv_shape.block_size,
             kv_blocks=kv_shape.num_blocks,
             kv_cache_bytes=self.runner.kv_cache_bytes,

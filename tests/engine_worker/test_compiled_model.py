@@ -57,8 +57,21 @@ def graphs_compiled() -> int:
 
 
 def test_compile_is_off_where_asked_and_for_float_weights(default_model_path: str) -> None:
-    assert load(None, "off").worker.runner.compiled is None
-    assert load(None, "auto", weights="float32").worker.runner.compiled is None
+    for engine in (load(None, "off"), load(None, "auto", weights="float32")):
+        assert engine.worker.runner.compiled is None
+        assert engine.manifest["kv_cache_dtype"] == "float32"  # what the eager step reads
+
+
+def test_the_compiled_step_keeps_a_float16_pool(compiled: Engine) -> None:
+    """Half the bytes per token (auto, kv_cache.kv_cache_dtype); this module's parity,
+    perplexity and row-exactness tests all run on it."""
+    manifest, arch = compiled.manifest, compiled.worker.architecture
+    assert manifest["kv_cache_dtype"] == "float16"
+    assert manifest["kv_bytes_per_token"] == arch.kv_bytes_per_token(2)
+    pool = compiled.worker.runner.kv_cache
+    assert {t.dtype for t in (*pool.keys, *pool.values)} == {torch.float16}
+    # The same 128 MiB budget holds twice the blocks a float32 pool would.
+    assert manifest["kv_blocks"] == (128 << 20) // (arch.kv_bytes_per_token(2) * 16)
 
 
 def test_without_a_cpp_compiler_auto_runs_eager(
@@ -68,6 +81,7 @@ def test_without_a_cpp_compiler_auto_runs_eager(
     monkeypatch.setattr(compiled_model, "has_cpp_compiler", lambda: False)
     engine = load(None, "auto")
     assert engine.worker.runner.compiled is None and not engine.manifest["compiled"]
+    assert engine.manifest["kv_cache_dtype"] == "float32"  # auto: what the eager step reads
     assert len(engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
 
 
