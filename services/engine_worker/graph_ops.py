@@ -21,7 +21,7 @@ import weakref
 import torch
 
 from services.engine_worker.attention import PrefillSegment, _prefill
-from services.engine_worker.linear import Int8Linear
+from services.engine_worker.linear import LINEAR_DYNAMIC, Int8Linear
 
 _OPS = torch.library.Library("kvmesh", "DEF")
 _OPS.define(
@@ -89,11 +89,8 @@ def int8_projection(handle: torch.Tensor) -> Int8Linear:
     return projection
 
 
-_LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default
-
-
 def _int8_rows(rows: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
-    return _LINEAR_DYNAMIC(rows, int8_projection(handle)._packed, True)
+    return LINEAR_DYNAMIC(rows, int8_projection(handle)._packed, True)
 
 
 _OPS.impl("int8_rows", _int8_rows, "CPU")
