@@ -131,7 +131,7 @@ class EngineConfig:
 
     model: str | None = None  # GGUF file or HF directory; None = the default model
     backend: str = "torch"
-    dtype: str = "float32"  # activations and the KV cache
+    dtype: str = "float32"  # activations (and the KV cache, unless cache.dtype says otherwise)
     weights: str = "auto"  # auto or one of WEIGHT_FORMATS (linear.py)
     quantize: str | None = None  # int8 | int4: quantize a float checkpoint's projections at load
     max_model_len: int | None = None  # None = the model's own context length

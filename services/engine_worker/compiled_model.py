@@ -223,7 +223,7 @@ def _graph(
         prefilled = torch.ops.kvmesh.cache_and_prefill(
             k_cache,
             v_cache,
-            k.to(k_cache.dtype),  # float16 by default: converted in the kernel before
+            k.to(k_cache.dtype),  # float16 by default: the rotary kernel converts it
             v.to(v_cache.dtype),
             key_write,
             value_write,

@@ -159,9 +159,7 @@ class Int8Linear:
         return ((both[:count] + both[count:] * residual_max) * row_max).to(x.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.product(
-            x, lambda rows: LINEAR_DYNAMIC(rows, self._packed, True)
-        )
+        out = self.product(x, lambda rows: LINEAR_DYNAMIC(rows, self._packed, True))
         return out if self.bias is None else out + self.bias
 
     @property

@@ -55,7 +55,7 @@ class Worker:
         self.architecture = arch = artifact.architecture
         self.max_model_len = self._max_model_len(config, arch.max_position_embeddings)
         self.backend = resolve_backend(config.backend)
-        self.formats = formats = StepFormats.resolve(config, self.backend, artifact.quantization)
+        formats = StepFormats.resolve(config, self.backend, artifact.quantization)
         kv_shape = KVCacheShape.from_budget(
             arch, config.cache.block_size, config.cache.kv_memory_bytes, formats.kv_cache
         )
