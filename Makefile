@@ -38,6 +38,7 @@ test-multihost: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
 
