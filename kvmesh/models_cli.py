@@ -7,6 +7,7 @@ import dataclasses
 import os
 import sys
 
+from shared.config import KV_CACHE_DTYPES
 from shared.errors import KvmeshError, Reason
 from shared.flags import env_default
 from shared.model_entry import ModelEntry, ServingConfig, WarmupFixture, write_entry
@@ -31,6 +32,7 @@ def add_models_parser(commands: argparse._SubParsersAction) -> None:
     serving.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     serving.add_argument("--max-model-len", type=int)
     serving.add_argument("--kv-memory", help="KV cache budget, e.g. 512MiB")
+    serving.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES))
     serving.add_argument("--block-size", type=int)
     serving.add_argument("--max-batched-tokens", type=int)
     serving.add_argument("--chunk-size", type=int)
@@ -86,6 +88,7 @@ def add_entry(repository: ModelRepository, args: argparse.Namespace) -> ModelEnt
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_memory=args.kv_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         max_batched_tokens=args.max_batched_tokens,
         chunk_size=args.chunk_size,
@@ -127,10 +130,14 @@ def record_fixtures(entry: ModelEntry, prompts: list[str], num_tokens: int) -> M
             model=entry.directory,
             backend=serving.backend or "auto",
             dtype=serving.dtype or "float32",
+            # The formats the entry will serve in: a fixture's tokens are exact for those only.
+            weights=serving.weights or "auto",
+            quantize=serving.quantize,
             max_model_len=serving.max_model_len,
             cache=CacheConfig(
                 block_size=serving.block_size or 16,
                 kv_memory_bytes=parse_bytes(serving.kv_memory or "256MiB"),
+                dtype=serving.kv_cache_dtype or "auto",
             ),
         )
     )

@@ -57,6 +57,7 @@ class ServingConfig:
     quantize: str | None = None  # int8 | int4
     max_model_len: int | None = None
     kv_memory: str | None = None
+    kv_cache_dtype: str | None = None  # auto or one of shared.config.KV_CACHE_DTYPES
     block_size: int | None = None
     max_batched_tokens: int | None = None
     chunk_size: int | None = None
@@ -69,6 +70,7 @@ class ServingConfig:
             ("--quantize", self.quantize),
             ("--max-model-len", self.max_model_len),
             ("--kv-memory", self.kv_memory),
+            ("--kv-cache-dtype", self.kv_cache_dtype),
             ("--block-size", self.block_size),
         )
 

@@ -183,7 +183,9 @@ def test_up_with_a_repository_alone_serves_every_model(tmp_path, tiny_llama_dir:
 
 
 def test_an_entry_names_its_weight_format_for_the_worker() -> None:
-    serving = ServingConfig(weights="packed", quantize="int8", dtype="float32")
+    serving = ServingConfig(
+        weights="packed", quantize="int8", dtype="float32", kv_cache_dtype="float32"
+    )
     assert serving.worker_args() == [
         "--dtype",
         "float32",
@@ -191,4 +193,6 @@ def test_an_entry_names_its_weight_format_for_the_worker() -> None:
         "packed",
         "--quantize",
         "int8",
+        "--kv-cache-dtype",
+        "float32",
     ]
