@@ -8,6 +8,8 @@ import os
 import pytest
 
 from kvmesh.cli import main
+from kvmesh.models_cli import record_fixtures
+from services.engine_worker import worker as worker_module
 from services.engine_worker.worker import Worker
 from shared.config import CacheConfig, EngineConfig
 from shared.errors import KvmeshError, ModelValidationError, Reason
@@ -143,6 +145,28 @@ def test_models_cli_adds_with_fixtures_and_lists(tmp_path, default_model_path: s
     assert main(["models", "--repo", repo, "list"]) == 0
     listing = capsys.readouterr().out
     assert "smollm2@1" in listing and "1 fixture(s)" in listing and "aliases: default" in listing
+
+
+def test_fixtures_are_recorded_in_the_formats_the_entry_serves_in(
+    tmp_path, default_model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fixture's tokens are exact only for the formats it was recorded in: an entry that
+    serves float32 weights must not get fixtures recorded from the file's packed default."""
+    serving = ServingConfig(weights="float32", kv_cache_dtype="float32", kv_memory="64MiB")
+    entry = ModelRepository(str(tmp_path / "repo")).add(
+        "smollm2", default_model_path, serving=serving
+    )
+    loaded: list[Worker] = []
+    monkeypatch.setattr(
+        worker_module, "Worker", lambda config: loaded.append(Worker(config)) or loaded[-1]
+    )
+    recorded = record_fixtures(entry, ["The capital of France"], 3)
+    assert [w.manifest.weights for w in loaded] == ["float32"]
+    assert loaded[0].manifest.kv_cache_dtype == "float32"
+    serving_worker = Worker(
+        dataclasses.replace(_config(recorded.directory, 64 << 20), weights="float32")
+    )  # checks the fixture at warm-up, in the formats it serves in
+    assert serving_worker.manifest.weights == "float32"
 
 
 def test_a_bad_default_sampling_is_refused_when_the_entry_is_read(
