@@ -235,11 +235,12 @@ def _graph(
         )
         # Decode rows: scores (B, blocks, kv_heads, group, slot), reduced over D in place.
         q_rows = (q.narrow(0, 0, decodes) * scale).view(decodes, 1, kv_heads, group, dim, 1)
-        k_rows = k_cache[batch.decode_table].view(decodes, num_blocks, kv_heads, 1, dim, block)
-        scores = (q_rows * k_rows.to(x.dtype)).sum(4).masked_fill(outside, float("-inf"))
+        k_rows = k_cache[batch.decode_table].to(x.dtype)
+        k_rows = k_rows.view(decodes, num_blocks, kv_heads, 1, dim, block)
+        scores = (q_rows * k_rows).sum(4).masked_fill(outside, float("-inf"))
         probs = torch.exp(scores - scores.amax(dim=(1, 4), keepdim=True))
-        v_rows = v_cache[batch.decode_table].view(decodes, num_blocks, kv_heads, 1, block, dim)
-        v_rows = v_rows.to(x.dtype)
+        v_rows = v_cache[batch.decode_table].to(x.dtype)
+        v_rows = v_rows.view(decodes, num_blocks, kv_heads, 1, block, dim)
         weighted = (probs.unsqueeze(-1) * v_rows).sum(dim=(1, 4))  # (B, kv_heads, group, D)
         decoded = weighted / probs.sum(dim=(1, 4)).unsqueeze(-1)
         width = heads * dim

@@ -15,7 +15,7 @@ from services.engine_worker.kv_cache import kv_cache_dtype
 from services.engine_worker.torch_weights import resolve_weight_format
 from shared.config import EngineConfig
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -32,12 +32,12 @@ class StepFormats:
     @staticmethod
     def resolve(config: EngineConfig, backend: str, quantization: str) -> StepFormats:
         """`quantization`: the artifact's tensor types, e.g. "F32+Q4_1+Q8_0"."""
-        activations = _DTYPES[config.dtype]
+        activations = DTYPES[config.dtype]
         weights = resolve_weight_format(config.weights, config.quantize, quantization)
         if backend != "torch" or os.environ.get("KVMESH_TORCH_DEVICE", "cpu") != "cpu":
             weights = config.dtype  # packed weights are CPU kernels' formats
         compiled = weights == "packed" and config.compile == "auto" and compiler_available()
-        requested = None if config.cache.dtype == "auto" else _DTYPES[config.cache.dtype]
+        requested = None if config.cache.dtype == "auto" else DTYPES[config.cache.dtype]
         return StepFormats(
             activations, weights, compiled, kv_cache_dtype(requested, activations, compiled)
         )

@@ -21,6 +21,7 @@ from services.engine_worker.compiled_model import (
 )
 from services.engine_worker.kv_cache import KVCache, KVCacheShape
 from services.engine_worker.model import CausalLM
+from services.engine_worker.step_formats import DTYPES
 from services.engine_worker.step_inputs import RequestState, flatten, unique_states
 from services.engine_worker.torch_weights import Int4Source, TorchWeights
 from services.engine_worker.verification import sample_and_verify
@@ -50,12 +51,12 @@ class Runner:
         self.model.cos, self.model.signed_sin = (
             t.to(self.device) for t in (self.model.cos, self.model.signed_sin)
         )
-        # The worker resolved both: compile is auto only where the step compiles here, and the
-        # pool's dtype differs from the activations' only then (kv_cache.kv_cache_dtype).
-        kv_dtype = getattr(torch, config.cache.dtype)
+        # The worker resolved both (step_formats.py): compile is auto only for a packed model on
+        # the CPU with a compiler, and only then may the pool's dtype differ from the activations'.
+        kv_dtype = DTYPES[config.cache.dtype]
         self.kv_cache = KVCache(kv_shape, kv_dtype, str(self.device))
         self.compiled = None
-        if config.compile == "auto" and self.device.type == "cpu" and can_compile(torch_weights):
+        if config.compile == "auto" and can_compile(torch_weights):
             self.compiled = CompiledCausalLM(self.model, self.kv_cache)
         if self.compiled is None and kv_dtype != dtype:
             raise ValueError(f"a {kv_dtype} KV cache needs the compiled step")
