@@ -1,40 +1,37 @@
-"""A packed model's whole forward as one TorchInductor graph: the CPU decode step without
-per-op overhead.
+"""A packed model's whole forward as a TorchInductor graph: the CPU step without per-op
+overhead.
 
 At batch 1 the eager forward makes ~7,100 torch calls a step for ~3.3 ms of 4-bit GEMMs in a
-10.6 ms step: the rest is dispatch and tiny kernels (README, "One compiled graph per step").
-Compiled, every elementwise op, norm and the decode attention of a layer fuse into a few C++
-loops, and the 4-bit GEMMs are the same extern calls as in eager mode. Where projections are
-int8 rows (AVX2 CPUs), the graph fuses their two-level input quantization (`Int8Linear.
-product`, eager the costliest part of a batch-1 projection) into those loops and calls
-fbgemm's GEMM through `kvmesh::int8_rows` (graph_ops.py).
+10.6 ms step (README, "One compiled graph per step"). Compiled, every elementwise op, norm and
+the decode attention of a layer fuse into a few C++ loops around the same 4-bit GEMM calls.
+Where projections are int8 rows (AVX2 CPUs), their two-level input quantization (`Int8Linear.
+product`) fuses into those loops and fbgemm's GEMM runs behind `kvmesh::int8_rows`.
 
-One graph serves every step: the token count, decode rows, blocks per row and prefill segments
-are dynamic dimensions, and `backed_size_oblivious` keeps sizes 0 and 1 from getting graphs of
-their own, so a row is computed by the same kernels whether it is decoded alone or beside 31
-others, a draft or a recompute (row-exact, as `step_inputs.flatten` needs; tested). Weights
-and the KV cache are the graph's inputs, not constants: engines of the same shape in one
-process share the compiled code. Prefill attention stays eager behind a custom op (SDPA per
-chunk, `attention._prefill`), so prefix-cached prefills keep a cold prefill's bits.
+Two graphs, one for steps with prefill rows and one for decode-only steps, serve every step:
+the token count, decode rows, blocks per row and prefill segments are dynamic dimensions, and
+`backed_size_oblivious` keeps sizes 0 and 1 from graphs of their own, so a row is computed by
+the same kernels decoded alone or beside 31 others, a draft or a recompute (row-exact, as
+`step_inputs.flatten` needs; tested). Where the CPU has bfloat16 GEMMs, 4-bit projections run
+prefill rows as one over the weight dequantized for the step (`kvmesh::int4_rows`); the
+decode-only graph has no such call. Weights and the KV cache are inputs, not constants: engines
+of one shape in a process share the code. Prefill attention stays eager behind
+`kvmesh::cache_and_prefill` (SDPA per chunk), so prefix-cached prefills keep cold bits.
 
 Decode attention reads each (row, block) of K and V once, straight from the pool through the
-block table: the gather, both products, the mask and the softmax fuse into loops over the
-block's 16 positions (one AVX-512 vector of float32). A row's sums run over its padded block
-table in position order; the padding contributes exact zeros, so a row's bits do not depend on
-the longest row beside it. The pool is float16 unless asked otherwise (kv_cache.kv_cache_dtype):
-K and V convert where the kernels write and read them.
+block table: gather, both products, mask and softmax fuse into loops over a block's 16
+positions. A row's sums run over its padded block table in position order (padding adds exact
+zeros: the longest row beside it changes nothing). The pool is float16 unless asked otherwise
+(kv_cache.kv_cache_dtype): K and V convert where the kernels write and read them.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
-from torch._inductor import cpp_builder
 
 from services.engine_worker import graph_ops  # registers the kvmesh:: ops the graph calls
 from services.engine_worker.architecture import ModelArchitecture
@@ -44,8 +41,6 @@ from services.engine_worker.linear import Int4Linear, Int8Linear
 from services.engine_worker.model import CausalLM
 from services.engine_worker.step_inputs import FlatBatch
 from services.engine_worker.torch_weights import Int8Embedding, TorchWeights
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -110,24 +105,6 @@ class GraphBatch:
         torch._dynamo.mark_dynamic(self.prefill_blocks, 1)
 
 
-def has_cpp_compiler() -> bool:
-    """Inductor builds its kernels with a C++ compiler at run time (a slim image has none)."""
-    try:
-        cpp_builder.get_cpp_compiler()
-    except Exception:  # inductor's own error type for it has moved between torch versions
-        return False
-    return True
-
-
-def compiler_available() -> bool:
-    """Whether the step can compile here; without a C++ compiler it runs eager, with a
-    warning."""
-    if has_cpp_compiler():
-        return True
-    log.warning("no C++ compiler (g++) for the compiled step: the model runs eager")
-    return False
-
-
 def can_compile(weights: TorchWeights) -> bool:
     """The graph is written for packed projections (4-bit groups, or int8 rows where the 4-bit
     kernel is slow) and int8 embedding rows."""
@@ -140,10 +117,12 @@ def can_compile(weights: TorchWeights) -> bool:
 
 
 class Int4Parts(NamedTuple):
-    """An `Int4Linear` as the graph takes it."""
+    """An `Int4Linear` as the graph takes it; `dense` where prefill rows run as a bfloat16 GEMM
+    (graph_ops.int4_rows)."""
 
     packed: torch.Tensor
     scale_zero: torch.Tensor
+    dense: tuple[torch.Tensor, torch.Tensor] | None
     bias: torch.Tensor | None
 
 
@@ -162,14 +141,23 @@ LayerParts = tuple[
 ]
 
 
-def _project(x: torch.Tensor, parts: ProjectionParts) -> torch.Tensor:
+def _project(
+    x: torch.Tensor, parts: ProjectionParts, decodes: int, prefilling: bool
+) -> torch.Tensor:
+    """x: the step's rows, its `decodes` decode rows first; `prefilling`: whether any follow."""
     if isinstance(parts, Int8Parts):  # fixed per graph: no branch at run time
         handle, out_features = parts.handle, parts.out_features
         out = Int8Linear.product(
             x, lambda rows: torch.ops.kvmesh.int8_rows(rows, handle, out_features)
         )
-    else:
+    elif parts.dense is None or not prefilling:
         out = Int4Linear.product(x, parts.packed, parts.scale_zero)
+    else:  # as `product`, prefill rows dense (a prompt token is always one: step_inputs.flatten)
+        rows = x.to(Int4Linear.ACTIVATIONS)
+        out = torch.ops.kvmesh.int4_rows(
+            rows, decodes, parts.packed, parts.scale_zero, *parts.dense
+        )
+        out = out.to(x.dtype)
     return out if parts.bias is None else out + parts.bias
 
 
@@ -178,13 +166,16 @@ def _projection_parts(projection: object) -> ProjectionParts:
         handle = graph_ops.int8_handle(projection)
         return Int8Parts(handle, projection.out_features, projection.bias)
     assert isinstance(projection, Int4Linear)
-    return Int4Parts(projection._packed, projection._scale_zero, projection.bias)
+    return Int4Parts(
+        projection._packed, projection._scale_zero, projection.dense_parts, projection.bias
+    )
 
 
 def _graph(
     arch: ModelArchitecture,
     scale: float,
     by_block: bool,
+    prefilling: bool,
     batch: GraphBatch,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
@@ -197,7 +188,7 @@ def _graph(
 ) -> torch.Tensor:
     """The forward up to the final norm of the sampled rows: (R, hidden)."""
     heads, kv_heads, dim, eps = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps
-    group, hidden, qk_size = heads // kv_heads, (arch.hidden_size,), arch.q_size + arch.kv_size
+    group, hidden = heads // kv_heads, (arch.hidden_size,)
     decodes, prefills = batch.decode_rows[0].shape[0], batch.prefill_rows[0].shape[0]
     tokens = decodes + prefills
     input_ids, positions, write_blocks = (
@@ -213,12 +204,12 @@ def _graph(
     x = F.embedding(input_ids, embed_rows).float() * F.embedding(input_ids, embed_scale)
     for k_cache, v_cache, layer in zip(keys, values, layers, strict=True):
         in_norm, post_norm, qkv_proj, o_proj, gate_up, down = layer
-        qkv = _project(F.rms_norm(x, hidden, in_norm, eps), qkv_proj)
+        qkv = _project(F.rms_norm(x, hidden, in_norm, eps), qkv_proj, decodes, prefilling)
         # Q and K heads side by side, rotated in one pass (swapping halves is roll by D/2).
-        qk = qkv[:, :qk_size].view(tokens, -1, dim)
+        # Rows viewed whole, then sliced: a view of a column slice guards tokens != 1.
+        qk, v = qkv.view(tokens, -1, dim).split((heads + kv_heads, kv_heads), dim=1)
         qk = qk * cos + torch.cat((qk[..., dim // 2 :], qk[..., : dim // 2]), -1) * sin
         q, k = qk[:, :heads], qk[:, heads:]
-        v = qkv[:, qk_size:].view(tokens, kv_heads, dim)
         # The write first: decode rows read their own new K/V through their tables.
         prefilled = torch.ops.kvmesh.cache_and_prefill(
             k_cache,
@@ -245,9 +236,10 @@ def _graph(
         decoded = weighted / probs.sum(dim=(1, 4)).unsqueeze(-1)
         width = heads * dim
         attn = torch.cat((decoded.reshape(decodes, width), prefilled.reshape(prefills, width)))
-        x = x + _project(attn, o_proj)
-        gate, up = _project(F.rms_norm(x, hidden, post_norm, eps), gate_up).chunk(2, dim=-1)
-        x = x + _project(F.silu(gate) * up, down)
+        x = x + _project(attn, o_proj, decodes, prefilling)
+        normed = F.rms_norm(x, hidden, post_norm, eps)
+        gate, up = _project(normed, gate_up, decodes, prefilling).chunk(2, dim=-1)
+        x = x + _project(F.silu(gate) * up, down, decodes, prefilling)
     return F.rms_norm(x.index_select(0, batch.sample_rows), hidden, final_norm, eps)
 
 
@@ -288,6 +280,7 @@ class CompiledCausalLM:
                 model.arch,
                 model.scale,
                 model._exact_over_cache,
+                batch.prefill_rows[0].shape[0] > 0,  # a graph with prefill rows, one without
                 batch,
                 self._keys,
                 self._values,

@@ -12,6 +12,13 @@ GEMM on the rows `Int8Linear.product` makes, which the graph traces and fuses (e
 cost more than the GEMM itself at batch 1). fbgemm's packed weight is a TorchScript object
 that dynamo cannot take as an input, so the graph passes a handle tensor instead, which names
 the projection here.
+
+`kvmesh::int4_rows`, one a 4-bit projection in the graph of steps with prefill rows, where the
+CPU has bfloat16 GEMMs: the decode rows through the 4-bit kernel, as in the decode-only graph,
+and the prefill rows as one bfloat16 GEMM over `Int4Linear.dense_weight`, which is compiled on
+its own (one fused loop unpacks the weight; eager, its ops took 10x as long). In the graph, the
+weight would be dequantized every step; as the one op in place of the kernel, the loops around
+it are the decode-only graph's, and a decode row's bits the same in both.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ import weakref
 import torch
 
 from services.engine_worker.attention import PrefillSegment, _prefill
-from services.engine_worker.linear import LINEAR_DYNAMIC, Int8Linear
+from services.engine_worker.int4_groups import GROUP
+from services.engine_worker.linear import LINEAR_DYNAMIC, Int4Linear, Int8Linear
 
 _OPS = torch.library.Library("kvmesh", "DEF")
 _OPS.define(
@@ -52,7 +60,9 @@ def _cache_and_prefill(
     out = torch.empty_like(q)
     for (row, rows, context), table in zip(segments.tolist(), blocks, strict=True):
         start = context - rows
-        mask = torch.arange(context)[None, :] <= torch.arange(start, context)[:, None]
+        allowed = torch.arange(context)[None, :] <= torch.arange(start, context)[:, None]
+        # Additive: given a boolean one, SDPA makes this one again per 16-row piece (two `where`s).
+        mask = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
         segment = PrefillSegment(row, rows, context, table[: -(-context // k_cache.shape[3])], mask)
         out[row : row + rows] = _prefill(
             q[row : row + rows], k_cache, v_cache, segment, scale, by_block
@@ -99,3 +109,42 @@ _OPS.impl("int8_rows", _int8_rows, "CPU")
 @torch.library.register_fake("kvmesh::int8_rows")
 def _(rows, handle, out_features):
     return rows.new_empty((rows.shape[0], out_features))
+
+
+_OPS.define(
+    "int4_rows(Tensor rows, SymInt decodes, Tensor packed, Tensor scale_zero, Tensor scale, "
+    "Tensor zero) -> Tensor"
+)
+# One graph per weight shape, compiled at warm-up (its prefill rows reach every projection);
+# with dynamic sizes its loop ran 1.8x longer.
+_DENSE_WEIGHT = torch.compile(Int4Linear.dense_weight, dynamic=False)
+
+
+def _int4_rows(
+    rows: torch.Tensor,
+    decodes: int,
+    packed: torch.Tensor,
+    scale_zero: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+) -> torch.Tensor:
+    """rows (T, in) bfloat16, its `decodes` decode rows first -> (T, out) bfloat16."""
+    out = rows.new_empty((rows.shape[0], packed.shape[0]))
+    if decodes:
+        decoded = torch._weight_int4pack_mm_for_cpu(rows[:decodes], packed, GROUP, scale_zero)
+        out[:decodes] = decoded
+    prefill = rows[decodes:]
+    if prefill.shape[0] == 1:  # oneDNN's one-row GEMM sums in another order (at 1,536 inputs)
+        prefill = torch.cat((prefill, torch.zeros_like(prefill)))
+    if prefill.shape[0]:
+        dense = torch.mm(prefill, _DENSE_WEIGHT(packed, scale, zero))
+        out[decodes:] = dense[: rows.shape[0] - decodes]
+    return out
+
+
+_OPS.impl("int4_rows", _int4_rows, "CPU")
+
+
+@torch.library.register_fake("kvmesh::int4_rows")
+def _(rows, decodes, packed, *rest):
+    return rows.new_empty((rows.shape[0], packed.shape[0]))

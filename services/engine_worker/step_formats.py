@@ -5,21 +5,42 @@ pool's element type. The worker sizes its memory from these and hands them to it
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
+from torch._inductor import cpp_builder
 
-from services.engine_worker.compiled_model import compiler_available
 from services.engine_worker.kv_cache import kv_cache_dtype
 from services.engine_worker.torch_weights import resolve_weight_format
 from shared.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def has_cpp_compiler() -> bool:
+    """Inductor builds its kernels with a C++ compiler at run time (a slim image has none)."""
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception:  # inductor's own error type for it has moved between torch versions
+        return False
+    return True
+
+
+def compiler_available() -> bool:
+    """Whether the step can compile here; without a C++ compiler it runs eager, with a
+    warning."""
+    if has_cpp_compiler():
+        return True
+    log.warning("no C++ compiler (g++) for the compiled step: the model runs eager")
+    return False
 
 
 @dataclass(frozen=True)

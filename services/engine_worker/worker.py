@@ -162,6 +162,9 @@ class Worker:
         prefill = RequestState("warmup-prefill", tokens, [0, 1], 0, params, len(tokens))
         decode = RequestState("warmup-decode", tokens[:2], [0], 1, params, 1)
         self._run_scratch([(decode, 1), (prefill, len(tokens))])
+        # And a decode-only step: the compiled step has a graph for those too.
+        decode = RequestState("warmup-decode-alone", tokens[:2], [0], 1, params, 1)
+        self._run_scratch([(decode, 1)])
 
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         """Greedy tokens (EOS included) on scratch blocks: how warm-up fixtures are checked."""

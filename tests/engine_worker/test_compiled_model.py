@@ -1,7 +1,8 @@
-"""The packed model's compiled graph (compiled_model.py), on the default model and a random
-Qwen2 (q/k/v biases) quantized at load: one graph for every kind of step, greedy output against
-float32 by the near-tie rule, and the row-exactness the eager packed path has: a row's bits do
-not depend on its batch, on a cached prefix, or on drafts verified beside it.
+"""The packed model's compiled graphs (compiled_model.py), on the default model and a random
+Qwen2 (q/k/v biases) quantized at load: the graphs warm-up compiles (one for steps with prefill
+rows, one without) serve every kind of step, greedy output against float32 by the near-tie
+rule, and the row-exactness the eager packed path has: a row's bits do not depend on its batch,
+on a cached prefix, or on drafts verified beside it.
 
 The default model's projections run as 4-bit groups on AVX-512 CPUs and as int8 rows
 (fbgemm, through `kvmesh::int8_rows`) on AVX2 ones; the Qwen2 test runs both forms on any CPU
@@ -16,9 +17,14 @@ import torch
 
 from kvmesh.engine import Engine
 from loadtest.perplexity import SHIPPED_TEXT, perplexity, text_token_ids
-from services.engine_worker import compiled_model
+from services.engine_worker import compiled_model, graph_ops, step_formats
 from services.engine_worker.graph_ops import int8_handle, int8_projection
-from services.engine_worker.linear import Int4Linear, Int8Linear, int4_kernel_is_fast
+from services.engine_worker.linear import (
+    Int4Linear,
+    Int8Linear,
+    dense_prefill_is_fast,
+    int4_kernel_is_fast,
+)
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig
 from shared.sampling import SamplingParams
 from tests.engine_worker.parity import QUESTIONS, compare
@@ -27,7 +33,7 @@ from tests.engine_worker.test_speculative import COPY_PROMPT, run, speculating
 from tests.engine_worker.test_weight_formats import greedy_runs
 
 pytestmark = pytest.mark.skipif(
-    not compiled_model.has_cpp_compiler(), reason="inductor needs a C++ compiler"
+    not step_formats.has_cpp_compiler(), reason="inductor needs a C++ compiler"
 )
 # Prompts arrive over several steps, prefill chunks share steps with decodes.
 BATCHING = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4, prefill_chunk_size=16)
@@ -52,8 +58,9 @@ def compiled(default_model_path: str) -> Iterator[Engine]:
 
 
 def graphs_compiled() -> int:
-    code = compiled_model._graph.__code__
-    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+    """The step's graphs and the dense prefill weight's (graph_ops.int4_rows)."""
+    codes = (compiled_model._graph.__code__, Int4Linear.dense_weight.__func__.__code__)
+    return sum(len(torch._dynamo.eval_frame._debug_get_cache_entry_list(c)) for c in codes)
 
 
 def test_compile_is_off_where_asked_and_for_float_weights(default_model_path: str) -> None:
@@ -78,7 +85,7 @@ def test_without_a_cpp_compiler_auto_runs_eager(
     default_model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A slim image has no g++: inductor could not build the graph, so warm-up must not try."""
-    monkeypatch.setattr(compiled_model, "has_cpp_compiler", lambda: False)
+    monkeypatch.setattr(step_formats, "has_cpp_compiler", lambda: False)
     engine = load(None, "auto")
     assert engine.worker.runner.compiled is None and not engine.manifest["compiled"]
     assert engine.manifest["kv_cache_dtype"] == "float32"  # auto: what the eager step reads
@@ -136,10 +143,30 @@ def test_perplexity_within_one_percent_of_float32(compiled: Engine) -> None:
     assert values["compiled"] / values["float32"] < 1.01
 
 
-def test_one_graph_serves_every_kind_of_step(compiled: Engine) -> None:
+@pytest.mark.skipif(not dense_prefill_is_fast(), reason="no bfloat16 GEMMs in hardware")
+def test_prefill_rows_run_as_a_dense_gemm_and_decode_steps_dequantize_nothing(
+    compiled: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 40-token prompt in 16-token chunks: three prefill steps dequantize each projection
+    once; the decode steps after them run the 4-bit kernel alone."""
+    dequantized: list[tuple[int, ...]] = []
+
+    def counting(packed: torch.Tensor, *pair: torch.Tensor) -> torch.Tensor:
+        dequantized.append(tuple(packed.shape))
+        return Int4Linear.dense_weight(packed, *pair)
+
+    monkeypatch.setattr(graph_ops, "_DENSE_WEIGHT", counting)
+    prompt = [(37 * i) % 20000 + 100 for i in range(40)]
+    compiled.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    layers = compiled.worker.architecture.num_layers
+    assert len(dequantized) == 3 * 4 * layers  # qkv, o, gate_up, down
+
+
+def test_the_graphs_warm_up_compiled_serve_every_kind_of_step(compiled: Engine) -> None:
     """After prefill-only, decode-only and mixed steps of 1 to 4 rows and any block count (the
-    tests above ran on this engine): no graph more than its warm-up compiled, and another engine
-    of the model, with another KV budget, reuses it."""
+    tests above ran on this engine): no graph more than its warm-up compiled (the step's two and
+    the dense prefill weight's, one a projection shape), and another engine of the model, with
+    another KV budget, reuses them."""
     assert graphs_compiled() == GRAPHS_AT_START[0]
     other = Engine(EngineConfig(compile="auto", cache=CacheConfig(kv_memory_bytes=40 << 20)))
     other.generate([[5, 6, 7]], SamplingParams(max_tokens=3))

@@ -9,10 +9,15 @@ import pytest
 import torch
 
 from kvmesh.engine import Engine
-from services.engine_worker import torch_weights
+from services.engine_worker import graph_ops, torch_weights  # noqa: F401 (kvmesh:: ops)
 from services.engine_worker.gguf_artifact import GGUFArtifact
 from services.engine_worker.int4_groups import Int4Groups
-from services.engine_worker.linear import Int4Linear, Int8Linear, int4_kernel_is_fast
+from services.engine_worker.linear import (
+    Int4Linear,
+    Int8Linear,
+    dense_prefill_is_fast,
+    int4_kernel_is_fast,
+)
 from services.engine_worker.torch_weights import resolve_weight_format
 from shared.config import CacheConfig, EngineConfig
 from shared.flags import add_scheduler_flags, add_worker_flags, engine_config
@@ -91,6 +96,47 @@ def test_an_int4_projection_computes_its_dequantized_weight() -> None:
     # What is left is the kernel's float32 summation order and its bfloat16 output.
     assert ((out - reference).norm() / reference.norm()).item() < 0.01
     assert ((reference - x @ groups.dequantized().t()).norm() / reference.norm()).item() < 0.01
+
+
+@needs_int4_kernel
+@pytest.mark.parametrize("out_features", [64, 80, 96, 176, 576])  # 64-row blocks, a last smaller
+def test_the_dense_weight_unpacks_the_kernels_own_packing(out_features: int) -> None:
+    """Prefill rows multiply `dense_weight`, unpacked from the 4-bit kernel's packing: it must
+    be the weight that kernel computes with, each value rounded to bfloat16."""
+    torch.manual_seed(out_features)
+    groups = Int4Groups.quantize(torch.randn(out_features, 128) * 0.02)
+    projection = Int4Linear(groups)
+    scale, zero = projection._scale_zero.unbind(-1)
+    dense = Int4Linear.dense_weight(projection._packed, scale.contiguous(), zero.contiguous())
+    assert dense.dtype == torch.bfloat16 and dense.shape == (128, out_features)
+    assert torch.equal(dense, Int4Linear.dequantized(groups).t().bfloat16())
+
+
+@pytest.mark.skipif(not dense_prefill_is_fast(), reason="no bfloat16 GEMMs in hardware")
+def test_a_dense_prefill_row_is_computed_the_same_whatever_its_batch() -> None:
+    """`kvmesh::int4_rows`: decode rows through the 4-bit kernel, prefill rows dense, and a
+    prompt token's row must not depend on how many share its step (a cached prefix's prefill
+    against a cold one). oneDNN's bfloat16 GEMM sums a lone row in another order at this width
+    (several of these 64 rows came out different, before a lone row was padded to two)."""
+    torch.manual_seed(2)
+    projection = Int4Linear(Int4Groups.quantize(torch.randn(576, 1536) * 0.02))
+    assert projection.dense_parts is not None
+    rows = torch.randn(64, 1536).bfloat16()
+    weights = (projection._packed, projection._scale_zero, *projection.dense_parts)
+
+    def int4_rows(rows: torch.Tensor, decodes: int = 0) -> torch.Tensor:
+        return torch.ops.kvmesh.int4_rows(rows, decodes, *weights)
+
+    together = int4_rows(rows)
+    assert torch.equal(torch.cat([int4_rows(rows[i : i + 1]) for i in range(64)]), together)
+    for start, count in ((5, 2), (16, 40), (63, 1)):
+        assert torch.equal(int4_rows(rows[start : start + count]), together[start : start + count])
+    dense = rows.float() @ Int4Linear.dense_weight(*weights[:1], *weights[2:]).float()
+    assert ((together.float() - dense).norm() / dense.norm()).item() < 0.01
+    mixed = int4_rows(rows, 10)
+    assert torch.equal(mixed[:10], projection.product(rows[:10], *weights[:2]))
+    assert torch.equal(mixed[10:], together[10:])
+    assert torch.equal(int4_rows(rows, 64), projection.product(rows, *weights[:2]))
 
 
 @needs_int4_kernel
