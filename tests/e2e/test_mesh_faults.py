@@ -282,8 +282,10 @@ async def test_sigterm_drains_every_accepted_request(
 async def test_a_client_that_stops_reading_is_cancelled_and_its_blocks_freed(
     pair_mesh: Mesh,
 ) -> None:
-    # No BDP probing: the receive window stays at 64 KiB, so the gateway's writes block soon.
-    options = [("grpc.http2.bdp_probe", 0)]
+    # A 1 KiB stream window and no BDP probing to grow it: the gateway's writes block after a
+    # few events (~5 here). With the default 64 KiB window ~450 of the 1,500 events fit before
+    # they did, and one CI run saw the whole answer delivered instead of the stall.
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
     async with grpc.aio.insecure_channel(pair_mesh.gateway_address, options=options) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         request = ids_request([4, 4, 4], max_tokens=1500, ignore_eos=True, logprobs=20)
