@@ -15,10 +15,11 @@ the projection here.
 
 `kvmesh::int4_rows`, one a 4-bit projection in the graph of steps with prefill rows, where the
 CPU has bfloat16 GEMMs: the decode rows through the 4-bit kernel, as in the decode-only graph,
-and the prefill rows as one bfloat16 GEMM over `Int4Linear.dense_weight`, which is compiled on
-its own (one fused loop unpacks the weight; eager, its ops took 10x as long). In the graph, the
-weight would be dequantized every step; as the one op in place of the kernel, the loops around
-it are the decode-only graph's, and a decode row's bits the same in both.
+and the prefill rows as bfloat16 GEMMs of fixed-size pieces over `Int4Linear.dense_weight`,
+which is compiled on its own (one fused loop unpacks the weight; eager, its ops took 10x as
+long). In the graph, the weight would be dequantized every step; as the one op in place of the
+kernel, the loops around it are the decode-only graph's, and a decode row's bits the same in
+both.
 """
 
 from __future__ import annotations
@@ -118,6 +119,12 @@ _OPS.define(
 # One graph per weight shape, compiled at warm-up (its prefill rows reach every projection);
 # with dynamic sizes its loop ran 1.8x longer.
 _DENSE_WEIGHT = torch.compile(Int4Linear.dense_weight, dynamic=False)
+# Prefill rows are multiplied PREFILL_PIECE at a time, the last piece zero-padded: oneDNN picks
+# its kernel by the row count (with AMX, 576x3072 rows at 28, 40-48 or 53-162 rows summed in
+# another order than at 1,024; without, one row did), so only a fixed count gives a row the same
+# bits whatever its batch. 256: the fastest piece measured with AMX (512 rows of that
+# projection: 0.89 ms, one call 0.74, 64-row pieces 1.84, the 4-bit kernel 10.2).
+PREFILL_PIECE = 256
 
 
 def _int4_rows(
@@ -134,11 +141,16 @@ def _int4_rows(
         decoded = torch._weight_int4pack_mm_for_cpu(rows[:decodes], packed, GROUP, scale_zero)
         out[:decodes] = decoded
     prefill = rows[decodes:]
-    if prefill.shape[0] == 1:  # oneDNN's one-row GEMM sums in another order (at 1,536 inputs)
-        prefill = torch.cat((prefill, torch.zeros_like(prefill)))
     if prefill.shape[0]:
-        dense = torch.mm(prefill, _DENSE_WEIGHT(packed, scale, zero))
-        out[decodes:] = dense[: rows.shape[0] - decodes]
+        weight = _DENSE_WEIGHT(packed, scale, zero)
+        padded = -(-prefill.shape[0] // PREFILL_PIECE) * PREFILL_PIECE
+        pieces = prefill.new_zeros((padded, prefill.shape[1]))
+        pieces[: prefill.shape[0]] = prefill
+        dense = rows.new_empty((padded, weight.shape[1]))
+        for start in range(0, padded, PREFILL_PIECE):
+            piece = slice(start, start + PREFILL_PIECE)
+            torch.mm(pieces[piece], weight, out=dense[piece])
+        out[decodes:] = dense[: prefill.shape[0]]
     return out
 
 

@@ -116,27 +116,28 @@ def test_the_dense_weight_unpacks_the_kernels_own_packing(out_features: int) -> 
 def test_a_dense_prefill_row_is_computed_the_same_whatever_its_batch() -> None:
     """`kvmesh::int4_rows`: decode rows through the 4-bit kernel, prefill rows dense, and a
     prompt token's row must not depend on how many share its step (a cached prefix's prefill
-    against a cold one). oneDNN's bfloat16 GEMM sums a lone row in another order at this width
-    (several of these 64 rows came out different, before a lone row was padded to two)."""
+    against a cold one). oneDNN picks its bfloat16 kernel by the row count: without AMX a lone
+    row was summed in another order at this width, with AMX 65 to 341 rows were (both failed
+    here before rows went in fixed pieces)."""
     torch.manual_seed(2)
     projection = Int4Linear(Int4Groups.quantize(torch.randn(576, 1536) * 0.02))
     assert projection.dense_parts is not None
-    rows = torch.randn(64, 1536).bfloat16()
+    rows = torch.randn(400, 1536).bfloat16()
     weights = (projection._packed, projection._scale_zero, *projection.dense_parts)
 
     def int4_rows(rows: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         return torch.ops.kvmesh.int4_rows(rows, decodes, *weights)
 
     together = int4_rows(rows)
-    assert torch.equal(torch.cat([int4_rows(rows[i : i + 1]) for i in range(64)]), together)
-    for start, count in ((5, 2), (16, 40), (63, 1)):
+    assert torch.equal(torch.cat([int4_rows(rows[i : i + 1]) for i in range(64)]), together[:64])
+    for start, count in ((5, 2), (16, 40), (63, 1), (100, 150), (30, 300), (0, 257)):
         assert torch.equal(int4_rows(rows[start : start + count]), together[start : start + count])
     dense = rows.float() @ Int4Linear.dense_weight(*weights[:1], *weights[2:]).float()
     assert ((together.float() - dense).norm() / dense.norm()).item() < 0.01
     mixed = int4_rows(rows, 10)
     assert torch.equal(mixed[:10], projection.product(rows[:10], *weights[:2]))
     assert torch.equal(mixed[10:], together[10:])
-    assert torch.equal(int4_rows(rows, 64), projection.product(rows, *weights[:2]))
+    assert torch.equal(int4_rows(rows[:64], 64), projection.product(rows[:64], *weights[:2]))
 
 
 @needs_int4_kernel
