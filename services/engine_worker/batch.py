@@ -11,6 +11,7 @@ from services.engine_worker.attention import (
     DecodeIndex,
     PrefillSegment,
     kv_write_indices,
+    prefill_mask,
 )
 from services.engine_worker.step_inputs import RequestState, flatten
 
@@ -47,8 +48,7 @@ def build_batch(
     for index, (start, context) in enumerate(
         zip(flat.prefill_starts, flat.prefill_context_lens, strict=True)
     ):
-        # Queries see the cached prefix (if any) and the causal part of their own chunk.
-        mask = torch.arange(context)[None, :] <= torch.arange(start, context)[:, None]
+        mask = prefill_mask(start, context)
         token_start = flat.prefill_query_starts[index]
         block_table = torch.tensor(flat.prefill_blocks[index])
         segments.append(PrefillSegment(token_start, context - start, context, block_table, mask))

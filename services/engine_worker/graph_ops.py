@@ -28,7 +28,7 @@ import weakref
 
 import torch
 
-from services.engine_worker.attention import PrefillSegment, _prefill
+from services.engine_worker.attention import PrefillSegment, _prefill, prefill_mask
 from services.engine_worker.int4_groups import GROUP
 from services.engine_worker.linear import LINEAR_DYNAMIC, Int4Linear, Int8Linear
 
@@ -60,10 +60,8 @@ def _cache_and_prefill(
     v_cache.view(-1, v.shape[-1]).index_copy_(0, value_write, v.reshape(-1, v.shape[-1]))
     out = torch.empty_like(q)
     for (row, rows, context), table in zip(segments.tolist(), blocks, strict=True):
-        start = context - rows
-        allowed = torch.arange(context)[None, :] <= torch.arange(start, context)[:, None]
-        # Additive: given a boolean one, SDPA makes this one again per 16-row piece (two `where`s).
-        mask = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
+        # by_block (always, where the step compiles) masks each piece itself.
+        mask = None if by_block else prefill_mask(context - rows, context)
         segment = PrefillSegment(row, rows, context, table[: -(-context // k_cache.shape[3])], mask)
         out[row : row + rows] = _prefill(
             q[row : row + rows], k_cache, v_cache, segment, scale, by_block
