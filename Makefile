@@ -100,7 +100,7 @@ soak: $(STAMP)
 
 # Every CUDA kernel compiled for sm_90 with nvcc (no GPU needed; `make test` does it too).
 check-kernels: $(STAMP)
-	$(BIN)/python -m services.engine_worker.kernels.compile_check --arch sm_90
+	$(BIN)/python -m services.engine_worker.cupy_backend.kernels.compile_check --arch sm_90
 
 # On a machine with an NVIDIA GPU and CuPy (GPU_PYTHON: an interpreter that has both and the
 # project's dependencies): kernels against torch, the cupy backend against the torch backend.

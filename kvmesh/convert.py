@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy
 
-from services.engine_worker.artifacts import open_artifact
-from services.engine_worker.weights import expected_tensors
+from services.engine_worker.artifacts.loader import open_artifact
+from services.engine_worker.artifacts.weights import expected_tensors
 from shared.model_paths import resolve_model_path
 from shared.text_tokenizer import load_tokenizer
 

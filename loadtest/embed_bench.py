@@ -21,7 +21,7 @@ import grpc
 import torch
 
 from kvmesh.launcher import DEFAULT_EMBEDDER, Mesh, MeshConfig
-from services.engine_worker.encoder import SentenceEncoder
+from services.engine_worker.embed.encoder import SentenceEncoder
 from shared.model_paths import default_embedding_model_path
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 

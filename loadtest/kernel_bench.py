@@ -15,8 +15,8 @@ import argparse
 import cupy
 import numpy
 
-from services.engine_worker.kernels.library import DTYPES
-from services.engine_worker.kernels.paged_decode_attention import (
+from services.engine_worker.cupy_backend.kernels.library import DTYPES
+from services.engine_worker.cupy_backend.kernels.paged_decode_attention import (
     DecodeScratch,
     num_splits,
     paged_decode_attention,

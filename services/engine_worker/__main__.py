@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from services.engine_worker.embed_server import EmbedderService
+from services.engine_worker.embed.server import EmbedderService
 from services.engine_worker.server import EngineWorkerService
 from services.engine_worker.step_failures import BreakerDefaults, CircuitBreaker, FaultInjector
 from shared.flags import add_worker_flags, engine_config, env_default, env_float, env_int

@@ -10,8 +10,9 @@ from shared.errors import KvmeshError, Reason
 
 # name -> module providing `Runner`; torch is the reference implementation (CPU).
 BACKENDS = {
-    "torch": "services.engine_worker.torch_runner",
-    "cupy": "services.engine_worker.cupy_runner",  # CUDA C kernels through CuPy, cuBLAS GEMMs
+    "torch": "services.engine_worker.torch_backend.runner",
+    # CUDA C kernels through CuPy, cuBLAS GEMMs
+    "cupy": "services.engine_worker.cupy_backend.runner",
 }
 
 

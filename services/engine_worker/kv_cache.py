@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine_worker.architecture import ModelArchitecture
+from services.engine_worker.artifacts.architecture import ModelArchitecture
 from shared.errors import KvmeshError, Reason
 
 

@@ -3,8 +3,8 @@ step's scheduled requests flattened once into token rows.
 
 Row order: decode rows (one per token past the prompt: a new token, a draft to verify, or an
 output recomputed after preemption) first, then prefill chunks of prompts, each request's rows
-contiguous. The torch batch (batch.py) and the GPU batch (gpu_batch.py) are both built from one
-`FlatBatch`, so the two backends never disagree on which row is which.
+contiguous. The torch batch (torch_backend/batch.py) and the GPU batch (cupy_backend/batch.py)
+are both built from one `FlatBatch`, so the two backends never disagree on which row is which.
 """
 
 from __future__ import annotations

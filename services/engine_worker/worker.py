@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from services.engine_worker.artifacts import artifact_files, open_artifact
+from services.engine_worker.artifacts.loader import artifact_files, open_artifact
+from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.backends import BACKENDS, resolve_backend
 from services.engine_worker.capacity import check_memory_fits
 from services.engine_worker.grammar import GrammarCompiler
@@ -25,10 +26,9 @@ from services.engine_worker.step_failures import (
     failure_of,
     run_isolated,
 )
-from services.engine_worker.step_formats import StepFormats, dtype_name
 from services.engine_worker.step_inputs import RequestState
-from services.engine_worker.torch_weights import int4_source
-from services.engine_worker.weights import ModelWeights
+from services.engine_worker.torch_backend.step_formats import StepFormats, dtype_name
+from services.engine_worker.torch_backend.weights import int4_source
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, ModelValidationError, Reason
 from shared.model_entry import ModelEntry, WarmupFixture, is_entry, read_entry, sha256_file

@@ -10,7 +10,7 @@ import os
 from services.gateway.catalog import ModelCatalog
 from services.gateway.limits import RequestLimits
 from services.gateway.model_admin import ModelAdminService
-from services.gateway.openai_http import OpenAIFront
+from services.gateway.openai_front.server import OpenAIFront
 from services.gateway.policy import GatewayPolicy
 from services.gateway.rate_limits import RateLimiter
 from services.gateway.registry import BackendRegistry

@@ -17,9 +17,9 @@ import torch
 
 from kvmesh.engine import Engine
 from loadtest.perplexity import SHIPPED_TEXT, perplexity, text_token_ids
-from services.engine_worker import compiled_model, graph_ops, step_formats
-from services.engine_worker.graph_ops import int8_handle, int8_projection
-from services.engine_worker.linear import (
+from services.engine_worker.torch_backend import compiled_model, graph_ops, step_formats
+from services.engine_worker.torch_backend.graph_ops import int8_handle, int8_projection
+from services.engine_worker.torch_backend.linear import (
     Int4Linear,
     Int8Linear,
     dense_prefill_is_fast,

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from services.engine_worker.embed_batcher import EmbedBatcher
-from services.engine_worker.encoder import SentenceEncoder
+from services.engine_worker.embed.batcher import EmbedBatcher
+from services.engine_worker.embed.encoder import SentenceEncoder
 from shared.errors import KvmeshError, Reason
 from shared.model_paths import default_embedding_model_path, is_encoder
 

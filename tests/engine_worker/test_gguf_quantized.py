@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvmesh.engine import Engine
-from services.engine_worker.gguf_artifact import hf_name
-from services.engine_worker.rope import RopeSpec
+from services.engine_worker.artifacts.gguf_file import hf_name
+from services.engine_worker.artifacts.rope import RopeSpec
 from shared.config import CacheConfig, EngineConfig
 from shared.sampling import SamplingParams
 from tests.engine_worker.parity import TOP, Greedy, compare, transformers_greedy

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy
 import torch
 
-from services.engine_worker.batch import build_batch
-from services.engine_worker.gpu_batch import build_gpu_batch
+from services.engine_worker.cupy_backend.batch import build_gpu_batch
 from services.engine_worker.step_inputs import RequestState
+from services.engine_worker.torch_backend.batch import build_batch
 from shared.sampling import SamplingParams
 
 BLOCK = 4

@@ -9,16 +9,17 @@ import pytest
 import torch
 
 from kvmesh.engine import Engine
-from services.engine_worker import graph_ops, torch_weights  # noqa: F401 (kvmesh:: ops)
-from services.engine_worker.gguf_artifact import GGUFArtifact
-from services.engine_worker.int4_groups import Int4Groups
-from services.engine_worker.linear import (
+from services.engine_worker.artifacts.gguf_file import GGUFArtifact
+from services.engine_worker.artifacts.int4_groups import Int4Groups
+from services.engine_worker.torch_backend import graph_ops  # noqa: F401 (kvmesh:: ops)
+from services.engine_worker.torch_backend import weights as torch_weights
+from services.engine_worker.torch_backend.linear import (
     Int4Linear,
     Int8Linear,
     dense_prefill_is_fast,
     int4_kernel_is_fast,
 )
-from services.engine_worker.torch_weights import resolve_weight_format
+from services.engine_worker.torch_backend.weights import resolve_weight_format
 from shared.config import CacheConfig, EngineConfig
 from shared.flags import add_scheduler_flags, add_worker_flags, engine_config
 from shared.sampling import SamplingParams

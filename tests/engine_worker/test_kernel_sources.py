@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.engine_worker.kernels.compile_check import compile_cubin, nvcc
-from services.engine_worker.kernels.library import KERNEL_DIR, sources
+from services.engine_worker.cupy_backend.kernels.compile_check import compile_cubin, nvcc
+from services.engine_worker.cupy_backend.kernels.library import KERNEL_DIR, sources
 
 pytestmark = pytest.mark.skipif(nvcc() is None, reason="nvcc (CUDA toolkit) is not installed")
 

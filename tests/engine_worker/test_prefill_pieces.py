@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.engine import Engine
-from services.engine_worker.attention import PrefillSegment, _prefill
+from services.engine_worker.torch_backend.attention import PrefillSegment, _prefill
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig
 from shared.sampling import SamplingParams
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine_worker.rope import RopeSpec
+from services.engine_worker.artifacts.rope import RopeSpec
 from shared.errors import ModelValidationError
 
 LLAMA3 = {

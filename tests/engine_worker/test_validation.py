@@ -33,7 +33,7 @@ def forbid_kv_allocation(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("KV cache allocated before validation finished")
 
-    monkeypatch.setattr("services.engine_worker.torch_runner.KVCache", refuse)
+    monkeypatch.setattr("services.engine_worker.torch_backend.runner.KVCache", refuse)
 
 
 def load(path: Path | str) -> ModelValidationError:

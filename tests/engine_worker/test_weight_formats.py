@@ -10,8 +10,8 @@ import torch
 
 from kvmesh.engine import Engine
 from loadtest.perplexity import SHIPPED_TEXT, kl_from, perplexity, text_token_ids
-from services.engine_worker.linear import Int4Linear, Int8Linear, int4_kernel_is_fast
-from services.engine_worker.torch_weights import resolve_weight_format
+from services.engine_worker.torch_backend.linear import Int4Linear, Int8Linear, int4_kernel_is_fast
+from services.engine_worker.torch_backend.weights import resolve_weight_format
 from shared.config import CacheConfig, EngineConfig
 from shared.errors import KvmeshError, Reason
 from shared.sampling import SamplingParams

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from services.gateway.openai_protocol import parse_body, parse_chat, parse_completion
-from services.gateway.openai_responses import ResponseBuilder
+from services.gateway.openai_front.protocol import parse_body, parse_chat, parse_completion
+from services.gateway.openai_front.responses import ResponseBuilder
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
 

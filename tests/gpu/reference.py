@@ -9,8 +9,8 @@ import cupy
 import numpy
 import torch
 
-from services.engine_worker.cupy_model import to_device
-from services.engine_worker.kernels.library import DTYPES, DTypeSpec
+from services.engine_worker.cupy_backend.kernels.library import DTYPES, DTypeSpec
+from services.engine_worker.cupy_backend.model import to_device
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Absolute and relative tolerance per dtype: fp32 sees only summation order; 16-bit outputs

@@ -11,22 +11,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine_worker.cublas_gemm import gemm
-from services.engine_worker.kernels.bias_add import bias_add
-from services.engine_worker.kernels.embedding import embedding
-from services.engine_worker.kernels.greedy_sample import greedy_sample
-from services.engine_worker.kernels.library import DTypeSpec
-from services.engine_worker.kernels.paged_decode_attention import (
+from services.engine_worker.artifacts.rope import RopeSpec
+from services.engine_worker.cupy_backend.cublas_gemm import gemm
+from services.engine_worker.cupy_backend.kernels.bias_add import bias_add
+from services.engine_worker.cupy_backend.kernels.embedding import embedding
+from services.engine_worker.cupy_backend.kernels.greedy_sample import greedy_sample
+from services.engine_worker.cupy_backend.kernels.library import DTypeSpec
+from services.engine_worker.cupy_backend.kernels.paged_decode_attention import (
     DecodeScratch,
     num_splits,
     paged_decode_attention,
 )
-from services.engine_worker.kernels.paged_prefill_attention import paged_prefill_attention
-from services.engine_worker.kernels.reshape_and_cache import reshape_and_cache
-from services.engine_worker.kernels.rms_norm import add_rms_norm
-from services.engine_worker.kernels.rotary import rotary
-from services.engine_worker.kernels.silu_and_mul import silu_and_mul
-from services.engine_worker.rope import RopeSpec
+from services.engine_worker.cupy_backend.kernels.paged_prefill_attention import (
+    paged_prefill_attention,
+)
+from services.engine_worker.cupy_backend.kernels.reshape_and_cache import reshape_and_cache
+from services.engine_worker.cupy_backend.kernels.rms_norm import add_rms_norm
+from services.engine_worker.cupy_backend.kernels.rotary import rotary
+from services.engine_worker.cupy_backend.kernels.silu_and_mul import silu_and_mul
 from tests.gpu.reference import SPECS, assert_close, get, put, put_int, rounded
 
 # (num_heads, kv_heads, head_dim): SmolLM2-135M, a Llama-3-8B layer, MHA with small heads.

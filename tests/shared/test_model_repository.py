@@ -104,8 +104,8 @@ def test_weights_that_alone_do_not_fit_are_refused_before_they_load(
 ) -> None:
     """Room for the KV pool and the workspace but not the weights: refused, and counted
     before any tensor is read (the estimate from the shapes equals what loads)."""
+    import services.engine_worker.artifacts.weights as weights
     import services.engine_worker.capacity as capacity
-    import services.engine_worker.weights as weights
 
     config = _config(tiny_llama_dir)
     loaded = Worker(config)
@@ -125,7 +125,7 @@ def test_weights_that_alone_do_not_fit_are_refused_before_they_load(
 
 
 def test_the_parameter_estimate_matches_the_default_model(default_model_path: str) -> None:
-    from services.engine_worker.artifacts import open_artifact
+    from services.engine_worker.artifacts.loader import open_artifact
 
     artifact = open_artifact(default_model_path)
     assert artifact.architecture.num_parameters == 134_515_008  # SmolLM2-135M, tied

@@ -1,0 +1,184 @@
+"""One description of a decoder-only model, read from an HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.engine_worker.artifacts.rope import RopeSpec
+from shared.errors import ModelValidationError
+
+# HF architecture name -> whether q/k/v projections carry a bias.
+SUPPORTED_HF_ARCHITECTURES = {
+    "LlamaForCausalLM": False,
+    "MistralForCausalLM": False,
+    "Qwen2ForCausalLM": True,
+}
+SUPPORTED_GGUF_ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": True}
+
+
+def token_ids_of(value: Any) -> tuple[int, ...]:
+    """An id, a list of ids, or nothing, as configs spell end-of-sequence tokens."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+@dataclass(frozen=True)
+class ModelArchitecture:
+    name: str  # HF spelling, e.g. LlamaForCausalLM
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # any of them ends generation (unless ignore_eos)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        return 2 * self.num_layers * self.kv_size * element_size
+
+    @property
+    def num_parameters(self) -> int:
+        """Counted from the shapes, before any tensor is read (the fit check needs it first)."""
+        hidden, q, kv = self.hidden_size, self.q_size, self.kv_size
+        attention = hidden * q + 2 * hidden * kv + q * hidden
+        attention += (q + 2 * kv) * self.qkv_bias + hidden * self.o_bias
+        layer = attention + 3 * hidden * self.intermediate_size + 2 * hidden
+        embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * layer + hidden
+
+    def step_workspace_bytes(self, max_tokens: int, max_seqs: int, element_size: int) -> int:
+        """A step's largest activations: every projection's output for `max_tokens` rows, and
+        float32 logits for `max_seqs` sampled rows (an upper bound, not an exact count)."""
+        row = 3 * self.hidden_size + self.q_size + 2 * self.kv_size + 2 * self.intermediate_size
+        return max_tokens * row * element_size + max_seqs * self.vocab_size * 4
+
+    def check(self, path: str) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            if getattr(self, name) <= 0:
+                raise ModelValidationError(
+                    path, f"{name} must be positive", found=getattr(self, name)
+                )
+        if self.num_heads % self.num_kv_heads:
+            raise ModelValidationError(
+                path,
+                "num_heads must be a multiple of num_kv_heads",
+                expected=f"a divisor of {self.num_heads}",
+                found=self.num_kv_heads,
+            )
+
+    @staticmethod
+    def from_hf_config(config: dict[str, Any], path: str) -> ModelArchitecture:
+        names = config.get("architectures") or []
+        name = names[0] if names else None
+        if name not in SUPPORTED_HF_ARCHITECTURES:
+            raise ModelValidationError(
+                path,
+                "unsupported architecture",
+                expected=sorted(SUPPORTED_HF_ARCHITECTURES),
+                found=name,
+            )
+        try:
+            hidden = int(config["hidden_size"])
+            heads = int(config["num_attention_heads"])
+            architecture = ModelArchitecture(
+                name=name,
+                vocab_size=int(config["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(config["intermediate_size"]),
+                num_layers=int(config["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(config.get("num_key_value_heads") or heads),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                rope=RopeSpec.from_hf_config(config, path),
+                max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                qkv_bias=SUPPORTED_HF_ARCHITECTURES[name] or bool(config.get("attention_bias")),
+                o_bias=bool(config.get("attention_bias")),
+                bos_token_id=config.get("bos_token_id"),
+                eos_token_ids=token_ids_of(config.get("eos_token_id")),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ModelValidationError(
+                path, f"config.json is missing or has a bad field: {error}"
+            ) from None
+        if config.get("mlp_bias"):
+            raise ModelValidationError(
+                path, "mlp_bias is not supported", expected=False, found=True
+            )
+        architecture.check(path)
+        return architecture
+
+    @staticmethod
+    def from_gguf_metadata(
+        meta: dict[str, Any], path: str, has_output_tensor: bool
+    ) -> ModelArchitecture:
+        arch = meta.get("general.architecture")
+        if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+            raise ModelValidationError(
+                path,
+                "unsupported GGUF architecture",
+                expected=sorted(SUPPORTED_GGUF_ARCHITECTURES),
+                found=arch,
+            )
+        hf_name = {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+        }[arch]
+
+        def key(suffix: str, default: Any = None) -> Any:
+            value = meta.get(f"{arch}.{suffix}", default)
+            if value is None:
+                raise ModelValidationError(path, f"GGUF metadata key {arch}.{suffix} is missing")
+            return value
+
+        hidden = int(key("embedding_length"))
+        heads = int(key("attention.head_count"))
+        tokens = meta.get("tokenizer.ggml.tokens")
+        architecture = ModelArchitecture(
+            name=hf_name,
+            vocab_size=int(meta.get(f"{arch}.vocab_size") or len(tokens or ())),
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_layers=int(key("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(key("attention.head_count_kv", heads)),
+            head_dim=int(key("attention.key_length", hidden // heads)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            rope=RopeSpec.from_gguf_metadata(meta, arch),
+            max_position_embeddings=int(key("context_length")),
+            tie_word_embeddings=not has_output_tensor,
+            qkv_bias=SUPPORTED_GGUF_ARCHITECTURES[arch],
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=token_ids_of(meta.get("tokenizer.ggml.eos_token_id")),
+        )
+        architecture.check(path)
+        return architecture

@@ -1,0 +1,166 @@
+"""GGUF files through the `gguf` package: metadata, tensor validation, dequantization.
+
+llama.cpp's converter permutes the rows of Q and K for its interleaved rotary; we undo that so
+one rotary (transformers' rotate_half) serves every format.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.engine_worker.artifacts.architecture import ModelArchitecture
+from services.engine_worker.artifacts.int4_groups import INT4_BLOCK_TYPES, Int4Groups
+from services.engine_worker.artifacts.weights import validate_tensor_table
+from shared.errors import ModelValidationError
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+# Big arrays are read by the tokenizer, not needed to describe the model.
+_SKIPPED_METADATA = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+class GGUFArtifact:
+    """Opens and validates a GGUF file; tensors are dequantized only when loaded."""
+
+    def __init__(self, path: str) -> None:
+        import gguf  # lazy: only GGUF users pay for it
+
+        self.path = path
+        self.file_size = os.path.getsize(path)
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as error:  # the reader raises bare ValueError/IndexError on bad bytes
+            raise ModelValidationError(
+                path, f"not a readable GGUF file ({type(error).__name__}: {error})"
+            ) from None
+        self.metadata = self._read_metadata()
+        self.tensors = {}
+        unknown = []
+        for tensor in self.reader.tensors:
+            name = hf_name(tensor.name)
+            if name is None:
+                unknown.append(tensor.name)
+            else:
+                self.tensors[name] = tensor
+        if unknown:
+            raise ModelValidationError(path, "unexpected tensor", tensor=unknown[0])
+        self.architecture = ModelArchitecture.from_gguf_metadata(
+            self.metadata, path, has_output_tensor="lm_head.weight" in self.tensors
+        )
+
+    def _read_metadata(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {}
+        for key, field in self.reader.fields.items():
+            if key in _SKIPPED_METADATA:
+                meta[key] = range(len(field.data))  # only the length is used here
+            else:
+                meta[key] = field.contents()
+        return meta
+
+    @property
+    def quantization(self) -> str:
+        kinds = sorted({t.tensor_type.name for t in self.tensors.values()})
+        return "+".join(kinds)
+
+    def validate(self) -> None:
+        for name, tensor in self.tensors.items():
+            kind = tensor.tensor_type.name
+            if kind not in SUPPORTED_QUANT_TYPES:
+                raise ModelValidationError(
+                    self.path,
+                    "unsupported quantization type",
+                    tensor=name,
+                    expected=list(SUPPORTED_QUANT_TYPES),
+                    found=kind,
+                )
+            end = int(tensor.data_offset) + int(tensor.n_bytes)
+            if end > self.file_size:
+                raise ModelValidationError(
+                    self.path,
+                    "file is truncated",
+                    tensor=name,
+                    expected=f">= {end} bytes",
+                    found=f"{self.file_size} bytes",
+                )
+        shapes = {
+            name: tuple(int(d) for d in reversed(t.shape)) for name, t in self.tensors.items()
+        }
+        validate_tensor_table(self.path, self.architecture, shapes)
+
+    def load(self, name: str) -> torch.Tensor:
+        """Dequantized float32 tensor in HF layout."""
+        from gguf import quants
+
+        tensor = self.tensors[name]
+        array = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if not array.flags.writeable:  # F32 tensors come back as the read-only file mapping
+            array = array.copy()
+        result = torch.from_numpy(array.reshape(tuple(int(d) for d in reversed(tensor.shape))))
+        heads = self._permuted_heads(name)
+        return result if heads is None else result[_unpermuted_order(result.shape[0], heads)]
+
+    def load_int4(self, name: str) -> Int4Groups | None:
+        """A Q4_0/Q4_1 tensor's own nibbles and group scales in HF layout; None for others."""
+        tensor = self.tensors[name]
+        kind = tensor.tensor_type.name
+        if kind not in INT4_BLOCK_TYPES:
+            return None
+        rows, cols = (int(d) for d in reversed(tensor.shape))
+        groups = Int4Groups.from_blocks(tensor.data, kind, (rows, cols))
+        heads = self._permuted_heads(name)
+        return groups if heads is None else groups.rows(_unpermuted_order(rows, heads))
+
+    def _permuted_heads(self, name: str) -> int | None:
+        """The head count whose rows llama.cpp's converter interleaved, for Q and K."""
+        arch = self.architecture
+        if arch.name == "Qwen2ForCausalLM":
+            return None
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            return arch.num_heads
+        if name.endswith(("k_proj.weight", "k_proj.bias")):
+            return arch.num_kv_heads
+        return None
+
+
+def _unpermuted_order(rows: int, num_heads: int) -> torch.Tensor:
+    """Row order undoing llama.cpp's interleave: it stores each head's rows as pairs
+    (i, i + d/2); this gives transformers' halves order."""
+    head_dim = rows // num_heads
+    return torch.arange(rows).view(num_heads, head_dim // 2, 2).transpose(1, 2).reshape(rows)

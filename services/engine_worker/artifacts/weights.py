@@ -1,0 +1,171 @@
+"""The tensor table a model must have, its validation, and the fused weights the model runs on.
+
+Names and shapes follow transformers' HF layout ([out_features, in_features]); GGUF names are
+mapped onto it. Q/K/V and gate/up projections are fused into one matmul each: fewer, larger
+GEMMs are faster on CPU and GPU alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from services.engine_worker.artifacts.architecture import ModelArchitecture
+from shared.errors import ModelValidationError
+
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def expected_tensors(arch: ModelArchitecture) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """(required name -> shape, optional names)."""
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    required: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (arch.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    optional: set[str] = set()
+    lm_head = "lm_head.weight"
+    if arch.tie_word_embeddings:
+        optional.add(lm_head)  # some checkpoints store the tied copy anyway
+    else:
+        required[lm_head] = (arch.vocab_size, hidden)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}"
+        required.update(
+            {
+                f"{p}.input_layernorm.weight": (hidden,),
+                f"{p}.post_attention_layernorm.weight": (hidden,),
+                f"{p}.self_attn.q_proj.weight": (arch.q_size, hidden),
+                f"{p}.self_attn.k_proj.weight": (arch.kv_size, hidden),
+                f"{p}.self_attn.v_proj.weight": (arch.kv_size, hidden),
+                f"{p}.self_attn.o_proj.weight": (hidden, arch.q_size),
+                f"{p}.mlp.gate_proj.weight": (inter, hidden),
+                f"{p}.mlp.up_proj.weight": (inter, hidden),
+                f"{p}.mlp.down_proj.weight": (hidden, inter),
+            }
+        )
+        if arch.qkv_bias:
+            required[f"{p}.self_attn.q_proj.bias"] = (arch.q_size,)
+            required[f"{p}.self_attn.k_proj.bias"] = (arch.kv_size,)
+            required[f"{p}.self_attn.v_proj.bias"] = (arch.kv_size,)
+        if arch.o_bias:
+            required[f"{p}.self_attn.o_proj.bias"] = (hidden,)
+    return required, optional
+
+
+def validate_tensor_table(
+    path: str, arch: ModelArchitecture, found: Mapping[str, tuple[int, ...]]
+) -> None:
+    """One clear error for the first missing, unexpected or mis-shaped tensor."""
+    required, optional = expected_tensors(arch)
+    for name, shape in required.items():
+        if name not in found:
+            raise ModelValidationError(
+                path, "missing tensor", tensor=name, expected=shape, found=None
+            )
+        if tuple(found[name]) != shape:
+            raise ModelValidationError(
+                path, "tensor shape mismatch", tensor=name, expected=shape, found=tuple(found[name])
+            )
+    for name, shape in found.items():
+        if name in required or name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name not in optional:
+            raise ModelValidationError(path, "unexpected tensor", tensor=name, found=tuple(shape))
+        if name == "lm_head.weight" and tuple(shape) != (arch.vocab_size, arch.hidden_size):
+            raise ModelValidationError(
+                path,
+                "tensor shape mismatch",
+                tensor=name,
+                expected=(arch.vocab_size, arch.hidden_size),
+                found=tuple(shape),
+            )
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """Projection matrices are stored transposed, (in, out): `x @ w` then streams the weight
+    in order, which runs batch-1 decode (a GEMV) about 1.6x faster on CPU than F.linear."""
+
+    input_norm: torch.Tensor  # (hidden,)
+    qkv: torch.Tensor  # (hidden, q_size + 2 * kv_size)
+    qkv_bias: torch.Tensor | None  # (q_size + 2 * kv_size,)
+    o_proj: torch.Tensor  # (q_size, hidden)
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # (hidden,)
+    gate_up: torch.Tensor  # (hidden, 2 * intermediate)
+    down: torch.Tensor  # (intermediate, hidden)
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    embed: torch.Tensor  # (vocab, hidden), for lookups
+    layers: tuple[LayerWeights, ...]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor  # (hidden, vocab); a transposed copy of `embed` when tied
+    tied: bool
+
+    @property
+    def num_parameters(self) -> int:
+        tensors = [self.embed, self.final_norm]
+        if not self.tied:
+            tensors.append(self.lm_head)
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if t is not None]
+        return sum(t.numel() for t in tensors)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Every tensor held, the head's own copy included."""
+        tensors = [self.embed, self.final_norm, self.lm_head]
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @staticmethod
+    def build(
+        arch: ModelArchitecture, load: Callable[[str], torch.Tensor], dtype: torch.dtype
+    ) -> ModelWeights:
+        """`load(name)` returns one HF-layout tensor; converting, fusing and transposing it to
+        the compute layout is a single copy."""
+
+        def get(name: str) -> torch.Tensor:
+            return load(name).to(dtype)
+
+        def transposed(*names: str) -> torch.Tensor:
+            parts = [load(n).t() for n in names]
+            if len(parts) == 1:
+                return parts[0].to(dtype, memory_format=torch.contiguous_format)
+            return torch.cat([p.to(dtype) for p in parts], dim=1)
+
+        def bias(*names: str) -> torch.Tensor:
+            return torch.cat([load(n).to(dtype) for n in names])
+
+        layers = []
+        for i in range(arch.num_layers):
+            p = f"model.layers.{i}"
+            attn = f"{p}.self_attn"
+            qkv_names = [f"{attn}.{x}_proj" for x in "qkv"]
+            layers.append(
+                LayerWeights(
+                    input_norm=get(f"{p}.input_layernorm.weight"),
+                    qkv=transposed(*(f"{n}.weight" for n in qkv_names)),
+                    qkv_bias=bias(*(f"{n}.bias" for n in qkv_names)) if arch.qkv_bias else None,
+                    o_proj=transposed(f"{attn}.o_proj.weight"),
+                    o_bias=get(f"{attn}.o_proj.bias") if arch.o_bias else None,
+                    post_norm=get(f"{p}.post_attention_layernorm.weight"),
+                    gate_up=transposed(f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"),
+                    down=transposed(f"{p}.mlp.down_proj.weight"),
+                )
+            )
+        embed = get("model.embed_tokens.weight")
+        head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+        return ModelWeights(
+            embed,
+            tuple(layers),
+            get("model.norm.weight"),
+            transposed(head),
+            arch.tie_word_embeddings,
+        )

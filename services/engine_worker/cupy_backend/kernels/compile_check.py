@@ -1,0 +1,93 @@
+"""Compile every kernel ahead of time with nvcc for a GPU architecture, without a GPU.
+
+`python -m services.engine_worker.cupy_backend.kernels.compile_check [--arch sm_90]` prints each
+file's ptxas report (registers, shared memory, spills per kernel) and exits non-zero on any error;
+the test suite runs the same check. `--nvrtc` compiles the way CuPy does at run time instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.engine_worker.cupy_backend.kernels.library import KERNEL_DIR, sources
+
+SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+@dataclass
+class CompileReport:
+    source: Path
+    returncode: int
+    output: str  # nvcc and ptxas -v messages
+
+    @property
+    def spilled_bytes(self) -> int:
+        return sum(int(a) + int(b) for a, b in SPILLS.findall(self.output))
+
+
+def nvcc() -> str | None:
+    return shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None
+    )
+
+
+def compile_cubin(source: Path, arch: str = "sm_90", compiler: str | None = None) -> CompileReport:
+    compiler = compiler or nvcc()
+    if compiler is None:
+        raise FileNotFoundError("nvcc is not installed")
+    with tempfile.TemporaryDirectory() as scratch:
+        command = [
+            compiler,
+            "-cubin",
+            f"-arch={arch}",
+            "-std=c++17",
+            f"-I{KERNEL_DIR}",
+            "-Xptxas",
+            "-v",
+            "-o",
+            str(Path(scratch) / f"{source.stem}.cubin"),
+            str(source),
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    return CompileReport(source, done.returncode, done.stdout + done.stderr)
+
+
+def compile_nvrtc(source: Path, arch: str = "sm_90") -> CompileReport:
+    """The run-time path: NVRTC through CuPy's bindings (needs CuPy and libnvrtc, no GPU)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    include = [f"-I{KERNEL_DIR}", "-I/usr/local/cuda/include"]
+    program = nvrtc.createProgram(source.read_text(), source.name, [], [])
+    try:
+        nvrtc.compileProgram(program, ["-std=c++17", f"-arch={arch}", *include])
+    except nvrtc.NVRTCError:
+        return CompileReport(source, 1, nvrtc.getProgramLog(program))
+    return CompileReport(source, 0, nvrtc.getProgramLog(program))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--nvrtc", action="store_true", help="compile with NVRTC, as CuPy does")
+    args = parser.parse_args()
+    failed = 0
+    for source in sources():
+        compile_one = compile_nvrtc if args.nvrtc else compile_cubin
+        report = compile_one(source, args.arch)
+        status = "ok" if report.returncode == 0 else "FAILED"
+        print(f"{source.name}: {status}, spilled {report.spilled_bytes} bytes")
+        if report.returncode != 0:
+            failed += 1
+            print(report.output, file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""Launcher of rms_norm.cu."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy
+
+from services.engine_worker.cupy_backend.kernels.library import NULL, DTypeSpec, kernel
+
+
+def add_rms_norm(
+    out: Any,
+    residual: Any,
+    weight: Any,
+    eps: float,
+    spec: DTypeSpec,
+    delta: Any = None,
+    rows: Any = None,
+) -> None:
+    """residual += delta (if given); out = rms_norm(residual) * weight. With `rows` (int32),
+    out row r is residual row rows[r] (only those rows are added to)."""
+    num_rows, hidden = out.shape
+    if num_rows:
+        kernel("rms_norm", f"add_rms_norm_{spec.suffix}")(
+            (num_rows,),
+            (min(1024, max(32, hidden // 32 * 32)),),
+            (
+                out,
+                residual,
+                NULL if delta is None else delta,
+                weight,
+                NULL if rows is None else rows,
+                numpy.int32(hidden),
+                numpy.float32(eps),
+            ),
+        )

@@ -1,0 +1,274 @@
+"""The Llama-family decoder on an NVIDIA GPU: our CUDA C kernels through CuPy, GEMMs in cuBLAS.
+
+Same math and same fused weight layout as the torch CausalLM (model.py), over the same ragged
+batch of flattened tokens. Every intermediate lives in a preallocated Workspace, so one forward
+allocates nothing: the decode forward can be captured as a CUDA graph and replayed
+(graphs.py). 16-bit weights and KV, fp32 accumulation everywhere (cuBLAS compute type
+32F, fp32 math in the kernels); logits come out in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import cupy
+import numpy
+import torch
+
+from services.engine_worker.artifacts.architecture import ModelArchitecture
+from services.engine_worker.artifacts.weights import ModelWeights
+from services.engine_worker.cupy_backend.batch import GpuBatch
+from services.engine_worker.cupy_backend.cublas_gemm import CUDA_R_32F, gemm
+from services.engine_worker.cupy_backend.kernels.bias_add import bias_add
+from services.engine_worker.cupy_backend.kernels.embedding import embedding
+from services.engine_worker.cupy_backend.kernels.library import DTypeSpec
+from services.engine_worker.cupy_backend.kernels.paged_decode_attention import (
+    DecodeScratch,
+    check_shape,
+    paged_decode_attention,
+)
+from services.engine_worker.cupy_backend.kernels.paged_prefill_attention import (
+    paged_prefill_attention,
+)
+from services.engine_worker.cupy_backend.kernels.reshape_and_cache import reshape_and_cache
+from services.engine_worker.cupy_backend.kernels.rms_norm import add_rms_norm
+from services.engine_worker.cupy_backend.kernels.rotary import rotary
+from services.engine_worker.cupy_backend.kernels.silu_and_mul import silu_and_mul
+from services.engine_worker.kv_cache import KVCacheShape
+
+_TORCH_STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.int16}
+
+
+def to_device(tensor: torch.Tensor, spec: DTypeSpec) -> Any:
+    """A CPU tensor of the compute dtype as a CuPy array of its storage type."""
+    host = tensor.contiguous().view(_TORCH_STORAGE[spec.name]).numpy()
+    return cupy.asarray(host).view(spec.storage)
+
+
+@dataclass(frozen=True)
+class GpuLayer:
+    input_norm: Any
+    qkv: Any  # (hidden, q + 2 kv)
+    qkv_bias: Any | None
+    o_proj: Any  # (q, hidden)
+    o_bias: Any | None
+    post_norm: Any
+    gate_up: Any  # (hidden, 2 inter)
+    down: Any  # (inter, hidden)
+
+
+class GpuWeights:
+    def __init__(self, weights: ModelWeights, spec: DTypeSpec) -> None:
+        def put(tensor: torch.Tensor | None) -> Any:
+            return None if tensor is None else to_device(tensor, spec)
+
+        self.embed = put(weights.embed)
+        self.final_norm = put(weights.final_norm)
+        self.lm_head = put(weights.lm_head)
+        self.layers = tuple(
+            GpuLayer(**{name: put(value) for name, value in vars(layer).items()})
+            for layer in weights.layers
+        )
+
+
+class GpuKVCache:
+    """Per layer K and V, each (num_blocks, kv_heads, block_size, head_dim): one pool."""
+
+    def __init__(self, shape: KVCacheShape, spec: DTypeSpec) -> None:
+        self.shape = shape
+        dims = (
+            shape.num_layers,
+            2,
+            shape.num_blocks,
+            shape.num_kv_heads,
+            shape.block_size,
+            shape.head_dim,
+        )
+        self.pool = cupy.zeros(dims, dtype=spec.storage)
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.pool.nbytes)
+
+    def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """As the torch KVCache's: each destination block becomes its source's copy."""
+        if pairs:
+            sources, destinations = (list(column) for column in zip(*pairs, strict=True))
+            self.pool[:, :, destinations] = self.pool[:, :, sources]
+
+    def layer(self, index: int) -> tuple[Any, Any]:
+        return self.pool[index, 0], self.pool[index, 1]
+
+
+class Workspace:
+    """Every intermediate of one forward, for up to `max_tokens` rows, `max_samples` sampled
+    rows and `max_decodes` decode rows over contexts of up to `max_context` tokens."""
+
+    def __init__(
+        self,
+        arch: ModelArchitecture,
+        spec: DTypeSpec,
+        max_tokens: int,
+        max_samples: int,
+        max_decodes: int,
+        max_splits: int,
+    ) -> None:
+        def buffer(*shape: int, dtype: Any = spec.storage) -> Any:
+            return cupy.empty(shape, dtype=dtype)
+
+        self.max_tokens, self.max_samples, self.max_decodes = max_tokens, max_samples, max_decodes
+        self.max_splits = max_splits
+        qkv_width = arch.q_size + 2 * arch.kv_size
+        self.residual = buffer(max_tokens, arch.hidden_size)
+        self.normed = buffer(max_tokens, arch.hidden_size)
+        self.qkv = buffer(max_tokens, qkv_width)
+        self.attn = buffer(max_tokens, arch.q_size)
+        self.proj = buffer(max_tokens, arch.hidden_size)
+        self.gate_up = buffer(max_tokens, 2 * arch.intermediate_size)
+        self.act = buffer(max_tokens, arch.intermediate_size)
+        self.final = buffer(max_samples, arch.hidden_size)
+        self.logits = buffer(max_samples, arch.vocab_size, dtype=numpy.float32)
+        self.decode_scratch = DecodeScratch.allocate(
+            max(1, max_decodes), arch.num_heads, max_splits, arch.head_dim
+        )
+
+    def fits(self, tokens: int, samples: int, decodes: int, splits: int) -> bool:
+        return (
+            tokens <= self.max_tokens
+            and samples <= self.max_samples
+            and decodes <= self.max_decodes
+            and splits <= self.max_splits
+        )
+
+
+@dataclass(frozen=True)
+class DeviceBatch:
+    """A GpuBatch's arrays on the device (fixed buffers when a CUDA graph replays them)."""
+
+    input_ids: Any
+    positions: Any
+    slots: Any
+    decode_block_tables: Any
+    decode_context_lens: Any
+    prefill_block_tables: Any
+    prefill_query_starts: Any
+    prefill_context_lens: Any
+    max_query_len: int
+    sample_rows: Any
+    num_decodes: int
+
+    @staticmethod
+    def upload(batch: GpuBatch) -> DeviceBatch:
+        return DeviceBatch(
+            cupy.asarray(batch.input_ids),
+            cupy.asarray(batch.positions),
+            cupy.asarray(batch.slots),
+            cupy.asarray(batch.decode_block_tables),
+            cupy.asarray(batch.decode_context_lens),
+            cupy.asarray(batch.prefill_block_tables),
+            cupy.asarray(batch.prefill_query_starts),
+            cupy.asarray(batch.prefill_context_lens),
+            batch.max_query_len,
+            cupy.asarray(batch.sample_rows),
+            batch.num_decodes,
+        )
+
+
+class CupyCausalLM:
+    def __init__(
+        self,
+        arch: ModelArchitecture,
+        weights: ModelWeights,
+        max_positions: int,
+        spec: DTypeSpec,
+    ) -> None:
+        check_shape(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self.arch = arch
+        self.spec = spec
+        self.weights = GpuWeights(weights, spec)
+        freqs = (
+            torch.arange(max_positions, dtype=torch.float32)[:, None]
+            * (arch.rope.inv_freq(arch.head_dim)[None, :])
+        )
+        self.cos = cupy.asarray(freqs.cos().numpy())  # (positions, D / 2) float32
+        self.sin = cupy.asarray(freqs.sin().numpy())
+        self.scale = arch.head_dim**-0.5
+
+    def forward(self, batch: DeviceBatch, cache: GpuKVCache, ws: Workspace) -> Any:
+        """Logits (S, vocab) float32, a view into the workspace (valid until the next call)."""
+        arch, w, spec = self.arch, self.weights, self.spec
+        tokens = int(batch.input_ids.shape[0])
+        samples = int(batch.sample_rows.shape[0])
+        decodes = batch.num_decodes
+        x, normed, qkv = ws.residual[:tokens], ws.normed[:tokens], ws.qkv[:tokens]
+        attn, proj = ws.attn[:tokens], ws.proj[:tokens]
+        embedding(x, w.embed, batch.input_ids, spec)
+        eps = arch.rms_norm_eps
+        for index, layer in enumerate(w.layers):
+            # residual += the previous layer's MLP output; normed = its input norm.
+            delta = proj if index else None
+            add_rms_norm(normed, x, layer.input_norm, eps, spec, delta=delta)
+            gemm(normed, layer.qkv, qkv, spec)
+            if layer.qkv_bias is not None:
+                bias_add(qkv, layer.qkv_bias, spec)
+            rotary(
+                qkv,
+                batch.positions,
+                self.cos,
+                self.sin,
+                arch.num_heads + arch.num_kv_heads,
+                arch.head_dim,
+                spec,
+            )
+            key_cache, value_cache = cache.layer(index)
+            reshape_and_cache(
+                key_cache,
+                value_cache,
+                qkv,
+                batch.slots,
+                arch.q_size,
+                arch.num_kv_heads,
+                arch.head_dim,
+                spec,
+            )
+            if decodes:
+                paged_decode_attention(
+                    attn[:decodes],
+                    qkv[:decodes],
+                    key_cache,
+                    value_cache,
+                    batch.decode_block_tables,
+                    batch.decode_context_lens,
+                    arch.num_heads,
+                    self.scale,
+                    ws.decode_scratch,
+                    spec,
+                )
+            if tokens > decodes:
+                paged_prefill_attention(
+                    attn,
+                    qkv,
+                    key_cache,
+                    value_cache,
+                    batch.prefill_block_tables,
+                    batch.prefill_query_starts,
+                    batch.prefill_context_lens,
+                    batch.max_query_len,
+                    arch.num_heads,
+                    self.scale,
+                    spec,
+                )
+            gemm(attn, layer.o_proj, proj, spec)
+            if layer.o_bias is not None:
+                bias_add(proj, layer.o_bias, spec)
+            add_rms_norm(normed, x, layer.post_norm, eps, spec, delta=proj)
+            gemm(normed, layer.gate_up, ws.gate_up[:tokens], spec)
+            silu_and_mul(ws.act[:tokens], ws.gate_up[:tokens], spec)
+            gemm(ws.act[:tokens], layer.down, proj, spec)
+        # The last MLP add and the final norm only where a token is sampled.
+        final = ws.final[:samples]
+        add_rms_norm(final, x, w.final_norm, eps, spec, delta=proj, rows=batch.sample_rows)
+        logits = ws.logits[:samples]
+        gemm(final, w.lm_head, logits, spec, out_type=CUDA_R_32F)
+        return logits

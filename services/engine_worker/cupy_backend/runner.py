@@ -1,0 +1,170 @@
+"""The cupy backend's step: host arrays -> GPU forward (a CUDA graph for decode-only steps)
+-> sampling.
+
+Sampling: rows that are plain greedy (temperature 0, no penalties, no response format, at
+most the chosen token's logprob) take the argmax kernel on the GPU, and only a token and a
+float per row come back. Every other row's logits are copied to the host and go through the
+shared torch sampler (sampler.py): its per-request seeded generators are what make a seeded
+request's tokens the same on every backend, and those rows are rare in serving (penalties,
+top-N logprobs, response formats) or cost one (vocab,) copy each.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import cupy
+import numpy
+import torch
+
+from services.engine_worker.artifacts.architecture import ModelArchitecture
+from services.engine_worker.artifacts.weights import ModelWeights
+from services.engine_worker.cupy_backend.batch import GpuBatch, build_gpu_batch
+from services.engine_worker.cupy_backend.graphs import DecodeGraphs
+from services.engine_worker.cupy_backend.kernels.greedy_sample import greedy_sample
+from services.engine_worker.cupy_backend.kernels.library import DTYPES
+from services.engine_worker.cupy_backend.kernels.paged_decode_attention import num_splits
+from services.engine_worker.cupy_backend.model import (
+    CupyCausalLM,
+    DeviceBatch,
+    GpuKVCache,
+    Workspace,
+)
+from services.engine_worker.kv_cache import KVCacheShape
+from services.engine_worker.sampler import sample
+from services.engine_worker.step_inputs import RequestState, unique_states
+from services.engine_worker.verification import sample_and_verify
+from shared.config import EngineConfig
+from shared.step import FailedRequest, SampledToken, TokenLogprobs
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def cuda_graphs_enabled() -> bool:
+    """KVMESH_CUDA_GRAPHS=0 runs every step eagerly (to compare, or to debug a kernel)."""
+    return os.environ.get("KVMESH_CUDA_GRAPHS", "1") != "0"
+
+
+def on_gpu_sampler(state: RequestState) -> bool:
+    params = state.sampling
+    return (
+        params.greedy
+        and not params.has_penalties
+        and not params.logit_bias
+        and state.matcher is None
+        and not params.logprobs  # None or 0: the chosen token's logprob at most
+    )
+
+
+class Runner:
+    def __init__(
+        self,
+        arch: ModelArchitecture,
+        weights: ModelWeights,
+        kv_shape: KVCacheShape,
+        max_model_len: int,
+        dtype: torch.dtype,
+        config: EngineConfig,
+    ) -> None:
+        self.spec = DTYPES[_DTYPE_NAMES[dtype]]
+        self.arch = arch
+        self.block_size = kv_shape.block_size
+        self.weights_resident_bytes = weights.resident_bytes  # copied to the GPU as they are
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        with self.stream:
+            self.model = CupyCausalLM(arch, weights, max_model_len, self.spec)
+            self.cache = GpuKVCache(kv_shape, self.spec)
+        self.workspace: Workspace | None = None  # eager steps; grown to the largest seen
+        self.graphs = (
+            DecodeGraphs(
+                self.model,
+                self.cache,
+                max_model_len,
+                self.stream,
+                config.scheduler.max_sampled_rows,
+            )
+            if cuda_graphs_enabled()
+            else None
+        )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.cache.num_bytes
+
+    def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        with self.stream:  # ordered before the step's kernels on the same stream
+            self.cache.copy_blocks(pairs)
+
+    def step(
+        self, scheduled: list[tuple[RequestState, int]], rng: torch.Generator
+    ) -> tuple[tuple[RequestState, ...], list[SampledToken | FailedRequest]]:
+        batch = build_gpu_batch(scheduled, self.block_size)
+        logits = None
+        if self.graphs is not None and batch.decode_only:
+            logits = self.graphs.run(batch)
+        if logits is None:
+            logits = self._eager(batch)
+        return unique_states(batch.sampling_states), self._sample(logits, batch, rng)
+
+    def _eager(self, batch: GpuBatch) -> Any:
+        tokens, samples, decodes = batch.num_tokens, len(batch.sampling_states), batch.num_decodes
+        longest = int(batch.decode_context_lens.max()) if decodes else 1
+        splits = num_splits(longest)
+        workspace = self.workspace
+        if workspace is None or not workspace.fits(tokens, samples, decodes, splits):
+            grown = [tokens, samples, decodes, splits]
+            if workspace is not None:  # never shrink: the largest step comes back
+                grown = [
+                    max(a, b)
+                    for a, b in zip(
+                        grown,
+                        (
+                            workspace.max_tokens,
+                            workspace.max_samples,
+                            workspace.max_decodes,
+                            workspace.max_splits,
+                        ),
+                        strict=True,
+                    )
+                ]
+            with self.stream:
+                workspace = self.workspace = Workspace(self.arch, self.spec, *grown)
+        with self.stream:
+            return self.model.forward(DeviceBatch.upload(batch), self.cache, workspace)
+
+    def _sample(
+        self, logits: Any, batch: GpuBatch, rng: torch.Generator
+    ) -> list[SampledToken | FailedRequest]:
+        states = batch.sampling_states
+        if any(state.num_drafts for state in states):  # verification runs on the host
+            with self.stream:
+                host_logits = torch.from_numpy(cupy.asnumpy(logits))
+            return sample_and_verify(host_logits, states, rng)
+        fast = [row for row, state in enumerate(states) if on_gpu_sampler(state)]
+        slow = [row for row, state in enumerate(states) if not on_gpu_sampler(state)]
+        results: list[SampledToken | FailedRequest | None] = [None] * len(states)
+        with self.stream:
+            if fast:
+                rows = cupy.asarray(numpy.asarray(fast, dtype=numpy.int32))
+                picked = cupy.ascontiguousarray(logits[rows])
+                tokens = cupy.empty(len(fast), numpy.int32)
+                logprobs = cupy.empty(len(fast), numpy.float32)
+                greedy_sample(picked, tokens, logprobs)
+                for row, token, logprob in zip(
+                    fast, tokens.get().tolist(), logprobs.get().tolist(), strict=True
+                ):
+                    state = states[row]
+                    wants = state.sampling.logprobs is not None
+                    results[row] = SampledToken(
+                        state.request_id,
+                        token,
+                        TokenLogprobs(token, logprob, ()) if wants else None,
+                    )
+            if slow:
+                host = torch.from_numpy(cupy.asnumpy(logits[cupy.asarray(slow)]))
+                for row, token in zip(
+                    slow, sample(host, [states[r] for r in slow], rng), strict=True
+                ):
+                    results[row] = token
+        return [token for token in results if token is not None]

@@ -1,0 +1,295 @@
+"""A packed model's whole forward as a TorchInductor graph: the CPU step without per-op
+overhead.
+
+At batch 1 the eager forward makes ~7,100 torch calls a step for ~3.3 ms of 4-bit GEMMs in a
+10.6 ms step (README, "One compiled graph per step"). Compiled, every elementwise op, norm and
+the decode attention of a layer fuse into a few C++ loops around the same 4-bit GEMM calls.
+Where projections are int8 rows (AVX2 CPUs), their two-level input quantization (`Int8Linear.
+product`) fuses into those loops and fbgemm's GEMM runs behind `kvmesh::int8_rows`.
+
+Two graphs, one for steps with prefill rows and one for decode-only steps, serve every step:
+the token count, decode rows, blocks per row and prefill segments are dynamic dimensions, and
+`backed_size_oblivious` keeps sizes 0 and 1 from graphs of their own, so a row is computed by
+the same kernels decoded alone or beside 31 others, a draft or a recompute (row-exact, as
+`step_inputs.flatten` needs; tested). Where the CPU has bfloat16 GEMMs, 4-bit projections run
+prefill rows as bfloat16 GEMMs over the weight dequantized for the step (`kvmesh::int4_rows`);
+the decode-only graph has no such call. Weights and the KV cache are inputs, not constants: engines
+of one shape in a process share the code. Prefill attention stays eager behind
+`kvmesh::cache_and_prefill` (SDPA per chunk), so prefix-cached prefills keep cold bits.
+
+Decode attention reads each (row, block) of K and V once, straight from the pool through the
+block table: gather, both products, mask and softmax fuse into loops over a block's 16
+positions. A row's sums run over its padded block table in position order (padding adds exact
+zeros: the longest row beside it changes nothing). The pool is float16 unless asked otherwise
+(kv_cache.kv_cache_dtype): K and V convert where the kernels write and read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.fx.experimental._config as fx_config
+import torch.nn.functional as F
+
+from services.engine_worker.artifacts.architecture import ModelArchitecture
+from services.engine_worker.kv_cache import KVCache
+from services.engine_worker.step_inputs import FlatBatch
+from services.engine_worker.torch_backend import (
+    graph_ops,  # registers the kvmesh:: ops the graph calls
+)
+from services.engine_worker.torch_backend.attention import kv_write_indices
+from services.engine_worker.torch_backend.linear import Int4Linear, Int8Linear
+from services.engine_worker.torch_backend.model import CausalLM
+from services.engine_worker.torch_backend.weights import Int8Embedding, TorchWeights
+
+
+@dataclass(frozen=True)
+class GraphBatch:
+    """A step's rows as the compiled graph takes them: every size here is dynamic."""
+
+    # Token id, position and the block its K/V goes to, of each decode row (B,) and each
+    # prefill row (P,): apart, not as T rows, so that the graph knows T = B + P and needs no
+    # guard on how T splits (one that held for the first step would fail the next).
+    decode_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    prefill_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    decode_table: torch.Tensor  # (B, max blocks) block table of each decode row, 0-padded
+    decode_context_lens: torch.Tensor  # (B,)
+    prefill_segments: torch.Tensor  # (S, 3) first prefill row, rows, context length
+    prefill_blocks: torch.Tensor  # (S, max blocks)
+    sample_rows: torch.Tensor  # (R,)
+
+    @staticmethod
+    def of(flat: FlatBatch) -> GraphBatch:
+        def table(rows: list[list[int]]) -> torch.Tensor:
+            if not rows:
+                return torch.zeros((0, 1), dtype=torch.long)
+            width = max(len(row) for row in rows)
+            return torch.tensor([row + [0] * (width - len(row)) for row in rows])
+
+        first = flat.prefill_query_starts[0]  # decode rows come first
+
+        def rows(part: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            ids, positions, blocks = flat.input_ids, flat.positions, flat.token_blocks
+            return (
+                torch.tensor(ids[part], dtype=torch.long),
+                torch.tensor(positions[part], dtype=torch.long),
+                torch.tensor(blocks[part], dtype=torch.long),
+            )
+
+        segments = [
+            (start - first, end - start, context)
+            for start, end, context in zip(
+                flat.prefill_query_starts[:-1],
+                flat.prefill_query_starts[1:],
+                flat.prefill_context_lens,
+                strict=True,
+            )
+        ]
+        return GraphBatch(
+            rows(slice(0, first)),
+            rows(slice(first, None)),
+            table(flat.decode_blocks),
+            torch.tensor(flat.decode_context_lens, dtype=torch.long),
+            torch.tensor(segments, dtype=torch.long).view(len(segments), 3),
+            table(flat.prefill_blocks),
+            torch.tensor(flat.sample_rows, dtype=torch.long),
+        )
+
+    def mark_dynamic(self) -> None:
+        for tensor in (*self.decode_rows, *self.prefill_rows, self.sample_rows):
+            torch._dynamo.mark_dynamic(tensor, 0)
+        for tensor in (self.decode_table, self.decode_context_lens, self.prefill_segments):
+            torch._dynamo.mark_dynamic(tensor, 0)
+        torch._dynamo.mark_dynamic(self.prefill_blocks, 0)
+        torch._dynamo.mark_dynamic(self.decode_table, 1)
+        torch._dynamo.mark_dynamic(self.prefill_blocks, 1)
+
+
+def can_compile(weights: TorchWeights) -> bool:
+    """The graph is written for packed projections (4-bit groups, or int8 rows where the 4-bit
+    kernel is slow) and int8 embedding rows."""
+    projections = [
+        p for layer in weights.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    ]
+    return isinstance(weights.embed, Int8Embedding) and all(
+        isinstance(p, Int4Linear | Int8Linear) for p in projections
+    )
+
+
+class Int4Parts(NamedTuple):
+    """An `Int4Linear` as the graph takes it; `dense` where prefill rows run as a bfloat16 GEMM
+    (graph_ops.int4_rows)."""
+
+    packed: torch.Tensor
+    scale_zero: torch.Tensor
+    dense: tuple[torch.Tensor, torch.Tensor] | None
+    bias: torch.Tensor | None
+
+
+class Int8Parts(NamedTuple):
+    """An `Int8Linear` as the graph takes it (graph_ops.int8_rows)."""
+
+    handle: torch.Tensor
+    out_features: int
+    bias: torch.Tensor | None
+
+
+ProjectionParts = Int4Parts | Int8Parts
+# A layer: input norm, post-attention norm, then qkv, o, gate_up and down projections.
+LayerParts = tuple[
+    torch.Tensor, torch.Tensor, ProjectionParts, ProjectionParts, ProjectionParts, ProjectionParts
+]
+
+
+def _project(
+    x: torch.Tensor, parts: ProjectionParts, decodes: int, prefilling: bool
+) -> torch.Tensor:
+    """x: the step's rows, its `decodes` decode rows first; `prefilling`: whether any follow."""
+    if isinstance(parts, Int8Parts):  # fixed per graph: no branch at run time
+        handle, out_features = parts.handle, parts.out_features
+        out = Int8Linear.product(
+            x, lambda rows: torch.ops.kvmesh.int8_rows(rows, handle, out_features)
+        )
+    elif parts.dense is None or not prefilling:
+        out = Int4Linear.product(x, parts.packed, parts.scale_zero)
+    else:  # as `product`, prefill rows dense (a prompt token is always one: step_inputs.flatten)
+        rows = x.to(Int4Linear.ACTIVATIONS)
+        out = torch.ops.kvmesh.int4_rows(
+            rows, decodes, parts.packed, parts.scale_zero, *parts.dense
+        )
+        out = out.to(x.dtype)
+    return out if parts.bias is None else out + parts.bias
+
+
+def _projection_parts(projection: object) -> ProjectionParts:
+    if isinstance(projection, Int8Linear):
+        handle = graph_ops.int8_handle(projection)
+        return Int8Parts(handle, projection.out_features, projection.bias)
+    assert isinstance(projection, Int4Linear)
+    return Int4Parts(
+        projection._packed, projection._scale_zero, projection.dense_parts, projection.bias
+    )
+
+
+def _graph(
+    arch: ModelArchitecture,
+    scale: float,
+    by_block: bool,
+    prefilling: bool,
+    batch: GraphBatch,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    layers: list[LayerParts],
+    embed_rows: torch.Tensor,
+    embed_scale: torch.Tensor,
+    final_norm: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+) -> torch.Tensor:
+    """The forward up to the final norm of the sampled rows: (R, hidden)."""
+    heads, kv_heads, dim, eps = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps
+    group, hidden = heads // kv_heads, (arch.hidden_size,)
+    decodes, prefills = batch.decode_rows[0].shape[0], batch.prefill_rows[0].shape[0]
+    tokens = decodes + prefills
+    input_ids, positions, write_blocks = (
+        torch.cat(pair) for pair in zip(batch.decode_rows, batch.prefill_rows, strict=True)
+    )
+    num_blocks, block = batch.decode_table.shape[1], keys[0].shape[3]
+    cos = cos_table[positions].unsqueeze(1)
+    sin = sin_table[positions].unsqueeze(1)
+    key_write, value_write = kv_write_indices(write_blocks, positions, kv_heads, dim, block)
+    # Position of each (block, slot) of a decode row's table, and which of them it attends to.
+    slots = torch.arange(num_blocks * block, device=cos.device).view(1, num_blocks, 1, 1, block)
+    outside = slots >= batch.decode_context_lens.view(decodes, 1, 1, 1, 1)
+    x = F.embedding(input_ids, embed_rows).float() * F.embedding(input_ids, embed_scale)
+    for k_cache, v_cache, layer in zip(keys, values, layers, strict=True):
+        in_norm, post_norm, qkv_proj, o_proj, gate_up, down = layer
+        qkv = _project(F.rms_norm(x, hidden, in_norm, eps), qkv_proj, decodes, prefilling)
+        # Q and K heads side by side, rotated in one pass (swapping halves is roll by D/2).
+        # Rows viewed whole, then sliced: a view of a column slice guards tokens != 1.
+        qk, v = qkv.view(tokens, -1, dim).split((heads + kv_heads, kv_heads), dim=1)
+        qk = qk * cos + torch.cat((qk[..., dim // 2 :], qk[..., : dim // 2]), -1) * sin
+        q, k = qk[:, :heads], qk[:, heads:]
+        # The write first: decode rows read their own new K/V through their tables.
+        prefilled = torch.ops.kvmesh.cache_and_prefill(
+            k_cache,
+            v_cache,
+            k.to(k_cache.dtype),  # float16 by default: the rotary kernel converts it
+            v.to(v_cache.dtype),
+            key_write,
+            value_write,
+            q.narrow(0, decodes, prefills),
+            batch.prefill_segments,
+            batch.prefill_blocks,
+            scale,
+            by_block,
+        )
+        # Decode rows: scores (B, blocks, kv_heads, group, slot), reduced over D in place.
+        q_rows = (q.narrow(0, 0, decodes) * scale).view(decodes, 1, kv_heads, group, dim, 1)
+        k_rows = k_cache[batch.decode_table].to(x.dtype)
+        k_rows = k_rows.view(decodes, num_blocks, kv_heads, 1, dim, block)
+        scores = (q_rows * k_rows).sum(4).masked_fill(outside, float("-inf"))
+        probs = torch.exp(scores - scores.amax(dim=(1, 4), keepdim=True))
+        v_rows = v_cache[batch.decode_table].to(x.dtype)
+        v_rows = v_rows.view(decodes, num_blocks, kv_heads, 1, block, dim)
+        weighted = (probs.unsqueeze(-1) * v_rows).sum(dim=(1, 4))  # (B, kv_heads, group, D)
+        decoded = weighted / probs.sum(dim=(1, 4)).unsqueeze(-1)
+        width = heads * dim
+        attn = torch.cat((decoded.reshape(decodes, width), prefilled.reshape(prefills, width)))
+        x = x + _project(attn, o_proj, decodes, prefilling)
+        normed = F.rms_norm(x, hidden, post_norm, eps)
+        gate, up = _project(normed, gate_up, decodes, prefilling).chunk(2, dim=-1)
+        x = x + _project(F.silu(gate) * up, down, decodes, prefilling)
+    return F.rms_norm(x.index_select(0, batch.sample_rows), hidden, final_norm, eps)
+
+
+class CompiledCausalLM:
+    """`CausalLM.forward`'s contract on a `GraphBatch`, through one compiled graph."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache) -> None:
+        self.model = model
+        w = model.weights
+        self._keys = [kv_cache.layer(i)[0] for i in range(model.arch.num_layers)]
+        self._values = [kv_cache.layer(i)[1] for i in range(model.arch.num_layers)]
+        for tensor in (*self._keys, *self._values):  # any KV budget: the same graph
+            torch._dynamo.mark_dynamic(tensor, 0)
+        self._layers: list[LayerParts] = [
+            (
+                layer.input_norm,
+                layer.post_norm,
+                *map(_projection_parts, (layer.qkv, layer.o_proj, layer.gate_up, layer.down)),
+            )  # type: ignore[misc]
+            for layer in w.layers
+        ]
+        assert isinstance(w.embed, Int8Embedding)
+        self._embed = (w.embed.rows, w.embed.scale)
+        # Its inputs are built here, not by strangers: no size/stride asserts on each of them
+        # per call (~650 a step, 0.3 ms at batch 1).
+        self._graph = torch.compile(
+            _graph, fullgraph=True, dynamic=False, options={"size_asserts": False}
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: GraphBatch) -> torch.Tensor:
+        """-> logits (R, vocab) of the sampled rows."""
+        model = self.model
+        batch.mark_dynamic()
+        # Sizes 0 and 1 must not get a graph (and kernels) of their own: see the docstring.
+        with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
+            hidden = self._graph(
+                model.arch,
+                model.scale,
+                model._exact_over_cache,
+                batch.prefill_rows[0].shape[0] > 0,  # a graph with prefill rows, one without
+                batch,
+                self._keys,
+                self._values,
+                self._layers,
+                *self._embed,
+                model.weights.final_norm,
+                model.cos,
+                model.signed_sin,
+            )
+        return model.weights.lm_head(hidden).float()

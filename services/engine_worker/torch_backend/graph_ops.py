@@ -1,0 +1,160 @@
+"""The compiled step's opaque ops: what the graph (compiled_model.py) must not trace.
+
+`kvmesh::cache_and_prefill`, one a layer. The KV write: traced, every form of it
+(`index_copy_`, `index_put_`, `scatter_`) made the graph guard the token count against 1, i.e.
+a graph per size. Prefill attention: SDPA per chunk, eager, as the eager path runs it
+(`attention._prefill`), so a prefill over cached blocks keeps a cold prefill's bits. A plain
+library op: through `torch.library.custom_op`'s wrappers the write alone took 47 µs a call
+(profiled), this op with the write and an empty prefill 29 µs.
+
+`kvmesh::int8_rows`, one a projection where projections are int8 rows (AVX2 CPUs): fbgemm's
+GEMM on the rows `Int8Linear.product` makes, which the graph traces and fuses (eager, they
+cost more than the GEMM itself at batch 1). fbgemm's packed weight is a TorchScript object
+that dynamo cannot take as an input, so the graph passes a handle tensor instead, which names
+the projection here.
+
+`kvmesh::int4_rows`, one a 4-bit projection in the graph of steps with prefill rows, where the
+CPU has bfloat16 GEMMs: the decode rows through the 4-bit kernel, as in the decode-only graph,
+and the prefill rows as bfloat16 GEMMs of fixed-size pieces over `Int4Linear.dense_weight`,
+which is compiled on its own (one fused loop unpacks the weight; eager, its ops took 10x as
+long). In the graph, the weight would be dequantized every step; as the one op in place of the
+kernel, the loops around it are the decode-only graph's, and a decode row's bits the same in
+both.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from services.engine_worker.artifacts.int4_groups import GROUP
+from services.engine_worker.torch_backend.attention import PrefillSegment, _prefill, prefill_mask
+from services.engine_worker.torch_backend.linear import LINEAR_DYNAMIC, Int4Linear, Int8Linear
+
+_OPS = torch.library.Library("kvmesh", "DEF")
+_OPS.define(
+    "cache_and_prefill(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
+    "Tensor key_write, Tensor value_write, Tensor q, Tensor segments, Tensor blocks, "
+    "float scale, bool by_block) -> Tensor"
+)
+
+
+def _cache_and_prefill(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_write: torch.Tensor,
+    value_write: torch.Tensor,
+    q: torch.Tensor,
+    segments: torch.Tensor,
+    blocks: torch.Tensor,
+    scale: float,
+    by_block: bool,
+) -> torch.Tensor:
+    """k, v: (T, kv_heads, D) into their slots (attention.kv_write_indices); then q: (P, H, D),
+    the step's prefill rows, attend. segments: (S, 3) first row, rows and context length of
+    each prefill chunk; blocks: (S, max blocks) each chunk's block table, padded."""
+    k_cache.view(-1).index_copy_(0, key_write, k.reshape(-1))
+    v_cache.view(-1, v.shape[-1]).index_copy_(0, value_write, v.reshape(-1, v.shape[-1]))
+    out = torch.empty_like(q)
+    for (row, rows, context), table in zip(segments.tolist(), blocks, strict=True):
+        # by_block (always, where the step compiles) masks each piece itself.
+        mask = None if by_block else prefill_mask(context - rows, context)
+        segment = PrefillSegment(row, rows, context, table[: -(-context // k_cache.shape[3])], mask)
+        out[row : row + rows] = _prefill(
+            q[row : row + rows], k_cache, v_cache, segment, scale, by_block
+        )
+    return out
+
+
+_OPS.impl("cache_and_prefill", _cache_and_prefill, "CPU")
+
+
+@torch.library.register_fake("kvmesh::cache_and_prefill")
+def _(k_cache, v_cache, k, v, key_write, value_write, q, *rest):
+    return torch.empty_like(q)
+
+
+_OPS.define("int8_rows(Tensor rows, Tensor handle, int out_features) -> Tensor")
+# handle -> its projection, for as long as the projection lives.
+_INT8_PROJECTIONS: dict[int, weakref.ref[Int8Linear]] = {}
+
+
+def int8_handle(projection: Int8Linear) -> torch.Tensor:
+    """The tensor that names `projection` to `kvmesh::int8_rows`."""
+    key = id(projection)
+    _INT8_PROJECTIONS[key] = weakref.ref(projection)
+    weakref.finalize(projection, _INT8_PROJECTIONS.pop, key, None)
+    return torch.tensor(key)
+
+
+def int8_projection(handle: torch.Tensor) -> Int8Linear:
+    """The live projection `handle` names (KeyError once it is gone)."""
+    projection = _INT8_PROJECTIONS[int(handle)]()
+    if projection is None:  # collected, its finalizer not yet run
+        raise KeyError(int(handle))
+    return projection
+
+
+def _int8_rows(rows: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
+    return LINEAR_DYNAMIC(rows, int8_projection(handle)._packed, True)
+
+
+_OPS.impl("int8_rows", _int8_rows, "CPU")
+
+
+@torch.library.register_fake("kvmesh::int8_rows")
+def _(rows, handle, out_features):
+    return rows.new_empty((rows.shape[0], out_features))
+
+
+_OPS.define(
+    "int4_rows(Tensor rows, SymInt decodes, Tensor packed, Tensor scale_zero, Tensor scale, "
+    "Tensor zero) -> Tensor"
+)
+# One graph per weight shape, compiled at warm-up (its prefill rows reach every projection);
+# with dynamic sizes its loop ran 1.8x longer.
+_DENSE_WEIGHT = torch.compile(Int4Linear.dense_weight, dynamic=False)
+# Prefill rows are multiplied PREFILL_PIECE at a time, the last piece zero-padded: oneDNN picks
+# its kernel by the row count (with AMX, the 3072x576 projection's rows at 28, 40-48 or 53-162
+# rows were summed in another order than at 1,024; without, one row was), so only a fixed count
+# gives a row the same bits whatever its batch. 256: the fastest piece measured with AMX (512
+# rows of that projection: 0.89 ms, one call 0.74, 64-row pieces 1.84, the 4-bit kernel 10.2).
+PREFILL_PIECE = 256
+
+
+def _int4_rows(
+    rows: torch.Tensor,
+    decodes: int,
+    packed: torch.Tensor,
+    scale_zero: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+) -> torch.Tensor:
+    """rows (T, in) bfloat16, its `decodes` decode rows first -> (T, out) bfloat16."""
+    out = rows.new_empty((rows.shape[0], packed.shape[0]))
+    if decodes:
+        decoded = torch._weight_int4pack_mm_for_cpu(rows[:decodes], packed, GROUP, scale_zero)
+        out[:decodes] = decoded
+    prefill = rows[decodes:]
+    if prefill.shape[0]:
+        weight = _DENSE_WEIGHT(packed, scale, zero)
+        padded = -(-prefill.shape[0] // PREFILL_PIECE) * PREFILL_PIECE
+        pieces = prefill.new_zeros((padded, prefill.shape[1]))
+        pieces[: prefill.shape[0]] = prefill
+        dense = rows.new_empty((padded, weight.shape[1]))
+        for start in range(0, padded, PREFILL_PIECE):
+            piece = slice(start, start + PREFILL_PIECE)
+            torch.mm(pieces[piece], weight, out=dense[piece])
+        out[decodes:] = dense[: prefill.shape[0]]
+    return out
+
+
+_OPS.impl("int4_rows", _int4_rows, "CPU")
+
+
+@torch.library.register_fake("kvmesh::int4_rows")
+def _(rows, decodes, packed, *rest):
+    return rows.new_empty((rows.shape[0], packed.shape[0]))

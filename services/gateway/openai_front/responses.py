@@ -1,0 +1,227 @@
+"""The gateway's events -> OpenAI responses: streamed chunks or one response object.
+
+The OpenAI shapes (ids, `object`, choices, logprobs, usage with cached tokens) are built
+here from the same events a gRPC client receives; parsing is protocol.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.gateway.openai_front.protocol import OpenAIRequest
+from services.gateway.openai_front.tools import tool_call_object
+from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_STOP_STRING: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
+}
+ABORTED = "abort"  # an Abort call ended it (vLLM's finish reason for the same)
+
+
+def usage_object(usage: inference_pb2.Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _token_text(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+@dataclass
+class Choice:
+    """What one of the n completions has sent so far."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprob_entries: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    tool_calls: list[common_pb2.ToolCall] = field(default_factory=list)
+    usage: inference_pb2.Usage | None = None
+    finish: str | None = None  # set by its terminal event
+    text_offset: int = 0  # characters of completion logprob tokens so far (text_offset)
+    started: bool = False  # a chunk went out (a chat stream's first one carries the role)
+    num_streamed_calls: int = 0  # tool calls streamed so far (each delta's call index)
+
+
+@dataclass
+class ResponseBuilder:
+    """Turns one request's events into OpenAI chunks (streaming) or one response object, with
+    a choice per completion (`n`), told apart by each event's index."""
+
+    request: OpenAIRequest
+    created: int = field(default_factory=lambda: int(time.time()))
+    id: str = ""
+    model: str = ""
+    fingerprint: str = ""
+    choices: dict[int, Choice] = field(default_factory=dict)
+
+    @property
+    def object(self) -> str:
+        chat = self.request.chat
+        if self.request.stream:
+            return "chat.completion.chunk" if chat else "text_completion"
+        return "chat.completion" if chat else "text_completion"
+
+    @property
+    def finished(self) -> bool:
+        """Every completion has sent its terminal event."""
+        done = sum(choice.finish is not None for choice in self.choices.values())
+        return done == max(self.request.generate.n, 1)
+
+    def choice(self, index: int) -> Choice:
+        return self.choices.setdefault(index, Choice(index))
+
+    def accepted(self, event: inference_pb2.Accepted) -> None:
+        self.id = ("chatcmpl-" if self.request.chat else "cmpl-") + event.request_id
+        self.model = event.model
+        self.fingerprint = f"kvmesh-{event.model_version}"  # the version that answers
+
+    def delta_chunk(self, delta: inference_pb2.Delta, index: int = 0) -> dict[str, Any] | None:
+        """The chunk for one delta; None when it has nothing to show (text held back)."""
+        choice = self.choice(index)
+        logprobs = self._logprobs(choice, list(delta.logprobs)) if self.request.logprobs else None
+        if not delta.text and not logprobs and not delta.tool_calls and choice.started:
+            return None
+        return self._chunk(self._choice(choice, delta.text, logprobs, list(delta.tool_calls)))
+
+    def finish_chunks(self, event: inference_pb2.GenerateEvent) -> list[dict[str, Any]]:
+        """The completion's last chunk (with its finish reason) and, after the last
+        completion's, the usage of all of them when asked for."""
+        choice = self.choice(event.index)
+        choice.finish = finish_reason(event)
+        chunks = [self._chunk(self._choice(choice, "", None))]
+        if self.request.include_usage and self.finished:
+            chunks.append(self._chunk(None, usage=usage_object(self.total_usage())))
+        return chunks
+
+    def collect(self, event: inference_pb2.GenerateEvent) -> None:
+        """A non-streaming answer's delta, usage or terminal event."""
+        choice = self.choice(event.index)
+        kind = event.WhichOneof("event")
+        if kind == "delta":
+            choice.text.append(event.delta.text)
+            choice.logprob_entries.extend(event.delta.logprobs)
+            choice.tool_calls.extend(event.delta.tool_calls)
+        elif kind == "usage":
+            choice.usage = event.usage
+        elif kind in ("completed", "cancelled"):
+            choice.finish = finish_reason(event)
+
+    def response(self) -> dict[str, Any]:
+        """The whole non-streaming answer, its choices in index order."""
+        answer = self._chunk(None)
+        for index in sorted(self.choices):
+            choice = self.choices[index]
+            entries = choice.logprob_entries
+            logprobs = self._logprobs(choice, entries) if self.request.logprobs else None
+            text = "".join(choice.text)
+            answer["choices"].append(self._choice(choice, text, logprobs, choice.tool_calls))
+        answer["usage"] = usage_object(self.total_usage())
+        return answer
+
+    def total_usage(self) -> inference_pb2.Usage:
+        """As OpenAI counts n completions: the prompt once, every completion's tokens."""
+        usages = [c.usage for c in self.choices.values() if c.usage is not None]
+        if not usages:
+            return inference_pb2.Usage()
+        return inference_pb2.Usage(
+            prompt_tokens=usages[0].prompt_tokens,
+            completion_tokens=sum(u.completion_tokens for u in usages),
+            cached_tokens=max(u.cached_tokens for u in usages),
+        )
+
+    def _chunk(
+        self, choice: dict[str, Any] | None, usage: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": [] if choice is None else [choice],
+        }
+        if self.request.stream and self.request.include_usage:
+            chunk["usage"] = usage  # null on every chunk but the last, as OpenAI sends it
+        return chunk
+
+    def _choice(
+        self,
+        state: Choice,
+        text: str,
+        logprobs: Any,
+        calls: list[common_pb2.ToolCall] | None = None,
+    ) -> dict[str, Any]:
+        finish = state.finish
+        choice: dict[str, Any] = {"index": state.index}
+        if not self.request.chat:
+            choice["text"] = text
+        elif self.request.stream:
+            delta: dict[str, Any] = {} if state.started else {"role": "assistant"}
+            if text or not (finish or calls):
+                delta["content"] = text
+            if calls:  # each call whole, indexed in the answer's order
+                first = state.num_streamed_calls
+                state.num_streamed_calls += len(calls)
+                delta["tool_calls"] = [
+                    {"index": first + i, **tool_call_object(call)} for i, call in enumerate(calls)
+                ]
+            choice["delta"] = delta
+        else:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:  # OpenAI's content is null beside calls when the model wrote none
+                message["content"] = text or None
+                message["tool_calls"] = [tool_call_object(call) for call in calls]
+            choice["message"] = message
+        state.started = True
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = finish
+        return choice
+
+    def _logprobs(
+        self, choice: Choice, entries: list[common_pb2.TokenLogprobs]
+    ) -> dict[str, Any] | None:
+        if self.request.chat:
+            return {"content": [_chat_logprob(e) for e in entries], "refusal": None}
+        offsets = []
+        for entry in entries:
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(_token_text(entry.token_bytes))
+        return {
+            "tokens": [_token_text(e.token_bytes) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [
+                {_token_text(t.token_bytes): t.logprob for t in e.top} for e in entries
+            ],
+            "text_offset": offsets,
+        }
+
+
+def _chat_logprob(entry: common_pb2.TokenLogprobs) -> dict[str, Any]:
+    return {
+        "token": _token_text(entry.token_bytes),
+        "logprob": entry.logprob,
+        "bytes": list(entry.token_bytes),
+        "top_logprobs": [
+            {
+                "token": _token_text(t.token_bytes),
+                "logprob": t.logprob,
+                "bytes": list(t.token_bytes),
+            }
+            for t in entry.top
+        ],
+    }
+
+
+def finish_reason(event: inference_pb2.GenerateEvent) -> str:
+    if event.WhichOneof("event") == "completed":
+        return FINISH_REASONS.get(event.completed.finish_reason, "stop")
+    return ABORTED

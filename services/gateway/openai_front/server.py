@@ -1,0 +1,290 @@
+"""The gateway's OpenAI-compatible HTTP front, on its own port beside gRPC.
+
+    POST /v1/chat/completions   POST /v1/completions   (stream: server-sent events)
+    GET  /v1/models   GET /v1/models/{model}   GET /health   GET /metrics
+
+Each request goes through the same GenerateHandler as a gRPC Generate call: the same
+admission, Bearer-key auth, rate limits, routing, tracing (a `traceparent` header joins the
+client's trace) and errors. Errors are OpenAI error objects whose `code` is the kvmesh reason,
+plus `retryable`; retryable ones carry `Retry-After` (seconds) and `retry-after-ms`, which the
+official client honours. A client that closes the connection cancels the request upstream:
+the handler task is cancelled (aiohttp's handler_cancellation) or its next write fails, and
+closing the event iterator cancels the scheduler's stream, which frees the KV blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.gateway.call_context import HttpCall
+from services.gateway.catalog import ModelCatalog
+from services.gateway.embed import embed
+from services.gateway.generate import GenerateHandler
+from services.gateway.openai_front.embeddings import parse_embeddings
+from services.gateway.openai_front.protocol import (
+    OpenAIRequest,
+    parse_body,
+    parse_chat,
+    parse_completion,
+)
+from services.gateway.openai_front.responses import ResponseBuilder
+from services.gateway.stall import ClientStalled, write_or_stall
+from shared import grpc_errors
+from shared.errors import KvmeshError, Reason
+from shared.pb.kvmesh.v1 import inference_pb2
+from shared.tls import http_ssl_context, tls_config
+
+log = logging.getLogger("kvmesh.gateway.http")
+Event = inference_pb2.GenerateEvent
+
+# HTTP status per reason; the rest follow their gRPC code (see _http_status).
+HTTP_STATUS = {
+    Reason.MODEL_NOT_FOUND: 404,
+    Reason.TRACE_NOT_FOUND: 404,
+    Reason.UNAUTHENTICATED: 401,
+    Reason.PERMISSION_DENIED: 403,
+    Reason.RATE_LIMITED: 429,  # the tenant's own limits
+    Reason.OVERLOADED: 503,  # the mesh's capacity: OpenAI's "engine overloaded"
+    Reason.MODEL_NOT_READY: 503,
+    Reason.WORKER_LOST: 503,
+    Reason.TOKENIZER_LOST: 503,
+    Reason.UNREACHABLE: 503,
+    Reason.REQUEST_TOO_LARGE: 413,
+    Reason.DEADLINE_EXCEEDED: 504,
+    Reason.INVALID_OUTPUT: 500,
+    Reason.EXECUTION_FAILED: 500,
+    Reason.OUT_OF_MEMORY: 500,
+    Reason.INTERNAL: 500,
+}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def http_status(error: KvmeshError) -> int:
+    return HTTP_STATUS.get(error.reason, 400)  # the rest are the caller's input
+
+
+def error_object(error: KvmeshError) -> dict[str, Any]:
+    status = http_status(error)
+    return {
+        "error": {
+            "message": error.message,
+            "type": ERROR_TYPES.get(status, "invalid_request_error"),
+            "param": None,
+            "code": error.reason.value,
+            "retryable": error.retryable,
+        }
+    }
+
+
+def error_response(error: KvmeshError) -> web.Response:
+    headers = {}
+    if error.retryable:
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_ms / 1e3)))
+        headers["retry-after-ms"] = str(error.retry_after_ms)
+    return web.json_response(error_object(error), status=http_status(error), headers=headers)
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every error, ours or aiohttp's (unknown path, wrong method), as an OpenAI error."""
+    try:
+        return await handler(request)
+    except KvmeshError as error:
+        return error_response(error)
+    except web.HTTPRequestEntityTooLarge as error:
+        return error_response(KvmeshError(Reason.REQUEST_TOO_LARGE, error.text or "too large"))
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        # Not a kvmesh reason's status: a path or method the API does not have.
+        problem = f"{request.method} {request.path}: {error.reason}"
+        response = error_response(KvmeshError(Reason.INVALID_ARGUMENT, problem))
+        response.set_status(error.status)
+        return response
+
+
+class OpenAIFront:
+    def __init__(self, generate: GenerateHandler, catalog: ModelCatalog) -> None:
+        self.generate = generate
+        self.catalog = catalog
+        self.started = int(time.time())
+        self._runner: web.AppRunner | None = None
+
+    def app(self) -> web.Application:
+        max_bytes = self.generate.policy.limits.max_request_bytes
+        app = web.Application(middlewares=[openai_errors], client_max_size=max_bytes)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model}", self.get_model)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def start(self, host: str, port: int) -> None:
+        # handler_cancellation: a client that hangs up cancels its handler, and the request.
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        tls = tls_config()
+        context = http_ssl_context(tls) if tls is not None else None
+        await web.TCPSite(self._runner, host, port, ssl_context=context).start()
+        scheme = "https" if tls is not None else "http"
+        log.info("openai http", extra={"address": f"{scheme}://{host}:{port}/v1"})
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def _call(self, request: web.Request) -> HttpCall:
+        return HttpCall(list(request.headers.items()))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = parse_body(await request.read())
+        parsed = parse_chat(body, self._max_model_len)
+        return await self._serve(request, parsed)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_completion(parse_body(await request.read())))
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        runtime = self.generate.runtime
+        self.generate.policy.api_keys.authenticate(self._call(request).invocation_metadata())
+        with runtime.in_flight():
+            runtime.refuse_if_draining()
+            parsed = parse_embeddings(parse_body(await request.read()))
+            reply = await embed(self.catalog, parsed.embed, timeout=None)
+        return web.json_response(parsed.response(reply))
+
+    def _max_model_len(self, model: str) -> int:
+        info = self.catalog.pick(model).model
+        assert info is not None
+        return info.max_model_len
+
+    async def _serve(self, request: web.Request, parsed: OpenAIRequest) -> web.StreamResponse:
+        parsed.generate.request_id = request.headers.get("X-Request-Id", "")
+        events = self.generate(parsed.generate, self._call(request))
+        async with contextlib.aclosing(events):  # closing cancels the request upstream
+            first = await events.__anext__()  # a refusal raises here, before any byte is sent
+            builder = ResponseBuilder(parsed)
+            builder.accepted(first.accepted)
+            headers = {"X-Request-Id": first.accepted.request_id}
+            if parsed.stream:
+                return await self._stream(request, events, builder, headers)
+            response = await self._whole(events, builder)
+            response.headers.update(headers)
+            return response
+
+    async def _stream(
+        self,
+        request: web.Request,
+        events: AsyncGenerator[Event, None],
+        builder: ResponseBuilder,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+        await response.prepare(request)
+        try:
+            await self._write_events(response, events, builder)
+        except ConnectionResetError:  # the client left between two chunks: nothing to send
+            log.info("client closed the stream")
+        except ClientStalled as stalled:
+            with contextlib.suppress(ClientStalled):
+                await events.athrow(stalled)  # (events is the request's own generator)
+            if request.transport is not None:  # no way to say more to a client not reading
+                request.transport.close()
+        return response
+
+    async def _write_events(
+        self, response: web.StreamResponse, events: AsyncIterator[Event], builder: ResponseBuilder
+    ) -> None:
+        stall_s = self.generate.policy.stall_timeout_s
+
+        async def send(payload: bytes) -> None:
+            await write_or_stall(response.write(payload), stall_s)
+
+        async for event in events:
+            kind = event.WhichOneof("event")
+            if kind == "delta":
+                chunk = builder.delta_chunk(event.delta, event.index)
+                if chunk is not None:
+                    await send(sse(chunk))
+            elif kind == "usage":
+                builder.choice(event.index).usage = event.usage
+            elif kind == "failed":
+                await send(sse(error_object(grpc_errors.from_pb(event.failed.error))))
+            elif kind in ("completed", "cancelled"):
+                for chunk in builder.finish_chunks(event):
+                    await send(sse(chunk))
+        await send(SSE_DONE)
+        await response.write_eof()
+
+    async def _whole(self, events: AsyncIterator[Event], builder: ResponseBuilder) -> web.Response:
+        async for event in events:
+            if event.WhichOneof("event") == "failed":  # one failed completion fails the answer
+                return error_response(grpc_errors.from_pb(event.failed.error))
+            builder.collect(event)
+            if builder.finished:
+                return web.json_response(builder.response())
+        raise KvmeshError(Reason.INTERNAL, "the request ended without a terminal event")
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        self.generate.policy.api_keys.authenticate(self._call(request).invocation_metadata())
+        # Each model by name (its traffic split chooses the version), then each version.
+        served = self.catalog.models()
+        by_name: dict[str, dict[str, Any]] = {}
+        for model in served:
+            by_name.setdefault(model.name, self._model(model, model.name))
+        versions = [self._model(m, f"{m.name}@{m.version}") for m in served]
+        return web.json_response({"object": "list", "data": [*by_name.values(), *versions]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        self.generate.policy.api_keys.authenticate(self._call(request).invocation_metadata())
+        name = request.match_info["model"]
+        info = self.catalog.pick(name).model
+        assert info is not None
+        return web.json_response(self._model(info, name))
+
+    def _model(self, info: Any, model_id: str) -> dict[str, Any]:
+        return {
+            "id": model_id,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "kvmesh",
+            "root": info.artifact_digest,
+            "max_model_len": info.max_model_len,
+        }
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while this gateway takes requests (a scheduler ready, not draining), else 503."""
+        serving = not self.generate.runtime.draining and self.catalog.registry.ready
+        return web.json_response(
+            {"status": "serving" if serving else "not_serving"}, status=200 if serving else 503
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
