@@ -1,4 +1,5 @@
-"""One Generate request's telemetry: the root of its trace and the request-level metrics.
+"""One Generate request's telemetry: the root of its trace, its phases' spans, and (through
+request_metrics.py) its Prometheus series.
 
 The root span `kvmesh.Generate` (a child of the client's `traceparent` when it sent one) spans
 the whole stream; the gateway's phases are its children: admission (auth and input checks),
@@ -16,45 +17,12 @@ from contextlib import contextmanager
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from prometheus_client import Counter, Gauge, Histogram
 
+from services.gateway.request_metrics import RequestMetrics
 from shared.errors import KvmeshError
-from shared.metrics import REQUEST_SECONDS, TOKEN_SECONDS, exemplar
 from shared.telemetry import context_from_metadata, metadata_for, trace_id_hex
 
 tracer = trace.get_tracer("kvmesh.gateway")
-REQUESTS = Counter(
-    "kvmesh_requests",
-    "Requests by how they ended (rejected, completed, cancelled, failed)",
-    ["outcome", "reason"],
-)
-ADMITTED = Counter("kvmesh_admitted", "Requests a scheduler accepted")
-EVENTS = Counter("kvmesh_request_events", "Things that happened to requests (fail_over)", ["event"])
-IN_FLIGHT = Gauge("kvmesh_gateway_requests_in_flight", "Generate streams open on this gateway")
-TTFT = Histogram(
-    "kvmesh_time_to_first_token_seconds",
-    "Request received to first delta sent",
-    ["model"],
-    buckets=REQUEST_SECONDS,
-)
-TPOT = Histogram(
-    "kvmesh_time_per_output_token_seconds",
-    "Mean time per output token after the first",
-    ["model"],
-    buckets=TOKEN_SECONDS,
-)
-ITL = Histogram(
-    "kvmesh_inter_token_latency_seconds",
-    "Time between consecutive deltas",
-    ["model"],
-    buckets=TOKEN_SECONDS,
-)
-E2E = Histogram(
-    "kvmesh_e2e_request_latency_seconds",
-    "Request received to terminal event sent",
-    ["model"],
-    buckets=REQUEST_SECONDS,
-)
 # A long answer's gaps beyond this are summarised by the histogram only.
 MAX_GAPS_IN_SPAN = 4096
 MAX_CONTENT_CHARS = 4096
@@ -68,7 +36,6 @@ class RequestTelemetry:
         operation: str,
         record_content: bool = False,
     ) -> None:
-        self.received = time.monotonic()
         self.record_content = record_content
         self.root = tracer.start_span(
             "kvmesh.Generate",
@@ -84,16 +51,13 @@ class RequestTelemetry:
         )
         self.trace_id = trace_id_hex(self.root)
         self._parent = trace.set_span_in_context(self.root)
-        self._first_delta: float | None = None
-        self._last_delta: float | None = None
+        self.metrics = RequestMetrics(self.trace_id)
         self._gaps_ms: list[float] = []
         self._completion: list[str] = []
         self._delivery: trace.Span | None = None
         self._delivery_blocked_s = 0.0
         self._detokenize: trace.Span | None = None
         self._ended = False
-        self.model = ""  # the latency histograms' label, once a scheduler accepted it
-        IN_FLIGHT.inc()
 
     # ---- spans for the gateway's phases ----------------------------------------------------
 
@@ -135,8 +99,7 @@ class RequestTelemetry:
             self.root.set_attribute("gen_ai.prompt", text[:MAX_CONTENT_CHARS])
 
     def admitted(self, attributes: dict[str, str | int | float]) -> None:
-        ADMITTED.inc()
-        self.model = str(attributes.get("gen_ai.response.model", ""))
+        self.metrics.admitted(str(attributes.get("gen_ai.response.model", "")))
         self.root.set_attributes(attributes)
 
     def end_user(self, digest: str) -> None:
@@ -145,7 +108,7 @@ class RequestTelemetry:
     def event(self, name: str, attributes: dict[str, str]) -> None:
         """Something that happened to the request: an event on its root span, and counted."""
         self.root.add_event(name, attributes)
-        EVENTS.labels(name).inc()
+        self.metrics.event(name)
 
     def delta(self, text: str, num_tokens: int) -> None:
         """A delta is about to be sent; the first one starts the delivery span."""
@@ -154,23 +117,19 @@ class RequestTelemetry:
             self._completion.append(text)
         if num_tokens == 0:
             return
-        if self._first_delta is None:
-            self._first_delta = now
+        gap_s = self.metrics.delta(now)
+        if gap_s is None:
             self.root.add_event("first_token")
             self._delivery = tracer.start_span("delivery", context=self._parent)
-        elif self._last_delta is not None:
-            gap_s = now - self._last_delta
-            ITL.labels(self.model).observe(gap_s, exemplar(self.trace_id))
-            if len(self._gaps_ms) < MAX_GAPS_IN_SPAN:
-                self._gaps_ms.append(round(gap_s * 1e3, 3))
-        self._last_delta = now
+        elif len(self._gaps_ms) < MAX_GAPS_IN_SPAN:
+            self._gaps_ms.append(round(gap_s * 1e3, 3))
 
     def blocked_sending(self, seconds: float) -> None:
         """Time a send waited for the client (gRPC flow control) counts as delivery."""
         self._delivery_blocked_s += seconds
 
     def rejected(self, error: KvmeshError) -> None:
-        REQUESTS.labels("rejected", error.reason.value).inc()
+        self.metrics.rejected(error.reason.value)
         self.root.set_attribute("kvmesh.error.reason", error.reason.value)
         self._end(Status(StatusCode.ERROR, error.reason.value))
 
@@ -178,18 +137,7 @@ class RequestTelemetry:
         """The terminal event (or the client's disconnect): outcome, usage and the metrics."""
         if self._ended:
             return
-        now = time.monotonic()
-        REQUESTS.labels(outcome, reason).inc()
-        e2e_s = now - self.received
-        example = exemplar(self.trace_id)
-        E2E.labels(self.model).observe(e2e_s, example)
-        if self._first_delta is not None:
-            ttft_s = self._first_delta - self.received
-            TTFT.labels(self.model).observe(ttft_s, example)
-            if output_tokens > 1 and self._last_delta is not None:
-                TPOT.labels(self.model).observe(
-                    (self._last_delta - self._first_delta) / (output_tokens - 1), example
-                )
+        self.metrics.ended(outcome, reason, output_tokens)
         self.root.set_attributes(
             {
                 "gen_ai.usage.input_tokens": prompt_tokens,
@@ -207,7 +155,6 @@ class RequestTelemetry:
 
     def _end(self, status: Status) -> None:
         self._ended = True
-        IN_FLIGHT.dec()
         self.detokenize_ended(0.0)
         if self._delivery is not None:
             self._delivery.set_attribute(

@@ -1,0 +1,89 @@
+"""One Generate request's Prometheus series: outcomes, streams in flight, and the latency
+histograms (TTFT, TPOT, ITL, end to end), each observation carrying its trace id as an
+exemplar. The request's spans are request_telemetry.py's."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from shared.metrics import REQUEST_SECONDS, TOKEN_SECONDS, exemplar
+
+REQUESTS = Counter(
+    "kvmesh_requests",
+    "Requests by how they ended (rejected, completed, cancelled, failed)",
+    ["outcome", "reason"],
+)
+ADMITTED = Counter("kvmesh_admitted", "Requests a scheduler accepted")
+EVENTS = Counter("kvmesh_request_events", "Things that happened to requests (fail_over)", ["event"])
+IN_FLIGHT = Gauge("kvmesh_gateway_requests_in_flight", "Generate streams open on this gateway")
+TTFT = Histogram(
+    "kvmesh_time_to_first_token_seconds",
+    "Request received to first delta sent",
+    ["model"],
+    buckets=REQUEST_SECONDS,
+)
+TPOT = Histogram(
+    "kvmesh_time_per_output_token_seconds",
+    "Mean time per output token after the first",
+    ["model"],
+    buckets=TOKEN_SECONDS,
+)
+ITL = Histogram(
+    "kvmesh_inter_token_latency_seconds",
+    "Time between consecutive deltas",
+    ["model"],
+    buckets=TOKEN_SECONDS,
+)
+E2E = Histogram(
+    "kvmesh_e2e_request_latency_seconds",
+    "Request received to terminal event sent",
+    ["model"],
+    buckets=REQUEST_SECONDS,
+)
+
+
+class RequestMetrics:
+    """The request's clock: when it arrived, its first and latest delta."""
+
+    def __init__(self, trace_id: str) -> None:
+        self.received = time.monotonic()
+        self.first_delta: float | None = None
+        self.last_delta: float | None = None
+        self.model = ""  # the latency histograms' label, once a scheduler accepted it
+        self._exemplar = exemplar(trace_id)
+        IN_FLIGHT.inc()
+
+    def admitted(self, model: str) -> None:
+        ADMITTED.inc()
+        self.model = model
+
+    @staticmethod
+    def event(name: str) -> None:
+        EVENTS.labels(name).inc()
+
+    def delta(self, now: float) -> float | None:
+        """A delta with tokens is being sent at `now`; the gap since the previous one."""
+        previous, self.last_delta = self.last_delta, now
+        if self.first_delta is None:
+            self.first_delta = now
+            return None
+        gap_s = now - previous if previous is not None else 0.0
+        ITL.labels(self.model).observe(gap_s, self._exemplar)
+        return gap_s
+
+    def rejected(self, reason: str) -> None:
+        REQUESTS.labels("rejected", reason).inc()
+        IN_FLIGHT.dec()
+
+    def ended(self, outcome: str, reason: str, output_tokens: int) -> None:
+        REQUESTS.labels(outcome, reason).inc()
+        IN_FLIGHT.dec()
+        E2E.labels(self.model).observe(time.monotonic() - self.received, self._exemplar)
+        if self.first_delta is None:
+            return
+        TTFT.labels(self.model).observe(self.first_delta - self.received, self._exemplar)
+        if output_tokens > 1 and self.last_delta is not None:
+            per_token = (self.last_delta - self.first_delta) / (output_tokens - 1)
+            TPOT.labels(self.model).observe(per_token, self._exemplar)
