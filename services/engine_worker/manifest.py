@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
+
+import torch
+
+from services.engine_worker.artifacts.architecture import ModelArchitecture
+from services.engine_worker.artifacts.loader import artifact_files
+from services.engine_worker.kv_cache import KVCacheShape
+from services.engine_worker.runtime_facts import device_name, runtime_versions, tokenizer_digest
+from services.engine_worker.torch_backend.step_formats import StepFormats, dtype_name
+from shared.config import EngineConfig
+from shared.model_entry import ModelEntry, sha256_file
 
 
 @dataclass(frozen=True)
@@ -51,3 +62,64 @@ class ModelManifest:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "artifact_digest": self.artifact_digest, "version": self.version}
+
+
+class LoadedRunner(Protocol):
+    """What the manifest reads from a backend's runner."""
+
+    weights_resident_bytes: int
+    kv_cache_bytes: int
+
+
+def describe(
+    config: EngineConfig,
+    entry: ModelEntry | None,
+    model_path: str,
+    arch: ModelArchitecture,
+    runner: LoadedRunner,
+    formats: StepFormats,
+    *,
+    backend: str,
+    max_model_len: int,
+    kv_shape: KVCacheShape,
+    quantization: str,
+    num_parameters: int,
+    load_seconds: float,
+    warmup_seconds: float,
+) -> ModelManifest:
+    """The manifest of a model a worker has loaded and warmed."""
+    digests = _artifact_digests(entry, model_path)
+    return ModelManifest(
+        model_name=entry.name if entry else os.path.basename(model_path.rstrip("/")),
+        artifact_path=model_path,
+        artifact_sha256=digests,
+        architecture=arch.name,
+        num_parameters=num_parameters,
+        dtype=config.dtype,
+        quantization=quantization,
+        weights=formats.weights,
+        weights_resident_bytes=runner.weights_resident_bytes,
+        compiled=getattr(runner, "compiled", None) is not None,
+        backend=backend,
+        max_model_len=max_model_len,
+        kv_cache_dtype=dtype_name(formats.kv_cache),
+        kv_bytes_per_token=arch.kv_bytes_per_token(formats.kv_cache.itemsize),
+        kv_block_size=kv_shape.block_size,
+        kv_blocks=kv_shape.num_blocks,
+        kv_cache_bytes=runner.kv_cache_bytes,
+        load_seconds=round(load_seconds, 3),
+        warmup_seconds=round(warmup_seconds, 3),
+        repository_version=entry.version if entry else "",
+        aliases=entry.aliases if entry else (),
+        default_sampling=dict(entry.default_sampling) if entry else None,
+        runtime=runtime_versions(backend),
+        device=device_name(backend),
+        threads=torch.get_num_threads(),
+        tokenizer_digest=tokenizer_digest(digests),
+    )
+
+
+def _artifact_digests(entry: ModelEntry | None, model_path: str) -> dict[str, str]:
+    if entry is not None:  # verified a moment ago: no second pass over the bytes
+        return {os.path.join(entry.directory, f): d for f, d in entry.sha256.items()}
+    return {f: sha256_file(f) for f in artifact_files(model_path)}

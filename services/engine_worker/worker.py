@@ -6,20 +6,19 @@ Order matters: every check that can refuse a model runs before any large allocat
 from __future__ import annotations
 
 import importlib
-import os
 import threading
 import time
+from typing import Any
 
 import torch
 
-from services.engine_worker.artifacts.loader import artifact_files, open_artifact
+from services.engine_worker.artifacts.loader import ModelArtifact, open_artifact
 from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.backends import BACKENDS, resolve_backend
 from services.engine_worker.capacity import check_memory_fits
 from services.engine_worker.grammar import GrammarCompiler
 from services.engine_worker.kv_cache import KVCacheShape
-from services.engine_worker.manifest import ModelManifest
-from services.engine_worker.runtime_facts import device_name, runtime_versions, tokenizer_digest
+from services.engine_worker.manifest import describe
 from services.engine_worker.step_failures import (
     FaultInjector,
     InjectedFault,
@@ -27,11 +26,11 @@ from services.engine_worker.step_failures import (
     run_isolated,
 )
 from services.engine_worker.step_inputs import RequestState
-from services.engine_worker.torch_backend.step_formats import StepFormats, dtype_name
+from services.engine_worker.torch_backend.step_formats import StepFormats
 from services.engine_worker.torch_backend.weights import int4_source
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, ModelValidationError, Reason
-from shared.model_entry import ModelEntry, WarmupFixture, is_entry, read_entry, sha256_file
+from shared.model_entry import ModelEntry, is_entry, read_entry
 from shared.model_paths import resolve_model_path
 from shared.sampling import SamplingParams
 from shared.step import FailedRequest, NewRequestPlan, SampledToken, StepPlan, StepResult
@@ -39,34 +38,77 @@ from shared.text_tokenizer import load_tokenizer
 
 
 class Worker:
+    """One model, loaded and checked, executing step plans.
+
+    The constructor runs the preparation stages in order (verify, check the fit, load, warm up,
+    check the fixtures, describe), each a method of its own.
+    """
+
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.model_path = resolve_model_path(config.model)
-        self.entry: ModelEntry | None = None
-        if is_entry(self.model_path):  # a repository version: its digests first, then its bytes
-            self.entry = read_entry(self.model_path)
-            self.entry.verify()
-            self.model_path = self.entry.artifact_path
+        self.requests: dict[str, RequestState] = {}
+        self.faults: FaultInjector | None = None  # a test hook; off unless a flag sets it
+        self._rng = torch.Generator().manual_seed(0)
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()  # built once, from whichever thread asks first
+        self.entry, self.model_path = self._verified_source(config.model)
         artifact = open_artifact(self.model_path)
         artifact.validate()
         self.architecture = arch = artifact.architecture
         self.max_model_len = self._max_model_len(config, arch.max_position_embeddings)
         self.backend = resolve_backend(config.backend)
         formats = StepFormats.resolve(config, self.backend, artifact.quantization)
-        kv_shape = KVCacheShape.from_budget(
-            arch, config.cache.block_size, config.cache.kv_memory_bytes, formats.kv_cache
+        self.kv_shape = KVCacheShape.from_budget(
+            arch,
+            config.cache.block_size,
+            config.cache.kv_memory_bytes,
+            formats.kv_cache,
         )
-        load_dtype = torch.float32 if formats.weights == "packed" else formats.activations
-        # Weights (packed ones come from a float32 copy, the peak), the KV budget and a step's
-        # workspace: checked before any is allocated, not found short while others serve.
-        limits = config.scheduler
+        self._check_memory_fits(formats)
+        self.runner, num_parameters = self._load_runner(artifact, formats)
+        load_seconds = time.perf_counter() - started
+        warmup_started = time.perf_counter()
+        self.warm_up()
+        self._check_fixtures()
+        warmup_seconds = time.perf_counter() - warmup_started
+        self.manifest = describe(
+            self.config,
+            self.entry,
+            self.model_path,
+            self.architecture,
+            self.runner,
+            formats,
+            backend=self.backend,
+            max_model_len=self.max_model_len,
+            kv_shape=self.kv_shape,
+            quantization=artifact.quantization,
+            num_parameters=num_parameters,
+            load_seconds=load_seconds,
+            warmup_seconds=warmup_seconds,
+        )
+
+    @staticmethod
+    def _verified_source(model: str | None) -> tuple[ModelEntry | None, str]:
+        """The artifact's path; a repository version's digests are checked before its bytes
+        are read."""
+        path = resolve_model_path(model)
+        if not is_entry(path):
+            return None, path
+        entry = read_entry(path)
+        entry.verify()
+        return entry, entry.artifact_path
+
+    def _check_memory_fits(self, formats: StepFormats) -> None:
+        """Weights (packed ones come from a float32 copy, the peak), the KV budget and a step's
+        workspace: checked before any is allocated, not found short while others serve."""
+        arch, limits = self.architecture, self.config.scheduler
         check_memory_fits(
             {
-                "weights": arch.num_parameters * load_dtype.itemsize,
-                "KV cache": kv_shape.num_bytes(formats.kv_cache.itemsize),
+                "weights": arch.num_parameters * formats.load_dtype.itemsize,
+                "KV cache": self.kv_shape.num_bytes(formats.kv_cache.itemsize),
                 "step workspace": arch.step_workspace_bytes(
                     limits.max_num_batched_tokens,
                     limits.max_sampled_rows,
@@ -75,67 +117,37 @@ class Worker:
             },
             self.backend,
         )
-        weights = ModelWeights.build(arch, artifact.load, load_dtype)
-        num_parameters, runner_module = weights.num_parameters, BACKENDS[self.backend]
+
+    def _load_runner(self, artifact: ModelArtifact, formats: StepFormats) -> tuple[Any, int]:
+        """The backend's runner, holding the weights in its own format, and their count."""
+        weights = ModelWeights.build(self.architecture, artifact.load, formats.load_dtype)
         packed = formats.weights == "packed"  # torch only: a Q4 file's 4-bit groups if fast
-        int4 = {"int4": int4_source(artifact, config.quantize)} if packed else {}
-        self.runner = importlib.import_module(runner_module).Runner(
-            arch,
+        int4 = {"int4": int4_source(artifact, self.config.quantize)} if packed else {}
+        runner = importlib.import_module(BACKENDS[self.backend]).Runner(
+            self.architecture,
             weights,
-            kv_shape,
+            self.kv_shape,
             self.max_model_len,
             formats.activations,
-            formats.runner_config(config),
+            formats.runner_config(self.config),
             **int4,
         )
-        del weights  # the runner keeps what it needs, in its own format
-        self.kv_shape = kv_shape
-        load_seconds = time.perf_counter() - started
-        self.requests: dict[str, RequestState] = {}
-        self.faults: FaultInjector | None = None  # a test hook; off unless a flag sets it
-        self._rng = torch.Generator().manual_seed(0)
-        self._grammars: GrammarCompiler | None = None
-        self._grammars_lock = threading.Lock()  # built once, from whichever thread asks first
-        warmup_started = time.perf_counter()
-        self.warm_up()
-        entry = self.entry
-        for index, fixture in enumerate(entry.fixtures if entry else ()):
-            self._check_fixture(index, fixture)
-        digests = self._artifact_digests()
-        self.manifest = ModelManifest(
-            model_name=entry.name if entry else os.path.basename(self.model_path.rstrip("/")),
-            artifact_path=self.model_path,
-            artifact_sha256=digests,
-            architecture=arch.name,
-            num_parameters=num_parameters,
-            dtype=config.dtype,
-            quantization=artifact.quantization,
-            weights=formats.weights,
-            weights_resident_bytes=self.runner.weights_resident_bytes,
-            compiled=getattr(self.runner, "compiled", None) is not None,
-            backend=self.backend,
-            max_model_len=self.max_model_len,
-            kv_cache_dtype=dtype_name(formats.kv_cache),
-            kv_bytes_per_token=arch.kv_bytes_per_token(formats.kv_cache.itemsize),
-            kv_block_size=kv_shape.block_size,
-            kv_blocks=kv_shape.num_blocks,
-            kv_cache_bytes=self.runner.kv_cache_bytes,
-            load_seconds=round(load_seconds, 3),
-            warmup_seconds=round(time.perf_counter() - warmup_started, 3),
-            repository_version=entry.version if entry else "",
-            aliases=entry.aliases if entry else (),
-            default_sampling=dict(entry.default_sampling) if entry else None,
-            runtime=runtime_versions(self.backend),
-            device=device_name(self.backend),
-            threads=torch.get_num_threads(),
-            tokenizer_digest=tokenizer_digest(digests),
-        )
+        return runner, weights.num_parameters  # the float weights go: the runner has its own
 
-    def _artifact_digests(self) -> dict[str, str]:
-        if self.entry is not None:  # verified a moment ago: no second pass over the bytes
-            directory = self.entry.directory
-            return {os.path.join(directory, f): d for f, d in self.entry.sha256.items()}
-        return {f: sha256_file(f) for f in artifact_files(self.model_path)}
+    def _check_fixtures(self) -> None:
+        """A repository version's recorded greedy outputs, reproduced before it serves."""
+        if self.entry is None:
+            return
+        for index, fixture in enumerate(self.entry.fixtures):
+            found = self.greedy(list(fixture.prompt_ids), len(fixture.expected_ids))
+            if tuple(found) != fixture.expected_ids:
+                raise ModelValidationError(
+                    self.entry.directory,
+                    f"{self.entry.label}: warm-up fixture {index} output differs; the model "
+                    "does not serve",
+                    expected=list(fixture.expected_ids),
+                    found=found,
+                )
 
     @staticmethod
     def _max_model_len(config: EngineConfig, model_len: int) -> int:
@@ -196,18 +208,6 @@ class Worker:
             "score", list(prompt_ids), list(range(num_blocks)), 0, params, len(prompt_ids)
         )
         return self.runner.prompt_log_softmax(state)
-
-    def _check_fixture(self, index: int, fixture: WarmupFixture) -> None:
-        found = self.greedy(list(fixture.prompt_ids), len(fixture.expected_ids))
-        if tuple(found) != fixture.expected_ids:
-            assert self.entry is not None
-            raise ModelValidationError(
-                self.entry.directory,
-                f"{self.entry.label}: warm-up fixture {index} output differs; the model "
-                "does not serve",
-                expected=list(fixture.expected_ids),
-                found=found,
-            )
 
     def grammars(self) -> GrammarCompiler:
         """Built on first use: loads the tokenizer llguidance needs (a fraction of a second)."""

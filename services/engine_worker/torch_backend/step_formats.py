@@ -63,6 +63,11 @@ class StepFormats:
             activations, weights, compiled, kv_cache_dtype(requested, activations, compiled)
         )
 
+    @property
+    def load_dtype(self) -> torch.dtype:
+        """What the weights are read into: packed formats are built from a float32 copy."""
+        return torch.float32 if self.weights == "packed" else self.activations
+
     def runner_config(self, config: EngineConfig) -> EngineConfig:
         """`config` with every choice resolved: what the runner builds from."""
         return dataclasses.replace(
