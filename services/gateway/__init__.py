@@ -1,1 +1,1 @@
-"""gateway: arrives with the mesh (issue 3+)."""
+"""Gateway: the public gRPC API and the OpenAI HTTP front; auth, admission, routing."""

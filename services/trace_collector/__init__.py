@@ -1,1 +1,1 @@
-"""trace-collector: arrives with the mesh (issue 3+)."""
+"""Trace-collector: OTLP spans from every service, per-request waterfalls and phase percentiles."""

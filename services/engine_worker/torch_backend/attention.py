@@ -193,8 +193,8 @@ def _decode(
 # A query piece's keys, rounded up to a multiple of this: the pieces of a chunk whose rounded
 # lengths agree share one SDPA call. The rounding depends on the piece alone, so a query meets
 # the same call shape however its prompt was cut; the keys past its own are masked (exact zeros
-# in its sums). 64: per layer, as fast as one call per piece cut at the chunk's end was, at 180
-# to 1,536 tokens (0.55 against 0.61 ms at 180; 16 took 0.79, 128 0.63), 30 µs slower at 20.
+# in its sums). 64: per layer as fast as one call per piece cut at the chunk's end was, from 180
+# to 1,536 tokens (0.55 against 0.61 ms at 180).
 PIECE_KEYS = 64
 
 

@@ -2,7 +2,7 @@
 overhead.
 
 At batch 1 the eager forward makes ~7,100 torch calls a step for ~3.3 ms of 4-bit GEMMs in a
-10.6 ms step (README, "One compiled graph per step"). Compiled, every elementwise op, norm and
+10.6 ms step (docs/design/cpu-engine.md). Compiled, every elementwise op, norm and
 the decode attention of a layer fuse into a few C++ loops around the same 4-bit GEMM calls.
 Where projections are int8 rows (AVX2 CPUs), their two-level input quantization (`Int8Linear.
 product`) fuses into those loops and fbgemm's GEMM runs behind `kvmesh::int8_rows`.
@@ -167,7 +167,8 @@ def _projection_parts(projection: object) -> ProjectionParts:
     if isinstance(projection, Int8Linear):
         handle = graph_ops.int8_handle(projection)
         return Int8Parts(handle, projection.out_features, projection.bias)
-    assert isinstance(projection, Int4Linear)
+    if not isinstance(projection, Int4Linear):
+        raise TypeError(f"the compiled step runs packed projections, not {type(projection)}")
     return Int4Parts(
         projection._packed, projection._scale_zero, projection.dense_parts, projection.bias
     )
@@ -263,7 +264,8 @@ class CompiledCausalLM:
             )  # type: ignore[misc]
             for layer in w.layers
         ]
-        assert isinstance(w.embed, Int8Embedding)
+        if not isinstance(w.embed, Int8Embedding):
+            raise TypeError(f"the compiled step runs a packed embedding, not {type(w.embed)}")
         self._embed = (w.embed.rows, w.embed.scale)
         # Its inputs are built here, not by strangers: no size/stride asserts on each of them
         # per call (~650 a step, 0.3 ms at batch 1).

@@ -118,10 +118,9 @@ _OPS.define(
 # with dynamic sizes its loop ran 1.8x longer.
 _DENSE_WEIGHT = torch.compile(Int4Linear.dense_weight, dynamic=False)
 # Prefill rows are multiplied PREFILL_PIECE at a time, the last piece zero-padded: oneDNN picks
-# its kernel by the row count (with AMX, the 3072x576 projection's rows at 28, 40-48 or 53-162
-# rows were summed in another order than at 1,024; without, one row was), so only a fixed count
-# gives a row the same bits whatever its batch. 256: the fastest piece measured with AMX (512
-# rows of that projection: 0.89 ms, one call 0.74, 64-row pieces 1.84, the 4-bit kernel 10.2).
+# its kernel by the row count (with AMX, 53-162 rows of the 3072x576 projection were summed in
+# another order than 1,024), so only a fixed count gives a row the same bits whatever its
+# batch. 256: the fastest piece measured with AMX (512 rows: 0.89 ms, one unpadded call 0.74).
 PREFILL_PIECE = 256
 
 

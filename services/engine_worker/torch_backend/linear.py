@@ -4,17 +4,14 @@ Every projection takes x: (M, in) and returns (M, out) in x's dtype, and reports
 weights keep resident. Which format runs is the manifest's `weights` field.
 
 `packed` keeps a quantized file's weights as the file holds them wherever this CPU has a fast
-kernel for that form (measured, torch 2.13, 2 threads; see the CPU engine issue's notes):
+kernel for that form (the measurements per CPU: docs/benchmarks/cpu-engine.md):
 - 4-bit groups (Q4_0, Q4_1, `--quantize int4`) through torch's `_weight_int4pack_mm_for_cpu`
-  on AVX-512 CPUs: on a Zen 4 VM it runs the default model's projections at batch 1 as fast as
-  fbgemm's int8 GEMM from half the bytes, with no activation quantization. On AVX2 CPUs the
-  same kernel runs 17x slower than an fp32 GEMM (Zen 1), so there 4-bit groups fall back to:
+  on AVX-512 CPUs, as fast as fbgemm's int8 GEMM at batch 1 from half the bytes. Without
+  AVX-512 that kernel runs 17x slower than an fp32 GEMM, so there 4-bit groups fall back to:
 - int8 per output row through fbgemm (activations quantized on the fly, integer multiply-adds
-  like llama.cpp's Q8 dot products), the form of every other packed weight: 2.5x faster than
-  fp32 at batch 8 on Zen 1 from a quarter of the bytes. On a Zen 3 VM, the default model's 120
-  projections out of cache at 1 row: 9.4 ms a step through fbgemm against ~10 through torch's
-  weight-only `_weight_int8pack_mm` (bfloat16 activations, traceable), which then took 2x as
-  long at 8 and 32 rows: fbgemm stays, and the compiled step calls it through an op of ours.
+  like llama.cpp's Q8 dot products), the form of every other packed weight. torch's traceable
+  weight-only int8 kernel took 2x as long at 8 and 32 rows, so fbgemm stays and the compiled
+  step calls it through an op of ours.
 """
 
 from __future__ import annotations
@@ -40,9 +37,8 @@ class DenseLinear:
     """A float weight (float32 or bfloat16) in HF layout (out, in), plus an optional bias.
 
     `W @ x^T` with W on the left: MKL's small-M GEMM on a (in, out) right operand repacks the
-    whole weight on every call (measured: the head at batch 8, 50 ms against 14 ms; a whole
-    batch-8 step 186 ms against 126 ms). At batch 1 the (in, out) GEMV was 9% faster per step,
-    not worth a second copy. A tied head shares the embedding table itself.
+    whole weight on every call (a batch-8 step took 186 ms that way against 126). A tied head
+    shares the embedding table itself.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -175,9 +171,8 @@ def int4_kernel_is_fast() -> bool:
 def dense_prefill_is_fast() -> bool:
     """Whether prefill rows of 4-bit projections run faster as a bfloat16 GEMM over the weight
     dequantized for the step (`Int4Linear.dense_weight`, graph_ops.int4_rows): where the
-    CPU multiplies bfloat16 in hardware (AVX512_BF16, AMX). On Zen 5, oneDNN's GEMM ran 512 rows
-    of a 3072x576 projection in 1.75 ms against the 4-bit kernel's 5.1 (which dequantizes the
-    weight again every 4 rows), and the dequantizing loop takes 0.14 ms."""
+    CPU multiplies bfloat16 in hardware (AVX512_BF16, AMX), 512 rows of a 3072x576 projection
+    ran ~3x faster than through the 4-bit kernel, which dequantizes the weight every 4 rows."""
     return int4_kernel_is_fast() and torch.cpu._is_avx512_bf16_supported()
 
 
