@@ -148,7 +148,8 @@ class Mesh:
         self.worker_addresses.append(worker)
         worker_process = self.services[-1]
         scheduler_args = [*config.scheduler_args, *entry.serving.scheduler_args()]
-        assert self.redis_url is not None
+        if self.redis_url is None:
+            raise RuntimeError("a scheduler needs the mesh's Redis, which is not started yet")
         scheduler = self._spawn(
             f"scheduler-{suffix}",
             "services.scheduler",

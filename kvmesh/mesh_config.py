@@ -44,5 +44,4 @@ class ModelPair:
 
     @property
     def gateway_spec(self) -> str:
-        assert self.scheduler.address is not None
-        return f"{self.name}@{self.version}={self.scheduler.address}"
+        return f"{self.name}@{self.version}={self.scheduler.grpc_address}"

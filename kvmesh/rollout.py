@@ -165,8 +165,8 @@ class RolloutController:
         self, admin: model_admin_pb2_grpc.ModelAdminStub, name: str, version: str
     ) -> Iterator[RolloutStep]:
         for pair in self._pairs(name, version):
-            assert pair.scheduler.address is not None
-            left = self._remove_backend(admin, pair.scheduler.address, DRAIN_TIMEOUT_S)
+            address = pair.scheduler.grpc_address
+            left = self._remove_backend(admin, address, DRAIN_TIMEOUT_S)
             self.mesh.stop_pair(pair, timeout_s=DRAIN_TIMEOUT_S)
             yield RolloutStep(
                 f"{name}@{version}: drained ({left} stream(s) left at the timeout) and stopped "

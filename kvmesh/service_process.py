@@ -84,6 +84,12 @@ class ServiceProcess:
     ) -> ServiceProcess:
         return cls(name, address, _spawn(command, env, log_path), log_path, command, env)
 
+    @property
+    def grpc_address(self) -> str:
+        if self.address is None:
+            raise ValueError(f"{self.name} serves no gRPC")
+        return self.address
+
     def log_tail(self, lines: int = 20) -> str:
         with open(self.log_path, errors="replace") as handle:
             return "".join(handle.readlines()[-lines:])
@@ -97,8 +103,7 @@ class ServiceProcess:
 
     def wait_ready(self, deadline: float) -> None:
         """Until its health says SERVING; refused at once when it exits, or at the deadline."""
-        assert self.address is not None
-        with sync_channel(self.address) as channel:
+        with sync_channel(self.grpc_address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
                 if self.process.poll() is not None:

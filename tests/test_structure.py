@@ -82,6 +82,18 @@ def test_no_module_is_over_300_lines() -> None:
     assert not long, f"split by concept (docs/structure.md): {long}"
 
 
+def test_no_assert_guards_at_run_time() -> None:
+    """`python -O` strips asserts: code that serves raises typed errors instead."""
+    found = [
+        f"{name}:{node.lineno}"
+        for name, path in _modules().items()
+        if not name.startswith("loadtest")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Assert)
+    ]
+    assert not found, f"raise a KvmeshError or a ValueError instead: {found}"
+
+
 def test_services_never_import_each_other() -> None:
     modules = _modules()
     for name, path in modules.items():

@@ -35,20 +35,18 @@ def sample(
     outcomes: list[SampledToken | FailedRequest | None] = [None] * len(states)
     for row in _non_finite_rows(raw):
         outcomes[row] = failure_of(states[row].request_id, NonFiniteLogits("non-finite logits"))
-    constrained = [row for row, s in enumerate(states) if s.matcher is not None]
-    if constrained:
+    matchers = {row: s.matcher for row, s in enumerate(states) if s.matcher is not None}
+    if matchers:
         logits = logits.clone()
 
         def mask(row: int) -> None:
-            matcher = states[row].matcher
-            assert matcher is not None
-            allowed = allowed_tokens(matcher, logits.shape[-1])
+            allowed = allowed_tokens(matchers[row], logits.shape[-1])
             # A finished format (ignore_eos ran past its end) allows nothing: sample freely
             # rather than from an all -inf row.
             if allowed.any():
                 logits[row].masked_fill_(~allowed, float("-inf"))
 
-        _each_row(constrained, states, outcomes, mask)
+        _each_row(list(matchers), states, outcomes, mask)
     plain_greedy = [
         i
         for i, s in enumerate(states)

@@ -84,8 +84,7 @@ class Admission:
         check_stop_strings(list(request.stop))
         num_completions(request.n)
         candidates = self.catalog.schedulers(request.model)
-        model = candidates[0].model
-        assert model is not None
+        model = candidates[0].served_model()
         sampling = resolve_sampling(request.sampling, model.default_sampling, model.vocab_size)
         call.tools = tool_use(request)
         sampling = constrain_to_calls(call.tools, sampling)

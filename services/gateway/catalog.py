@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.gateway.connections import ModelBackend, SchedulerBackend
+from services.gateway.connections import EmbedderBackend, ModelBackend, SchedulerBackend
 from services.gateway.registry import BackendRegistry
 from services.gateway.traffic import TrafficSplit
 from shared.errors import KvmeshError, Reason
@@ -37,6 +37,11 @@ class ModelCatalog:
     def schedulers(self, model: str, split: bool = True) -> list[SchedulerBackend]:
         """The ready schedulers for a Generate request's `model`: see `serving`."""
         return [b for b in self.serving(model, split) if isinstance(b, SchedulerBackend)]
+
+    def embedders(self, model: str) -> list[EmbedderBackend]:
+        """The ready embedding workers for an Embed request's `model`: see `serving`."""
+        serving = self.serving(model, task="embed")
+        return [b for b in serving if isinstance(b, EmbedderBackend)]
 
     def serving(self, model: str, split: bool = True, task: str = "generate") -> list[ModelBackend]:
         """The ready backends for a request's `model` (NAME, NAME@VERSION, an alias, or ""):

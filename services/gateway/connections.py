@@ -11,6 +11,7 @@ from typing import ClassVar, Self
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import (
     common_pb2,
     engine_worker_pb2,
@@ -76,6 +77,18 @@ class ModelBackend:
     @property
     def ready(self) -> bool:
         return self.model is not None and not self.retired
+
+    def served_model(self) -> common_pb2.ModelInfo:
+        """The model it serves; a backend whose health turned since it was chosen is not
+        ready (retryable), never an `AttributeError` on None."""
+        if self.model is None:
+            raise KvmeshError(
+                Reason.MODEL_NOT_READY,
+                f"{self.address} stopped serving its model",
+                retryable=True,
+                retry_after_ms=1000,
+            )
+        return self.model
 
     async def watch(self, on_change: Callable[[], Awaitable[None]]) -> None:
         async def on_status(serving: bool) -> None:

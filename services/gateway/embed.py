@@ -8,7 +8,6 @@ import logging
 import grpc
 
 from services.gateway.catalog import ModelCatalog
-from services.gateway.connections import EmbedderBackend
 from shared import grpc_errors
 from shared.pb.kvmesh.v1 import engine_worker_pb2, inference_pb2
 
@@ -19,10 +18,8 @@ async def embed(
     catalog: ModelCatalog, request: inference_pb2.EmbedRequest, timeout: float | None
 ) -> inference_pb2.EmbedResponse:
     # The inputs themselves (count, length, token ids) are the embedding worker's to check.
-    candidates = catalog.serving(request.model, task="embed")
-    backend = min(candidates, key=lambda b: b.in_flight)
-    assert isinstance(backend, EmbedderBackend) and backend.model is not None
-    model = backend.model
+    backend = min(catalog.embedders(request.model), key=lambda b: b.in_flight)
+    model = backend.served_model()
     backend.in_flight += 1
     try:
         reply = await backend.embedder.Embed(

@@ -164,8 +164,7 @@ class Router:
         token_ids: Sequence[int],
         cache_salt: bytes,
     ) -> RouteDecision:
-        assert candidates and candidates[0].model is not None
-        model = candidates[0].model
+        model = candidates[0].served_model()  # the catalog returns ready ones, or raises
         block_size = model.kv_block_size or 1
         # The scheduler always leaves the last prompt token to compute; so does the match here.
         usable_blocks = (len(token_ids) - 1) // block_size

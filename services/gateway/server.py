@@ -87,9 +87,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GetModelRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ModelInfo:
         self.policy.api_keys.authenticate(context.invocation_metadata())
-        model = self.catalog.pick(request.name).model
-        assert model is not None
-        return model
+        return self.catalog.pick(request.name).served_model()
 
     async def Embed(
         self, request: inference_pb2.EmbedRequest, context: grpc.aio.ServicerContext
@@ -104,8 +102,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tuple[list[int], common_pb2.ModelInfo]:
         self.policy.api_keys.authenticate(context.invocation_metadata())
-        model = self.catalog.pick(request.model).model
-        assert model is not None
+        model = self.catalog.pick(request.model).served_model()
         ids = await self.tokenizer.prompt_token_ids(request, model, context.time_remaining())
         return ids, model
 

@@ -203,27 +203,31 @@ class BlockManager:
         del request.block_ids[keep:]
 
     def _uncache(self, block: KVBlock) -> None:
-        assert block.block_hash is not None
-        if self._by_hash.get(block.block_hash) == block.block_id:
-            del self._by_hash[block.block_hash]
-            self.events.evicted(block.salt, block.block_hash)
+        block_hash = block.block_hash
+        if block_hash is not None and self._by_hash.get(block_hash) == block.block_id:
+            del self._by_hash[block_hash]
+            self.events.evicted(block.salt, block_hash)
         block.block_hash = None
         block.token_ids = ()
 
     def check_invariants(self, holders: list[Request]) -> None:
-        """Ref counts equal the number of holders; free list holds exactly the unreferenced."""
+        """Ref counts equal the number of holders; free list holds exactly the unreferenced.
+        Raises AssertionError (under `python -O` too) naming the first broken block."""
         counts = [0] * self.num_blocks
         for request in holders:
             for block_id in request.block_ids:
                 counts[block_id] += 1
         for block in self.blocks:
-            assert block.ref_count == counts[block.block_id], (
-                f"block {block.block_id}: ref_count {block.ref_count}, "
-                f"holders {counts[block.block_id]}"
-            )
-            assert (block.ref_count == 0) == (block.block_id in self._free), (
-                f"block {block.block_id}: ref_count {block.ref_count}, in free list "
-                f"{block.block_id in self._free}"
-            )
+            if block.ref_count != counts[block.block_id]:
+                raise AssertionError(
+                    f"block {block.block_id}: ref_count {block.ref_count}, "
+                    f"holders {counts[block.block_id]}"
+                )
+            if (block.ref_count == 0) != (block.block_id in self._free):
+                raise AssertionError(
+                    f"block {block.block_id}: ref_count {block.ref_count}, in free list "
+                    f"{block.block_id in self._free}"
+                )
         for block_hash, block_id in self._by_hash.items():
-            assert self.blocks[block_id].block_hash == block_hash, f"stale hash entry {block_id}"
+            if self.blocks[block_id].block_hash != block_hash:
+                raise AssertionError(f"stale hash entry {block_id}")

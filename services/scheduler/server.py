@@ -51,8 +51,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         request: scheduler_pb2.SubmitRequest,
         remaining: float | None,
         metadata: Sequence[tuple[str, str | bytes]] | None,
-    ) -> Tracked:
-        """Queues the request (its sampling decoded once here: the gateway validated it)."""
+    ) -> tuple[Tracked, int]:
+        """Queues the request (its sampling decoded once here: the gateway validated it);
+        returns it tracked and its place in the queue."""
         self.runtime.refuse_if_draining()
         loop, scheduler = self.loop, self.loop.scheduler
         if scheduler is None or not loop.worker_ready:
@@ -92,7 +93,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if remaining is not None:
             loop.expire_later(tracked, remaining - DEADLINE_MARGIN_S)
         loop.tracked[request.request_id] = tracked
-        return tracked
+        return tracked, scheduler.waiting.index(scheduler.requests[request.request_id])
 
     async def Submit(
         self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
@@ -101,10 +102,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if request.sampling.HasField("response_format"):
             remaining = context.time_remaining()
             await self.loop.link.prepare_format(request.sampling.response_format, remaining)
-        tracked = self._admit(request, context.time_remaining(), context.invocation_metadata())
-        scheduler = self.loop.scheduler
-        assert scheduler is not None
-        position = scheduler.waiting.index(scheduler.requests[request.request_id])
+        metadata = context.invocation_metadata()
+        tracked, position = self._admit(request, context.time_remaining(), metadata)
         self.loop.wake()
         with self.runtime.in_flight():
             try:

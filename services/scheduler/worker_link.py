@@ -51,11 +51,11 @@ class WorkerLink:
             self._channel = aio_channel(self.address, options=CHANNEL_OPTIONS)
             stub = engine_worker_pb2_grpc.EngineWorkerStub(self._channel)
             try:
-                await self._wait_serving()
+                await self._wait_serving(self._channel)
                 info = await stub.GetInfo(engine_worker_pb2.WorkerInfoRequest(), timeout=10)
                 self._call = stub.Step()
                 self.lost = self.draining = False
-                self._watcher = asyncio.create_task(self._watch())
+                self._watcher = asyncio.create_task(self._watch(self._channel))
                 log.info("worker attached", extra={"worker": self.address})
                 return info.model
             except grpc.RpcError as error:
@@ -81,17 +81,16 @@ class WorkerLink:
         except grpc.RpcError as error:
             raise grpc_errors.from_rpc_error(error) from None
 
-    async def _wait_serving(self) -> None:
-        assert self._channel is not None
-        health = health_pb2_grpc.HealthStub(self._channel)
+    @staticmethod
+    async def _wait_serving(channel: grpc.aio.Channel) -> None:
+        health = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest(service="")
         async for reply in health.Watch(request, wait_for_ready=True):
             if reply.status == _SERVING:
                 return
 
-    async def _watch(self) -> None:
-        assert self._channel is not None
-        health = health_pb2_grpc.HealthStub(self._channel)
+    async def _watch(self, channel: grpc.aio.Channel) -> None:
+        health = health_pb2_grpc.HealthStub(channel)
         try:
             async for reply in health.Watch(health_pb2.HealthCheckRequest(service="")):
                 if reply.status != _SERVING and not self.draining:

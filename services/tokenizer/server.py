@@ -47,7 +47,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     answers for every model (a mesh of one model, or of versions of one)."""
 
     def __init__(self, runtime: ServiceRuntime, tokenizers: dict[str, LoadedTokenizer]) -> None:
-        assert tokenizers, "at least one tokenizer"
+        if not tokenizers:
+            raise ValueError("a tokenizer service needs at least one tokenizer")
         self.runtime = runtime
         self.tokenizers = tokenizers
 

@@ -87,11 +87,21 @@ class EmbedderService(engine_worker_pb2_grpc.EmbedderServicer):
         log.info("ready", extra={"model": self.info.name, "dimensions": encoder.dimensions})
         await self.runtime.set_ready(True)
 
+    def _loaded_encoder(self) -> SentenceEncoder:
+        if self.encoder is None:
+            raise KvmeshError(
+                Reason.MODEL_NOT_READY,
+                "the embedding model is loading",
+                retryable=True,
+                retry_after_ms=1000,
+            )
+        return self.encoder
+
     async def _forward(self, batch: list[list[int]]) -> list[list[float]]:
-        assert self.encoder is not None
+        encoder = self._loaded_encoder()
         EMBED_BATCH_SIZE.observe(len(batch))
         loop = asyncio.get_running_loop()
-        vectors = await loop.run_in_executor(self._thread, self.encoder.embed_sorted, batch)
+        vectors = await loop.run_in_executor(self._thread, encoder.embed_sorted, batch)
         return vectors.tolist()
 
     async def Embed(
@@ -108,14 +118,7 @@ class EmbedderService(engine_worker_pb2_grpc.EmbedderServicer):
         )
 
     def _token_ids(self, request: engine_worker_pb2.EmbedInputs) -> list[list[int]]:
-        encoder = self.encoder
-        if encoder is None:
-            raise KvmeshError(
-                Reason.MODEL_NOT_READY,
-                "the embedding model is loading",
-                retryable=True,
-                retry_after_ms=1000,
-            )
+        encoder = self._loaded_encoder()
         if not request.inputs or len(request.inputs) > MAX_INPUTS_PER_CALL:
             raise KvmeshError(
                 Reason.INVALID_ARGUMENT, f"give 1 to {MAX_INPUTS_PER_CALL} inputs per call"

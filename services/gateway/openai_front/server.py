@@ -181,9 +181,7 @@ class OpenAIFront:
         return web.json_response(parsed.response(reply))
 
     def _max_model_len(self, model: str) -> int:
-        info = self.catalog.pick(model).model
-        assert info is not None
-        return info.max_model_len
+        return self.catalog.pick(model).served_model().max_model_len
 
     async def _serve(self, request: web.Request, parsed: OpenAIRequest) -> web.StreamResponse:
         parsed.generate.request_id = request.headers.get("X-Request-Id", "")
@@ -265,9 +263,7 @@ class OpenAIFront:
     async def get_model(self, request: web.Request) -> web.Response:
         self.generate.policy.api_keys.authenticate(self._call(request).invocation_metadata())
         name = request.match_info["model"]
-        info = self.catalog.pick(name).model
-        assert info is not None
-        return web.json_response(self._model(info, name))
+        return web.json_response(self._model(self.catalog.pick(name).served_model(), name))
 
     def _model(self, info: Any, model_id: str) -> dict[str, Any]:
         return {
