@@ -65,7 +65,7 @@ def _add_response_format_flags(parser: argparse.ArgumentParser) -> None:
     exclusive.add_argument("--grammar", help="a Lark grammar, inline or a file path")
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser(
@@ -188,7 +188,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return _run_generate(args)

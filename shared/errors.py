@@ -8,25 +8,25 @@ from enum import Enum
 class Reason(str, Enum):
     """Machine-readable reasons; names are part of the public contract and never change."""
 
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    INVALID_SAMPLING_PARAMS = "INVALID_SAMPLING_PARAMS"
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"  # a request or flag that is not the API's
+    INVALID_SAMPLING_PARAMS = "INVALID_SAMPLING_PARAMS"  # a sampling field out of its range
     INVALID_SCHEMA = "INVALID_SCHEMA"  # a response format's schema, regex or grammar
-    PROMPT_TOO_LONG = "PROMPT_TOO_LONG"
+    PROMPT_TOO_LONG = "PROMPT_TOO_LONG"  # prompt (+ max_tokens) past the model or a limit
     REQUEST_TOO_LARGE = "REQUEST_TOO_LARGE"  # the message's bytes, before any parsing of text
-    EMPTY_PROMPT = "EMPTY_PROMPT"
+    EMPTY_PROMPT = "EMPTY_PROMPT"  # no token to start from
     TOKENIZER_UNAVAILABLE = "TOKENIZER_UNAVAILABLE"  # the model has none: send token ids
     TOKENIZER_LOST = "TOKENIZER_LOST"  # the tokenizer service stopped responding
-    INVALID_MODEL = "INVALID_MODEL"
-    MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
+    INVALID_MODEL = "INVALID_MODEL"  # an artifact that fails validation, a digest or a fixture
+    MODEL_NOT_FOUND = "MODEL_NOT_FOUND"  # no model or version of that name is served
     TRACE_NOT_FOUND = "TRACE_NOT_FOUND"  # not received yet, evicted, or never traced
-    MODEL_NOT_READY = "MODEL_NOT_READY"
-    KV_CACHE_TOO_SMALL = "KV_CACHE_TOO_SMALL"
+    MODEL_NOT_READY = "MODEL_NOT_READY"  # loading, draining, or no ready scheduler for it
+    KV_CACHE_TOO_SMALL = "KV_CACHE_TOO_SMALL"  # the KV budget holds fewer than 2 blocks
     MODEL_DOES_NOT_FIT = "MODEL_DOES_NOT_FIT"  # its KV budget exceeds the memory left at load
-    OVERLOADED = "OVERLOADED"
+    OVERLOADED = "OVERLOADED"  # every queue is past its watermark: retry after RetryInfo
     RATE_LIMITED = "RATE_LIMITED"  # the tenant's own limits, not the mesh's capacity
-    UNAUTHENTICATED = "UNAUTHENTICATED"
+    UNAUTHENTICATED = "UNAUTHENTICATED"  # no API key, or an unknown one, while auth is on
     PERMISSION_DENIED = "PERMISSION_DENIED"  # a valid key without the right (admin calls)
-    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # the request's deadline passed first
     WORKER_LOST = "WORKER_LOST"  # the scheduler or engine-worker serving it stopped responding
     # The engine raised computing this request (a grammar, the sampler, non-finite logits): the
     # request ends, the rest of its batch goes on. Not retryable: it would fail again.

@@ -83,7 +83,8 @@ def add_failure_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of this service (the configuration reference is generated from it)."""
     parser = argparse.ArgumentParser(prog="services.engine_worker", description=__doc__)
     add_common_flags(parser, default_port=50061)
     add_worker_flags(parser)
@@ -101,7 +102,11 @@ def main() -> None:
         "input at a time",
     )
     add_failure_flags(parser)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     configure_logging("engine-worker", args.log_level)
     start_observability("engine-worker", args)
     logging.getLogger("kvmesh").info("starting", extra={"model": args.model})

@@ -95,7 +95,8 @@ async def serve(args: argparse.Namespace) -> None:
         await link.close()
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of this service (the configuration reference is generated from it)."""
     parser = argparse.ArgumentParser(prog="services.gateway", description=__doc__)
     add_common_flags(parser, default_port=50051)
     parser.add_argument(
@@ -133,7 +134,11 @@ def main() -> None:
         help="OpenAI-compatible HTTP front (/v1/chat/completions, ...); 0: off",
     )
     add_gateway_flags(parser)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     configure_logging("gateway", args.log_level)
     start_observability("gateway", args)
     asyncio.run(serve(args))

@@ -42,7 +42,8 @@ async def serve(args: argparse.Namespace) -> None:
             await task
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of this service (the configuration reference is generated from it)."""
     parser = argparse.ArgumentParser(prog="services.scheduler", description=__doc__)
     add_common_flags(parser, default_port=50071)
     parser.add_argument(
@@ -68,7 +69,11 @@ def main() -> None:
         "(default: --host:--port)",
     )
     add_scheduler_flags(parser)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     configure_logging("scheduler", args.log_level)
     start_observability("scheduler", args)
     asyncio.run(serve(args))

@@ -51,7 +51,8 @@ async def serve(args: argparse.Namespace) -> None:
     await runtime.serve_until_signalled(args.drain_seconds)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of this service (the configuration reference is generated from it)."""
     parser = argparse.ArgumentParser(prog="services.tokenizer", description=__doc__)
     add_common_flags(parser, default_port=50081)
     parser.add_argument(
@@ -60,7 +61,11 @@ def main() -> None:
         help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct), or "
         "NAME=PATH,... for one tokenizer per model of a several-model mesh",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     configure_logging("tokenizer", args.log_level)
     start_observability("tokenizer", args)
     asyncio.run(serve(args))

@@ -41,7 +41,8 @@ async def serve(args: argparse.Namespace) -> None:
         await forwarder.close()
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of this service (the configuration reference is generated from it)."""
     parser = argparse.ArgumentParser(prog="services.trace_collector", description=__doc__)
     add_common_flags(parser, default_port=4317)
     parser.add_argument(
@@ -54,7 +55,11 @@ def main() -> None:
         default=env_default("forward", None),
         help="also send every span to this OTLP/gRPC endpoint (Jaeger, an OTel Collector)",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     configure_logging("trace-collector", args.log_level)
     if args.metrics_port:  # the collector does not trace itself
         serve_metrics(args.host, args.metrics_port)

@@ -191,18 +191,19 @@ def test_a_bad_default_sampling_is_refused_when_the_entry_is_read(
 
 
 def test_up_with_a_repository_alone_serves_every_model(tmp_path, tiny_llama_dir: str) -> None:
-    from kvmesh.cli import _parser
+    from kvmesh.cli import build_parser
     from kvmesh.mesh_cli import mesh_config
 
     repo = ModelRepository(str(tmp_path / "repo"))
     with pytest.raises(KvmeshError) as empty:
-        mesh_config(_parser().parse_args(["up", "--model-repo", repo.root]))
+        mesh_config(build_parser().parse_args(["up", "--model-repo", repo.root]))
     assert empty.value.reason is Reason.MODEL_NOT_FOUND
     repo.add("b", tiny_llama_dir)
     repo.add("a", tiny_llama_dir)
-    config = mesh_config(_parser().parse_args(["up", "--model-repo", repo.root]))
+    config = mesh_config(build_parser().parse_args(["up", "--model-repo", repo.root]))
     assert (config.models, config.model_repo) == (["a", "b"], repo.root)
-    chosen = mesh_config(_parser().parse_args(["up", "--model-repo", repo.root, "--models", "b"]))
+    up_b = ["up", "--model-repo", repo.root, "--models", "b"]
+    chosen = mesh_config(build_parser().parse_args(up_b))
     assert chosen.models == ["b"]
 
 
