@@ -7,8 +7,9 @@ STAMP := $(VENV)/.kvmesh-installed
 export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: setup demo up test lint protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu bench-kernels bench-gpu bench-peers bench-cpu bench-spec profile-step perplexity soak clean
+.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu bench-kernels bench-gpu bench-peers bench-cpu bench-spec profile-step perplexity soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +42,14 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
+	$(BIN)/mkdocs build --strict --site-dir $$(mktemp -d)  # a broken link or a page off the nav fails
+
+# The docs site (mkdocs-material, docs/ and mkdocs.yml) into site/; docs-serve: live on :8001.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
 # Regenerate shared/pb from protos/kvmesh/v1 (tests/test_protos.py fails when it is stale).
 protos: $(STAMP)
