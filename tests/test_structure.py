@@ -94,6 +94,22 @@ def test_no_assert_guards_at_run_time() -> None:
     assert not found, f"raise a KvmeshError or a ValueError instead: {found}"
 
 
+def test_every_module_has_a_line_in_the_structure_page() -> None:
+    """docs/design/structure.md names each module by its path within its section (a kernel's
+    launcher by the kernel's name): a module added or moved without its line fails here."""
+    page = (ROOT / "docs" / "design" / "structure.md").read_text(encoding="utf-8")
+    unlisted = []
+    for name, path in _modules().items():
+        if path.name == "__init__.py":
+            continue
+        parts = path.relative_to(ROOT).parts
+        within = "/".join(parts[2:] if parts[0] == "services" else parts[1:])
+        names = (f"`{within}`", f"`{'/'.join(parts)}`", f"`{path.stem}`")
+        if not any(n in page for n in names):
+            unlisted.append(name)
+    assert not unlisted, f"add a line to docs/design/structure.md: {unlisted}"
+
+
 def test_services_never_import_each_other() -> None:
     modules = _modules()
     for name, path in modules.items():
