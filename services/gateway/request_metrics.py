@@ -47,8 +47,8 @@ E2E = Histogram(
 class RequestMetrics:
     """The request's clock: when it arrived, its first and latest delta."""
 
-    def __init__(self, trace_id: str) -> None:
-        self.received = time.monotonic()
+    def __init__(self, trace_id: str, received: float) -> None:
+        self.received = received  # time.monotonic() when the call arrived
         self.first_delta: float | None = None
         self.last_delta: float | None = None
         self.model = ""  # the latency histograms' label, once a scheduler accepted it

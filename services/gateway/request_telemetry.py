@@ -36,6 +36,7 @@ class RequestTelemetry:
         operation: str,
         record_content: bool = False,
     ) -> None:
+        received = time.monotonic()
         self.record_content = record_content
         self.root = tracer.start_span(
             "kvmesh.Generate",
@@ -51,7 +52,7 @@ class RequestTelemetry:
         )
         self.trace_id = trace_id_hex(self.root)
         self._parent = trace.set_span_in_context(self.root)
-        self.metrics = RequestMetrics(self.trace_id)
+        self.metrics = RequestMetrics(self.trace_id, received)
         self._gaps_ms: list[float] = []
         self._completion: list[str] = []
         self._delivery: trace.Span | None = None
