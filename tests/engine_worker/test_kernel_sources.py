@@ -7,7 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from services.engine_worker.cupy_backend.kernels.compile_check import compile_cubin, nvcc
+from services.engine_worker.cupy_backend.kernels.compile_check import (
+    CompileReport,
+    compile_cubin,
+    nvcc,
+)
 from services.engine_worker.cupy_backend.kernels.library import KERNEL_DIR, sources
 
 pytestmark = pytest.mark.skipif(nvcc() is None, reason="nvcc (CUDA toolkit) is not installed")
@@ -37,6 +41,38 @@ def test_kernel_compiles_for_sm90_without_spills(source: Path) -> None:
     assert report.returncode == 0, report.output
     assert "ptxas info" in report.output  # ptxas really ran (-v)
     assert report.spilled_bytes == 0, report.output
+    assert report.problem is None
+
+
+# 96 live accumulators in 32 registers (__launch_bounds__(1024, 2) leaves 32 a thread).
+SPILLING = """
+extern "C" __global__ void __launch_bounds__(1024, 2) many_live(const float* x, float* out, int n) {
+    float acc[96];
+#pragma unroll
+    for (int i = 0; i < 96; ++i) acc[i] = x[(threadIdx.x + i * 7) % n];
+    for (int step = 0; step < n; ++step) {
+#pragma unroll
+        for (int i = 0; i < 96; ++i) acc[i] = acc[i] * acc[(i + 1) % 96] + x[(step + i) % n];
+    }
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < 96; ++i) total += acc[i];
+    out[threadIdx.x] = total;
+}
+"""
+
+
+def test_a_spilling_kernel_fails_the_check(tmp_path: Path) -> None:
+    source = tmp_path / "spilling.cu"
+    source.write_text(SPILLING)
+    report = compile_cubin(source, "sm_90")
+    assert report.returncode == 0 and report.spilled_bytes > 0
+    assert report.problem is not None and "spills" in report.problem
+
+
+def test_a_log_without_the_ptxas_report_fails_the_check(tmp_path: Path) -> None:
+    """What --nvrtc read before it asked for the report: an empty log is not "0 spills"."""
+    assert CompileReport(tmp_path / "k.cu", 0, "").problem is not None
 
 
 def test_a_compile_error_fails_the_check(tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
 """Compile every kernel ahead of time with nvcc for a GPU architecture, without a GPU.
 
 `python -m services.engine_worker.cupy_backend.kernels.compile_check [--arch sm_90]` prints each
-file's ptxas report (registers, shared memory, spills per kernel) and exits non-zero on any error;
-the test suite runs the same check. `--nvrtc` compiles the way CuPy does at run time instead.
+file's ptxas report (registers, shared memory, spills per kernel) and exits non-zero on an error,
+a register spill, or a log without ptxas's report (then "0 spills" would be read from nothing);
+the test suite runs the same check. `--nvrtc` compiles the way CuPy does at run time instead,
+with ptxas's report asked for the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from services.engine_worker.cupy_backend.kernels.library import KERNEL_DIR, sources
 
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+PTXAS_VERBOSE = "--ptxas-options=-v"  # nvcc's -Xptxas -v, spelled as NVRTC takes it too
 
 
 @dataclass
@@ -30,6 +33,17 @@ class CompileReport:
     @property
     def spilled_bytes(self) -> int:
         return sum(int(a) + int(b) for a, b in SPILLS.findall(self.output))
+
+    @property
+    def problem(self) -> str | None:
+        """Why the kernel fails the check, or None when it passes."""
+        if self.returncode != 0:
+            return "did not compile"
+        if not SPILLS.search(self.output):
+            return "no ptxas report in the log (was -v passed?)"
+        if self.spilled_bytes:
+            return f"spills {self.spilled_bytes} bytes of registers"
+        return None
 
 
 def nvcc() -> str | None:
@@ -49,8 +63,7 @@ def compile_cubin(source: Path, arch: str = "sm_90", compiler: str | None = None
             f"-arch={arch}",
             "-std=c++17",
             f"-I{KERNEL_DIR}",
-            "-Xptxas",
-            "-v",
+            PTXAS_VERBOSE,
             "-o",
             str(Path(scratch) / f"{source.stem}.cubin"),
             str(source),
@@ -66,7 +79,8 @@ def compile_nvrtc(source: Path, arch: str = "sm_90") -> CompileReport:
     include = [f"-I{KERNEL_DIR}", "-I/usr/local/cuda/include"]
     program = nvrtc.createProgram(source.read_text(), source.name, [], [])
     try:
-        nvrtc.compileProgram(program, ["-std=c++17", f"-arch={arch}", *include])
+        options = ["-std=c++17", f"-arch={arch}", PTXAS_VERBOSE, *include]
+        nvrtc.compileProgram(program, options)
     except nvrtc.NVRTCError:
         return CompileReport(source, 1, nvrtc.getProgramLog(program))
     return CompileReport(source, 0, nvrtc.getProgramLog(program))
@@ -81,9 +95,9 @@ def main() -> int:
     for source in sources():
         compile_one = compile_nvrtc if args.nvrtc else compile_cubin
         report = compile_one(source, args.arch)
-        status = "ok" if report.returncode == 0 else "FAILED"
-        print(f"{source.name}: {status}, spilled {report.spilled_bytes} bytes")
-        if report.returncode != 0:
+        problem = report.problem
+        print(f"{source.name}: {problem or 'ok'}, spilled {report.spilled_bytes} bytes")
+        if problem is not None:
             failed += 1
             print(report.output, file=sys.stderr)
     return 1 if failed else 0
