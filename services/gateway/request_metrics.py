@@ -66,10 +66,10 @@ class RequestMetrics:
     def delta(self, now: float) -> float | None:
         """A delta with tokens is being sent at `now`; the gap since the previous one."""
         previous, self.last_delta = self.last_delta, now
-        if self.first_delta is None:
+        if previous is None:
             self.first_delta = now
             return None
-        gap_s = now - previous if previous is not None else 0.0
+        gap_s = now - previous
         ITL.labels(self.model).observe(gap_s, self._exemplar)
         return gap_s
 

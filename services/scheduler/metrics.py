@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import threading
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -90,10 +89,16 @@ class SchedulerMetrics(Collector):
     ) -> None:
         self._loop = loop
         self._read = read
-        self._loop_thread = threading.get_ident()  # built on the loop it reads from
+
+    def _on_own_loop(self) -> bool:
+        """A collect from the loop's own thread would wait on itself."""
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # no loop runs on this thread: the metrics server's
+            return False
 
     def _report(self) -> scheduler_pb2.LoadReport | None:
-        if self._loop.is_closed() or threading.get_ident() == self._loop_thread:
+        if self._loop.is_closed() or self._on_own_loop():
             return None
 
         async def read() -> scheduler_pb2.LoadReport:

@@ -136,6 +136,5 @@ class EmbedderService(engine_worker_pb2_grpc.EmbedderServicer):
     async def GetModel(
         self, request: engine_worker_pb2.EmbedderModelRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ModelInfo:
-        if self.encoder is None:
-            raise KvmeshError(Reason.MODEL_NOT_READY, "loading", retryable=True)
+        self._loaded_encoder()  # not ready until the encoder is
         return self.info
