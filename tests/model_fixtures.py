@@ -10,8 +10,14 @@ VOCAB = 512
 
 
 def save_random_checkpoint(
-    directory: Path, kind: str, seed: int = 0, max_shard_size: str = "1GB"
+    directory: Path,
+    kind: str,
+    seed: int = 0,
+    max_shard_size: str = "1GB",
+    **overrides: int,
 ) -> str:
+    """overrides: config values in place of the small defaults below (e.g. a head_dim the
+    GPU kernels take: hidden_size / num_attention_heads of 32, 64 or 128)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -34,6 +40,7 @@ def save_random_checkpoint(
         eos_token_id=2,
         pad_token_id=0,
     )
+    common.update(overrides)
     if kind == "llama":
         config = LlamaConfig(
             **common,

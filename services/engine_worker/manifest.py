@@ -46,6 +46,8 @@ class ModelManifest:
     device: str = ""
     threads: int = 0  # torch intra-op threads
     tokenizer_digest: str = ""
+    # cupy: decode batch size -> "graph", or why its capture failed (it runs eagerly)
+    cuda_graphs: dict[str, str] | None = None
 
     @property
     def artifact_digest(self) -> str:
@@ -100,6 +102,7 @@ def describe(
         weights=formats.weights,
         weights_resident_bytes=runner.weights_resident_bytes,
         compiled=getattr(runner, "compiled", None) is not None,
+        cuda_graphs=getattr(runner, "cuda_graphs", None),
         backend=backend,
         max_model_len=max_model_len,
         kv_cache_dtype=dtype_name(formats.kv_cache),

@@ -89,6 +89,7 @@ def model_info(worker: Worker, served_name: str | None = None) -> common_pb2.Mod
         device=manifest.device,
         threads=manifest.threads,
         tokenizer_digest=manifest.tokenizer_digest,
+        cuda_graphs=manifest.cuda_graphs or {},
     )
 
 

@@ -102,18 +102,16 @@ class Worker:
         return entry, entry.artifact_path
 
     def _check_memory_fits(self, formats: StepFormats) -> None:
-        """Weights (packed ones come from a float32 copy, the peak), the KV budget and a step's
-        workspace: checked before any is allocated, not found short while others serve."""
-        arch, limits = self.architecture, self.config.scheduler
+        """Weights (packed ones come from a float32 copy, the peak), the KV budget and what a
+        step needs besides (the runner says): checked before any is allocated, not found short
+        while others serve."""
+        arch, config = self.architecture, formats.runner_config(self.config)
+        step = importlib.import_module(BACKENDS[self.backend]).Runner.step_memory_bytes
         check_memory_fits(
             {
                 "weights": arch.num_parameters * formats.load_dtype.itemsize,
                 "KV cache": self.kv_shape.num_bytes(formats.kv_cache.itemsize),
-                "step workspace": arch.step_workspace_bytes(
-                    limits.max_num_batched_tokens,
-                    limits.max_sampled_rows,
-                    formats.activations.itemsize,
-                ),
+                "step workspace": step(arch, formats.activations, config, self.max_model_len),
             },
             self.backend,
         )

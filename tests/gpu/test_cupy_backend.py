@@ -26,6 +26,9 @@ def run(
         EngineConfig(
             backend=backend,
             dtype=dtype,
+            # The reference runs the GGUF's weights dequantized, as the cupy backend does (the
+            # torch backend's default packs them to int8 on the CPU: another rounding).
+            weights="float32" if backend == "torch" else "auto",
             cache=CacheConfig(kv_memory_bytes=64 << 20, enable_prefix_caching=prefix),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=256, max_num_seqs=4, prefill_chunk_size=chunk
@@ -68,7 +71,11 @@ def test_half_precision_stays_with_the_reference_until_a_near_tie(torch_referenc
 
 def test_cuda_graphs_and_the_gpu_sampler_change_no_token(monkeypatch, torch_reference) -> None:
     prompts, _ = torch_reference
-    graphed, _ = run("cupy", "float32", prompts, 16, True, logprobs=None)  # GPU argmax
+    graphed, engine = run("cupy", "float32", prompts, 16, True, logprobs=None)  # GPU argmax
+    # Every bucket captured: GEMMs on our own cuBLAS handle are capturable.
+    assert set(engine.worker.manifest.cuda_graphs.values()) == {"graph"}, (
+        engine.worker.manifest.cuda_graphs
+    )
     monkeypatch.setenv("KVMESH_CUDA_GRAPHS", "0")
     eager, _ = run("cupy", "float32", prompts, 16, True, logprobs=TOP)  # torch sampler
     assert [g.tokens for g in graphed] == [e.tokens for e in eager]

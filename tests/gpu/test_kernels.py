@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine_worker.artifacts.rope import RopeSpec
-from services.engine_worker.cupy_backend.cublas_gemm import gemm
+from services.engine_worker.cupy_backend.cublas_gemm import CublasGemm
 from services.engine_worker.cupy_backend.kernels.bias_add import bias_add
 from services.engine_worker.cupy_backend.kernels.embedding import embedding
 from services.engine_worker.cupy_backend.kernels.greedy_sample import greedy_sample
@@ -167,6 +167,7 @@ def test_silu_and_mul_and_bias_add(spec: DTypeSpec) -> None:
 )
 def test_gemm_is_a_row_major_matmul(spec: DTypeSpec, tokens: int, inner: int, columns: int) -> None:
     x, weight = torch.randn(tokens, inner) / inner**0.5, torch.randn(inner, columns)
+    gemm = CublasGemm(cupy.cuda.get_current_stream())
     out = cupy.empty((tokens, columns), spec.storage)
     gemm(put(x, spec), put(weight, spec), out, spec)
     expected = rounded(x, spec) @ rounded(weight, spec)

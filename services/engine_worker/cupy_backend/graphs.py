@@ -1,96 +1,106 @@
 """Decode steps as CUDA graphs: one captured forward per batch-size bucket, replayed.
 
-A decode step of B requests runs the graph of the smallest bucket >= B. Each graph owns fixed
-device buffers (ids, positions, slots, block tables as wide as the longest context, context
-lengths) and its own workspace; a replay copies the step's host arrays into them, pads the rest
-(slot -1 writes nothing, context 1 reads one position of block 0, rows nobody samples) and
-launches the graph: one launch instead of ~15 per layer. Buckets are captured on first use, on
-the runner's stream, after one eager warm-up run so every kernel is loaded and cuBLAS has
-chosen its algorithms before capture.
+A decode step of B requests runs the graph of the smallest bucket >= B. Every bucket reads
+one set of fixed input buffers (ids, positions, slots, block tables as wide as the longest
+context, context lengths), sized for the largest bucket, and writes the runner's one
+workspace; a replay copies the step's host arrays into the buffers, pads the rest (slot -1
+writes nothing, context 1 reads one position of block 0, rows nobody samples) and launches
+the graph: one launch instead of ~15 per layer.
+
+Every bucket is captured when the runner loads, after one eager run of the same shapes so
+every kernel is loaded and cuBLAS has chosen its algorithms. A bucket whose capture fails is
+logged once with the reason and its steps run eagerly; `report()` says which buckets are
+graphs and why any is not, for the manifest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import cupy
 import numpy
 
 from services.engine_worker.cupy_backend.batch import GpuBatch
-from services.engine_worker.cupy_backend.kernels.paged_decode_attention import num_splits
-from services.engine_worker.cupy_backend.model import (
-    CupyCausalLM,
-    DeviceBatch,
-    GpuKVCache,
-    Workspace,
-)
+from services.engine_worker.cupy_backend.model import CupyCausalLM, DeviceBatch, GpuKVCache
+from services.engine_worker.cupy_backend.workspace import Workspace
 
 log = logging.getLogger("kvmesh.engine_worker.graphs")
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
 
-class DecodeGraph:
-    def __init__(
-        self,
-        model: CupyCausalLM,
-        cache: GpuKVCache,
-        size: int,
-        max_blocks: int,
-        max_model_len: int,
-        stream: cupy.cuda.Stream,
-    ) -> None:
-        self.size = size
-        self.max_blocks = max_blocks
-        arch = model.arch
-        self.workspace = Workspace(arch, model.spec, size, size, size, num_splits(max_model_len))
-        self.batch = DeviceBatch(
-            input_ids=cupy.zeros(size, numpy.int32),
-            positions=cupy.zeros(size, numpy.int32),
-            slots=cupy.full(size, -1, numpy.int64),
-            decode_block_tables=cupy.zeros((size, max_blocks), numpy.int32),
-            decode_context_lens=cupy.ones(size, numpy.int32),
-            prefill_block_tables=cupy.zeros((0, 1), numpy.int32),
-            prefill_query_starts=cupy.zeros(1, numpy.int32),
-            prefill_context_lens=cupy.zeros(0, numpy.int32),
-            max_query_len=0,
-            sample_rows=cupy.arange(size, dtype=numpy.int32),
-            num_decodes=size,
-        )
-        started = time.perf_counter()
-        with stream:
-            model.forward(self.batch, cache, self.workspace)  # warm-up: loads, cuBLAS picks
-            stream.synchronize()
-            stream.begin_capture()
-            try:
-                self.logits = model.forward(self.batch, cache, self.workspace)
-            finally:
-                self.graph = stream.end_capture()
-        log.info(
-            "captured decode graph",
-            extra={"batch_size": size, "ms": round((time.perf_counter() - started) * 1e3, 1)},
+@dataclass(frozen=True)
+class GraphInputs:
+    """The fixed device buffers every bucket's graph reads, for up to `rows` decode rows."""
+
+    input_ids: Any
+    positions: Any
+    slots: Any
+    block_tables: Any  # (rows, max_blocks)
+    context_lens: Any
+    sample_rows: Any
+    no_prefill: tuple[Any, Any, Any]  # block tables, query starts, context lengths
+
+    @staticmethod
+    def allocate(rows: int, max_blocks: int) -> GraphInputs:
+        return GraphInputs(
+            input_ids=cupy.zeros(rows, numpy.int32),
+            positions=cupy.zeros(rows, numpy.int32),
+            slots=cupy.full(rows, -1, numpy.int64),
+            block_tables=cupy.zeros((rows, max_blocks), numpy.int32),
+            context_lens=cupy.ones(rows, numpy.int32),
+            sample_rows=cupy.arange(rows, dtype=numpy.int32),
+            no_prefill=(
+                cupy.zeros((0, 1), numpy.int32),
+                cupy.zeros(1, numpy.int32),
+                cupy.zeros(0, numpy.int32),
+            ),
         )
 
-    def replay(self, batch: GpuBatch, stream: cupy.cuda.Stream) -> Any:
-        """Logits (B, vocab) of the step's B decode rows."""
-        rows = batch.num_decodes
-        padded = self.size - rows
-        device = self.batch
-        with stream:
-            device.input_ids.set(_pad(batch.input_ids, padded, 0))
-            device.positions.set(_pad(batch.positions, padded, 0))
-            device.slots.set(_pad(batch.slots, padded, -1))
-            device.decode_context_lens.set(_pad(batch.decode_context_lens, padded, 1))
-            tables = numpy.zeros((self.size, self.max_blocks), numpy.int32)
-            tables[:rows, : batch.decode_block_tables.shape[1]] = batch.decode_block_tables
-            device.decode_block_tables.set(tables)
-            self.graph.launch(stream)
-        return self.logits[:rows]
+    @staticmethod
+    def num_bytes(rows: int, max_blocks: int) -> int:
+        return rows * (4 + 4 + 8 + 4 * max_blocks + 4 + 4) + 4
+
+    def batch(self, size: int, splits: int) -> DeviceBatch:
+        """The first `size` rows as a decode-only batch (views: the graph reads the buffers)."""
+        return DeviceBatch(
+            input_ids=self.input_ids[:size],
+            positions=self.positions[:size],
+            slots=self.slots[:size],
+            decode_block_tables=self.block_tables[:size],
+            decode_context_lens=self.context_lens[:size],
+            prefill_block_tables=self.no_prefill[0],
+            prefill_query_starts=self.no_prefill[1],
+            prefill_context_lens=self.no_prefill[2],
+            max_query_len=0,
+            sample_rows=self.sample_rows[:size],
+            num_decodes=size,
+            decode_splits=splits,
+        )
+
+    def fill(self, batch: GpuBatch, size: int) -> None:
+        """The step's rows, then padding up to the bucket's `size`: copies on the current
+        stream, ordered before the graph's launch."""
+        rows, width = batch.num_decodes, batch.decode_block_tables.shape[1]
+        padded = size - rows
+        self.input_ids[:size].set(_pad(batch.input_ids, padded, 0))
+        self.positions[:size].set(_pad(batch.positions, padded, 0))
+        self.slots[:size].set(_pad(batch.slots, padded, -1))
+        self.context_lens[:size].set(_pad(batch.decode_context_lens, padded, 1))
+        tables = numpy.zeros((size, self.block_tables.shape[1]), numpy.int32)
+        tables[:rows, :width] = batch.decode_block_tables
+        self.block_tables[:size].set(tables)
 
 
 def _pad(values: numpy.ndarray, count: int, fill: int) -> numpy.ndarray:
     return numpy.concatenate([values, numpy.full(count, fill, dtype=values.dtype)])
+
+
+def buckets_up_to(max_rows: int) -> tuple[int, ...]:
+    return tuple(b for b in BUCKETS if b <= max_rows) or (BUCKETS[0],)
 
 
 class DecodeGraphs:
@@ -98,29 +108,87 @@ class DecodeGraphs:
         self,
         model: CupyCausalLM,
         cache: GpuKVCache,
+        workspace: Workspace,
         max_model_len: int,
-        stream: cupy.cuda.Stream,
-        max_batch: int = BUCKETS[-1],
+        stream: Any,
+        buckets: tuple[int, ...],
     ) -> None:
-        self.model, self.cache, self.stream = model, cache, stream
-        self.max_model_len = max_model_len
+        self.model, self.cache, self.workspace, self.stream = model, cache, workspace, stream
+        self.buckets = buckets
         self.max_blocks = -(-max_model_len // cache.shape.block_size)
-        self.buckets = tuple(b for b in BUCKETS if b <= max_batch)
-        self.graphs: dict[int, DecodeGraph] = {}
+        with stream:
+            self.inputs = GraphInputs.allocate(self.buckets[-1], self.max_blocks)
+        self.graphs: dict[int, tuple[Any, Any]] = {}  # bucket -> (graph, its logits view)
+        self.failures: dict[int, str] = {}  # bucket -> why it runs eagerly
+
+    def capture(self) -> None:
+        """Every bucket, largest first: what fails is known before the first request."""
+        started = time.perf_counter()
+        for size in reversed(self.buckets):
+            self._capture(size)
+        log.info(
+            "captured decode graphs",
+            extra={
+                "buckets": sorted(self.graphs),
+                "eager": sorted(self.failures),
+                "ms": round((time.perf_counter() - started) * 1e3, 1),
+            },
+        )
+
+    def _capture(self, size: int) -> None:
+        batch = self.inputs.batch(size, self.workspace.limits.max_splits)
+        stream = self.stream
+        with stream:
+            self.model.forward(batch, self.cache, self.workspace)  # loads kernels, cuBLAS picks
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                logits = self.model.forward(batch, self.cache, self.workspace)
+            except Exception as error:  # whatever the forward did that a capture cannot hold
+                _end_abandoned(stream)
+                self._failed(size, error)
+                return
+            try:
+                graph = stream.end_capture()
+            except Exception as error:  # the capture was invalidated along the way
+                self._failed(size, error)
+                return
+        self.graphs[size] = (graph, logits)
+
+    def _failed(self, size: int, error: Exception) -> None:
+        reason = f"{type(error).__name__}: {error}".strip()
+        self.failures[size] = reason
+        log.warning(
+            "decode graph capture failed: this bucket runs eagerly",
+            extra={"batch_size": size, "reason": reason},
+        )
+
+    def report(self) -> dict[str, str]:
+        """Each bucket: "graph", or the reason its capture failed."""
+        return {
+            str(size): "graph" if size in self.graphs else self.failures[size]
+            for size in self.buckets
+        }
 
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
 
     def run(self, batch: GpuBatch) -> Any | None:
         """The logits of a decode-only step through its bucket's graph; None when no bucket
-        is large enough (the caller runs it eagerly)."""
+        is large enough or its capture failed (the caller runs it eagerly)."""
         size = self.bucket(batch.num_decodes)
-        if size is None:
+        captured = None if size is None else self.graphs.get(size)
+        if size is None or captured is None:
             return None
-        graph = self.graphs.get(size)
-        if graph is None:
-            graph = DecodeGraph(
-                self.model, self.cache, size, self.max_blocks, self.max_model_len, self.stream
-            )
-            self.graphs[size] = graph
-        return graph.replay(batch, self.stream)
+        graph, logits = captured
+        with self.stream:
+            self.inputs.fill(batch, size)
+            graph.launch(self.stream)
+        return logits[: batch.num_decodes]
+
+
+def _end_abandoned(stream: Any) -> None:
+    """Ends a capture a failure interrupted, so the stream takes ordinary work again."""
+    # An invalidated capture reports its error here too: already known.
+    with contextlib.suppress(Exception):
+        stream.end_capture()

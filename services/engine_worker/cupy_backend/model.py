@@ -1,9 +1,10 @@
 """The Llama-family decoder on an NVIDIA GPU: our CUDA C kernels through CuPy, GEMMs in cuBLAS.
 
-Same math and same fused weight layout as the torch CausalLM (model.py), over the same ragged
-batch of flattened tokens. Every intermediate lives in a preallocated Workspace, so one forward
-allocates nothing: the decode forward can be captured as a CUDA graph and replayed
-(graphs.py). 16-bit weights and KV, fp32 accumulation everywhere (cuBLAS compute type
+Same math and same fused weight layout as the torch CausalLM (torch_backend/model.py), over the
+same ragged batch of flattened tokens. Every intermediate lives in the preallocated Workspace
+(workspace.py) and every GEMM goes through our own cuBLAS handle, so one forward allocates
+nothing and synchronises nothing: the decode forward can be captured as a CUDA graph and
+replayed (graphs.py). 16-bit weights and KV, fp32 accumulation everywhere (cuBLAS compute type
 32F, fp32 math in the kernels); logits come out in fp32.
 """
 
@@ -13,19 +14,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import cupy
-import numpy
 import torch
 
 from services.engine_worker.artifacts.architecture import ModelArchitecture
 from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.cupy_backend.batch import GpuBatch
-from services.engine_worker.cupy_backend.cublas_gemm import CUDA_R_32F, gemm
+from services.engine_worker.cupy_backend.cublas_gemm import CUDA_R_32F, CublasGemm
 from services.engine_worker.cupy_backend.kernels.bias_add import bias_add
 from services.engine_worker.cupy_backend.kernels.embedding import embedding
 from services.engine_worker.cupy_backend.kernels.library import DTypeSpec
 from services.engine_worker.cupy_backend.kernels.paged_decode_attention import (
-    DecodeScratch,
     check_shape,
+    num_splits,
     paged_decode_attention,
 )
 from services.engine_worker.cupy_backend.kernels.paged_prefill_attention import (
@@ -35,6 +35,7 @@ from services.engine_worker.cupy_backend.kernels.reshape_and_cache import reshap
 from services.engine_worker.cupy_backend.kernels.rms_norm import add_rms_norm
 from services.engine_worker.cupy_backend.kernels.rotary import rotary
 from services.engine_worker.cupy_backend.kernels.silu_and_mul import silu_and_mul
+from services.engine_worker.cupy_backend.workspace import Workspace
 from services.engine_worker.kv_cache import KVCacheShape
 
 _TORCH_STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.int16}
@@ -101,47 +102,6 @@ class GpuKVCache:
         return self.pool[index, 0], self.pool[index, 1]
 
 
-class Workspace:
-    """Every intermediate of one forward, for up to `max_tokens` rows, `max_samples` sampled
-    rows and `max_decodes` decode rows over contexts of up to `max_context` tokens."""
-
-    def __init__(
-        self,
-        arch: ModelArchitecture,
-        spec: DTypeSpec,
-        max_tokens: int,
-        max_samples: int,
-        max_decodes: int,
-        max_splits: int,
-    ) -> None:
-        def buffer(*shape: int, dtype: Any = spec.storage) -> Any:
-            return cupy.empty(shape, dtype=dtype)
-
-        self.max_tokens, self.max_samples, self.max_decodes = max_tokens, max_samples, max_decodes
-        self.max_splits = max_splits
-        qkv_width = arch.q_size + 2 * arch.kv_size
-        self.residual = buffer(max_tokens, arch.hidden_size)
-        self.normed = buffer(max_tokens, arch.hidden_size)
-        self.qkv = buffer(max_tokens, qkv_width)
-        self.attn = buffer(max_tokens, arch.q_size)
-        self.proj = buffer(max_tokens, arch.hidden_size)
-        self.gate_up = buffer(max_tokens, 2 * arch.intermediate_size)
-        self.act = buffer(max_tokens, arch.intermediate_size)
-        self.final = buffer(max_samples, arch.hidden_size)
-        self.logits = buffer(max_samples, arch.vocab_size, dtype=numpy.float32)
-        self.decode_scratch = DecodeScratch.allocate(
-            max(1, max_decodes), arch.num_heads, max_splits, arch.head_dim
-        )
-
-    def fits(self, tokens: int, samples: int, decodes: int, splits: int) -> bool:
-        return (
-            tokens <= self.max_tokens
-            and samples <= self.max_samples
-            and decodes <= self.max_decodes
-            and splits <= self.max_splits
-        )
-
-
 @dataclass(frozen=True)
 class DeviceBatch:
     """A GpuBatch's arrays on the device (fixed buffers when a CUDA graph replays them)."""
@@ -157,9 +117,11 @@ class DeviceBatch:
     max_query_len: int
     sample_rows: Any
     num_decodes: int
+    decode_splits: int  # attention splits of the longest decode context
 
     @staticmethod
     def upload(batch: GpuBatch) -> DeviceBatch:
+        longest = int(batch.decode_context_lens.max()) if batch.num_decodes else 1
         return DeviceBatch(
             cupy.asarray(batch.input_ids),
             cupy.asarray(batch.positions),
@@ -172,6 +134,7 @@ class DeviceBatch:
             batch.max_query_len,
             cupy.asarray(batch.sample_rows),
             batch.num_decodes,
+            num_splits(longest),
         )
 
 
@@ -182,10 +145,12 @@ class CupyCausalLM:
         weights: ModelWeights,
         max_positions: int,
         spec: DTypeSpec,
+        gemm: CublasGemm,
     ) -> None:
         check_shape(arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.arch = arch
         self.spec = spec
+        self.gemm = gemm
         self.weights = GpuWeights(weights, spec)
         freqs = (
             torch.arange(max_positions, dtype=torch.float32)[:, None]
@@ -197,10 +162,11 @@ class CupyCausalLM:
 
     def forward(self, batch: DeviceBatch, cache: GpuKVCache, ws: Workspace) -> Any:
         """Logits (S, vocab) float32, a view into the workspace (valid until the next call)."""
-        arch, w, spec = self.arch, self.weights, self.spec
+        arch, w, spec, gemm = self.arch, self.weights, self.spec, self.gemm
         tokens = int(batch.input_ids.shape[0])
         samples = int(batch.sample_rows.shape[0])
         decodes = batch.num_decodes
+        scratch = ws.decode_scratch(decodes, batch.decode_splits)
         x, normed, qkv = ws.residual[:tokens], ws.normed[:tokens], ws.qkv[:tokens]
         attn, proj = ws.attn[:tokens], ws.proj[:tokens]
         embedding(x, w.embed, batch.input_ids, spec)
@@ -242,7 +208,7 @@ class CupyCausalLM:
                     batch.decode_context_lens,
                     arch.num_heads,
                     self.scale,
-                    ws.decode_scratch,
+                    scratch,
                     spec,
                 )
             if tokens > decodes:

@@ -21,16 +21,12 @@ import torch
 from services.engine_worker.artifacts.architecture import ModelArchitecture
 from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.cupy_backend.batch import GpuBatch, build_gpu_batch
-from services.engine_worker.cupy_backend.graphs import DecodeGraphs
+from services.engine_worker.cupy_backend.cublas_gemm import WORKSPACE_BYTES, CublasGemm
+from services.engine_worker.cupy_backend.graphs import DecodeGraphs, GraphInputs, buckets_up_to
 from services.engine_worker.cupy_backend.kernels.greedy_sample import greedy_sample
 from services.engine_worker.cupy_backend.kernels.library import DTYPES
-from services.engine_worker.cupy_backend.kernels.paged_decode_attention import num_splits
-from services.engine_worker.cupy_backend.model import (
-    CupyCausalLM,
-    DeviceBatch,
-    GpuKVCache,
-    Workspace,
-)
+from services.engine_worker.cupy_backend.model import CupyCausalLM, DeviceBatch, GpuKVCache
+from services.engine_worker.cupy_backend.workspace import StepLimits, Workspace, workspace_bytes
 from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.sampler import sample
 from services.engine_worker.step_inputs import RequestState, unique_states
@@ -44,6 +40,11 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 def cuda_graphs_enabled() -> bool:
     """KVMESH_CUDA_GRAPHS=0 runs every step eagerly (to compare, or to debug a kernel)."""
     return os.environ.get("KVMESH_CUDA_GRAPHS", "1") != "0"
+
+
+def step_limits(config: EngineConfig, max_model_len: int) -> StepLimits:
+    limits = config.scheduler
+    return StepLimits.of(limits.max_num_batched_tokens, limits.max_sampled_rows, max_model_len)
 
 
 def on_gpu_sampler(state: RequestState) -> bool:
@@ -72,25 +73,44 @@ class Runner:
         self.block_size = kv_shape.block_size
         self.weights_resident_bytes = weights.resident_bytes  # copied to the GPU as they are
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        limits = step_limits(config, max_model_len)
         with self.stream:
-            self.model = CupyCausalLM(arch, weights, max_model_len, self.spec)
+            self.gemm = CublasGemm(self.stream)
+            self.model = CupyCausalLM(arch, weights, max_model_len, self.spec, self.gemm)
             self.cache = GpuKVCache(kv_shape, self.spec)
-        self.workspace: Workspace | None = None  # eager steps; grown to the largest seen
-        self.graphs = (
-            DecodeGraphs(
-                self.model,
-                self.cache,
-                max_model_len,
-                self.stream,
-                config.scheduler.max_sampled_rows,
+            self.workspace = Workspace(arch, self.spec, limits)
+        self.buckets = buckets_up_to(limits.max_samples)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs_enabled():
+            self.graphs = DecodeGraphs(
+                self.model, self.cache, self.workspace, max_model_len, self.stream, self.buckets
             )
-            if cuda_graphs_enabled()
-            else None
+            self.graphs.capture()
+
+    @staticmethod
+    def step_memory_bytes(
+        arch: ModelArchitecture, dtype: torch.dtype, config: EngineConfig, max_model_len: int
+    ) -> int:
+        """What a runner allocates besides weights and KV pool, known before it loads: the
+        workspace, cuBLAS's workspace, the graphs' input buffers and the RoPE tables."""
+        limits = step_limits(config, max_model_len)
+        graph_inputs = GraphInputs.num_bytes(
+            buckets_up_to(limits.max_samples)[-1], -(-max_model_len // config.cache.block_size)
         )
+        rope_tables = 2 * max_model_len * (arch.head_dim // 2) * 4
+        spec = DTYPES[_DTYPE_NAMES[dtype]]
+        return workspace_bytes(arch, spec, limits) + WORKSPACE_BYTES + graph_inputs + rope_tables
 
     @property
     def kv_cache_bytes(self) -> int:
         return self.cache.num_bytes
+
+    @property
+    def cuda_graphs(self) -> dict[str, str]:
+        """For the manifest: each decode batch size, "graph" or why it runs eagerly."""
+        if self.graphs is None:
+            return {str(size): "off (KVMESH_CUDA_GRAPHS=0)" for size in self.buckets}
+        return self.graphs.report()
 
     def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
         with self.stream:  # ordered before the step's kernels on the same stream
@@ -108,30 +128,10 @@ class Runner:
         return unique_states(batch.sampling_states), self._sample(logits, batch, rng)
 
     def _eager(self, batch: GpuBatch) -> Any:
-        tokens, samples, decodes = batch.num_tokens, len(batch.sampling_states), batch.num_decodes
-        longest = int(batch.decode_context_lens.max()) if decodes else 1
-        splits = num_splits(longest)
-        workspace = self.workspace
-        if workspace is None or not workspace.fits(tokens, samples, decodes, splits):
-            grown = [tokens, samples, decodes, splits]
-            if workspace is not None:  # never shrink: the largest step comes back
-                grown = [
-                    max(a, b)
-                    for a, b in zip(
-                        grown,
-                        (
-                            workspace.max_tokens,
-                            workspace.max_samples,
-                            workspace.max_decodes,
-                            workspace.max_splits,
-                        ),
-                        strict=True,
-                    )
-                ]
-            with self.stream:
-                workspace = self.workspace = Workspace(self.arch, self.spec, *grown)
+        longest = int(batch.decode_context_lens.max()) if batch.num_decodes else 1
+        self.workspace.check_fits(batch.num_tokens, len(batch.sampling_states), longest)
         with self.stream:
-            return self.model.forward(DeviceBatch.upload(batch), self.cache, workspace)
+            return self.model.forward(DeviceBatch.upload(batch), self.cache, self.workspace)
 
     def _sample(
         self, logits: Any, batch: GpuBatch, rng: torch.Generator

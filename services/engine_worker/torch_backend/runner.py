@@ -61,6 +61,16 @@ class Runner:
         if self.compiled is None and kv_dtype != dtype:
             raise ValueError(f"a {kv_dtype} KV cache needs the compiled step")
 
+    @staticmethod
+    def step_memory_bytes(
+        arch: ModelArchitecture, dtype: torch.dtype, config: EngineConfig, max_model_len: int
+    ) -> int:
+        """A step's largest activations (an upper bound: torch allocates them as it goes)."""
+        limits = config.scheduler
+        return arch.step_workspace_bytes(
+            limits.max_num_batched_tokens, limits.max_sampled_rows, dtype.itemsize
+        )
+
     @property
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.num_bytes
