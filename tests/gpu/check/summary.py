@@ -1,0 +1,111 @@
+"""One page from a GPU check's output folder: the machine, each part's outcome, the GPU suite's
+counts and failures, the mesh's streamed answer, the decode graphs, and the benchmark tables.
+
+    python -m tests.gpu.check.summary OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def parts(out: Path) -> list[str]:
+    lines = ["| part | exit | seconds |", "|---|---|---|"]
+    for line in _read(out / "results.txt").splitlines():
+        name, rc, seconds = line.split()
+        lines.append(f"| {name} | {rc.removeprefix('rc=')} | {seconds.removeprefix('seconds=')} |")
+    return lines
+
+
+def suite(out: Path) -> list[str]:
+    report = out / "suite.xml"
+    if not report.exists():
+        return ["GPU suite: not run (no suite.xml)"]
+    root = ElementTree.parse(report).getroot()
+    cases = root.iter("testcase")
+    failed = [
+        f"- {case.get('classname')}::{case.get('name')}: "
+        + (problem.get("message") or "")[:300].replace("\n", " ")
+        for case in cases
+        for problem in (case.find("failure"), case.find("error"))
+        if problem is not None
+    ]
+    totals = root.find("testsuite") if root.tag == "testsuites" else root
+    counts = {k: totals.get(k, "0") for k in ("tests", "failures", "errors", "skipped", "time")}
+    head = (
+        f"GPU suite (graphs on): {counts['tests']} tests, {counts['failures']} failed, "
+        f"{counts['errors']} errors, {counts['skipped']} skipped in {counts['time']} s"
+    )
+    return [head, *failed]
+
+
+def mesh(out: Path) -> list[str]:
+    text = _read(out / "mesh.log").strip().splitlines()
+    manifest = _read(out / "manifest.log")
+    try:
+        graphs = json.dumps(json.loads(manifest[manifest.index("{") :]).get("cuda_graphs"))
+    except ValueError:  # no JSON object in it: the load failed (see manifest.log)
+        graphs = "not read"
+    return [
+        "Mesh (`kvmesh up --backend cupy`, graphs on), last lines:",
+        "```",
+        *text[-8:],
+        "```",
+        f"Decode graphs (manifest, bf16): {graphs}",
+    ]
+
+
+def bench(out: Path) -> list[str]:
+    path = out / "bench-gpu.json"
+    if not path.exists():
+        return ["bench-gpu: no figures (see bench.log)"]
+    figures = json.loads(path.read_text())
+    rows = figures["rows"]
+    names = [name for name in rows[0] if name != "batch"]
+    lines = [
+        f"bench-gpu: {figures['device']}, {figures['dtype']}, {figures['prompt_len']}-token "
+        f"prompts, {figures['output_len']} decoded; decode tok/s",
+        "| batch | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
+    for row in rows:
+        cells = [f"{row[name]:.0f}" if row[name] else "-" for name in names]
+        lines.append(f"| {row['batch']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def render(out: Path) -> str:
+    page = [
+        "# GPU check",
+        "",
+        "Machine: " + " / ".join(_read(out / "gpu.txt").split("\n")).strip(" /"),
+        "",
+        *parts(out),
+        "",
+        *suite(out),
+        "",
+        *mesh(out),
+        "",
+        *bench(out),
+        "",
+        "bench-kernels:",
+        "```",
+        *_read(out / "kernels.log").splitlines()[-40:],
+        "```",
+    ]
+    return "\n".join(page)
+
+
+def main() -> None:
+    print(render(Path(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()
