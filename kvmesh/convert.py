@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy
 
@@ -24,18 +25,26 @@ _SKIPPED_KEYS = ("GGUF.", "general.architecture", "general.file_type")
 _ALL_F32 = 0  # llama.cpp's LLAMA_FTYPE_ALL_F32
 
 
+def copy_gguf_metadata(reader: Any, writer: Any, skipped: tuple[str, ...] = _SKIPPED_KEYS) -> None:
+    """Every metadata key of a GGUFReader into a GGUFWriter, but those starting with `skipped`
+    (the writer sets the architecture; a converted file has its own type)."""
+    import gguf
+
+    for key, field in reader.fields.items():
+        if key.startswith(skipped):
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type)
+
+
 def gguf_to_f32(source: str, target: str) -> None:
     import gguf
 
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(target, arch)
-    for key, field in reader.fields.items():
-        if key.startswith(_SKIPPED_KEYS):
-            continue
-        vtype = field.types[0]
-        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), vtype, sub_type)
+    copy_gguf_metadata(reader, writer)
     writer.add_file_type(_ALL_F32)
     for tensor in reader.tensors:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(numpy.float32)

@@ -17,6 +17,8 @@ import json
 
 import numpy
 
+from kvmesh.convert import copy_gguf_metadata
+
 TENSORS_KEY = "kvmesh.skeleton.tensors"  # JSON: [[name, shape (GGUF order), type name], ...]
 _SKIPPED_KEYS = ("GGUF.", "general.architecture", TENSORS_KEY)
 _MOSTLY_F16 = 1  # llama.cpp's LLAMA_FTYPE_MOSTLY_F16
@@ -26,23 +28,12 @@ _MOSTLY_F16 = 1  # llama.cpp's LLAMA_FTYPE_MOSTLY_F16
 EMBEDDING_STD, PROJECTION_STD = 0.15, 0.025
 
 
-def _copy_metadata(reader, writer, skipped: tuple[str, ...]) -> None:  # type: ignore[no-untyped-def]
-    import gguf
-
-    for key, field in reader.fields.items():
-        if key.startswith(skipped):
-            continue
-        vtype = field.types[0]
-        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), vtype, sub_type)
-
-
 def write_skeleton(source: str, target: str) -> None:
     import gguf
 
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(target, reader.fields["general.architecture"].contents())
-    _copy_metadata(reader, writer, _SKIPPED_KEYS)
+    copy_gguf_metadata(reader, writer, _SKIPPED_KEYS)
     tensors = [[t.name, t.shape.tolist(), t.tensor_type.name] for t in reader.tensors]
     writer.add_string(TENSORS_KEY, json.dumps(tensors))
     writer.write_header_to_file()
@@ -59,7 +50,7 @@ def write_random(skeleton: str, target: str, f16: bool = False, seed: int = 0) -
     reader = gguf.GGUFReader(skeleton)
     writer = gguf.GGUFWriter(target, reader.fields["general.architecture"].contents())
     skipped = _SKIPPED_KEYS + (("general.file_type",) if f16 else ())
-    _copy_metadata(reader, writer, skipped)
+    copy_gguf_metadata(reader, writer, skipped)
     if f16:
         writer.add_file_type(_MOSTLY_F16)
     rng = numpy.random.default_rng(seed)
