@@ -34,8 +34,9 @@ SOURCES_ARCHIVE = "KVMESH_LLAMA_CPP_SOURCES"
 
 
 def cache_dir(cuda: bool = False) -> Path:
-    name = f"llama.cpp-{LLAMA_CPP_PYTHON}" + ("-cuda" if cuda else "")
-    return Path(os.environ.get("KVMESH_PEERS_CACHE", Path.home() / ".cache" / "kvmesh")) / name
+    default = Path.home() / ".cache" / "kvmesh" / f"llama.cpp-{LLAMA_CPP_PYTHON}"
+    root = Path(os.environ.get("KVMESH_PEERS_CACHE", default))
+    return root.with_name(root.name + "-cuda") if cuda else root
 
 
 def fetch_sources(source: Path, log=sys.stderr) -> None:

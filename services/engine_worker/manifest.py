@@ -48,6 +48,9 @@ class ModelManifest:
     tokenizer_digest: str = ""
     # cupy: decode batch size -> "graph", or why its capture failed (it runs eagerly)
     cuda_graphs: dict[str, str] | None = None
+    # a compiled step: the Inductor cache folder, graphs loaded from it and compiled (hits,
+    # misses), and the wait for another worker compiling the same model (compile_cache.py)
+    compile_cache: dict[str, Any] | None = None
 
     @property
     def artifact_digest(self) -> str:
@@ -88,6 +91,7 @@ def describe(
     num_parameters: int,
     load_seconds: float,
     warmup_seconds: float,
+    compile_cache: dict[str, Any] | None = None,
 ) -> ModelManifest:
     """The manifest of a model a worker has loaded and warmed."""
     digests = _artifact_digests(entry, model_path)
@@ -103,6 +107,7 @@ def describe(
         weights_resident_bytes=runner.weights_resident_bytes,
         compiled=getattr(runner, "compiled", None) is not None,
         cuda_graphs=getattr(runner, "cuda_graphs", None),
+        compile_cache=compile_cache,
         backend=backend,
         max_model_len=max_model_len,
         kv_cache_dtype=dtype_name(formats.kv_cache),

@@ -16,6 +16,7 @@ from services.engine_worker.artifacts.loader import ModelArtifact, open_artifact
 from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.backends import BACKENDS, resolve_backend
 from services.engine_worker.capacity import check_memory_fits
+from services.engine_worker.compile_cache import warm_up_cached
 from services.engine_worker.grammar import GrammarCompiler
 from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.manifest import describe
@@ -71,7 +72,8 @@ class Worker:
         self.runner, num_parameters = self._load_runner(artifact, formats)
         load_seconds = time.perf_counter() - started
         warmup_started = time.perf_counter()
-        self.warm_up()
+        key = (self.model_path, formats.weights, str(formats.activations), str(formats.kv_cache))
+        compile_cache = warm_up_cached(self.warm_up, self.runner, key)
         self._check_fixtures()
         warmup_seconds = time.perf_counter() - warmup_started
         self.manifest = describe(
@@ -88,6 +90,7 @@ class Worker:
             num_parameters=num_parameters,
             load_seconds=load_seconds,
             warmup_seconds=warmup_seconds,
+            compile_cache=compile_cache,
         )
 
     @staticmethod

@@ -11,6 +11,7 @@ that has them."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +54,8 @@ def compiled(default_model_path: str) -> Iterator[Engine]:
     engine = load(None, "auto", scheduler=BATCHING)
     assert engine.manifest["weights"] == "packed" and engine.manifest["compiled"]
     assert engine.worker.runner.compiled is not None
+    cache = engine.manifest["compile_cache"]  # its warm-up compiled or loaded from the cache
+    assert Path(cache["directory"]).is_dir() and cache["hits"] + cache["misses"] > 0
     GRAPHS_AT_START.append(graphs_compiled())
     yield engine
 
@@ -66,6 +69,7 @@ def graphs_compiled() -> int:
 def test_compile_is_off_where_asked_and_for_float_weights(default_model_path: str) -> None:
     for engine in (load(None, "off"), load(None, "auto", weights="float32")):
         assert engine.worker.runner.compiled is None
+        assert engine.manifest["compile_cache"] is None
         assert engine.manifest["kv_cache_dtype"] == "float32"  # what the eager step reads
 
 
