@@ -15,11 +15,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("kvmesh.engine_worker.compile_cache")
 
 
 def cache_root() -> Path:
@@ -87,4 +90,6 @@ def warm_up_cached(
         return None
     with compiling(key_parts) as use:
         warm_up()
+    message = "warm-up compiled the step" if use.misses else "warm-up loaded the compiled step"
+    log.info(message, extra=use.to_dict())
     return use.to_dict()
