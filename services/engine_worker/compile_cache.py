@@ -49,7 +49,22 @@ class CompileCacheUse:
         }
 
 
+def _point_inductor_at_our_folder() -> Path:
+    """TORCHINDUCTOR_CACHE_DIR as the user set it, else kvmesh's folder. Inductor writes its
+    default into the variable the first time it looks (loading a model probes the C++
+    compiler), so that value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        current = str(cache_root() / "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = current
+    return Path(current)
+
+
 def _graph_counts() -> tuple[int, int]:
+    """Graphs Inductor loaded from its cache (also those AOTAutograd's cache finds: it loads
+    their code from Inductor's) and graphs it compiled."""
     from torch._dynamo.utils import counters
 
     inductor = counters["inductor"]
@@ -60,9 +75,7 @@ def _graph_counts() -> tuple[int, int]:
 def compiling(key_parts: tuple[str, ...]) -> Iterator[CompileCacheUse]:
     """Around the first steps of a compiled model: the cache folder set, this key's lock held
     (several workers of one model on a machine compile it once), hits and misses counted."""
-    directory = Path(
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
-    )
+    directory = _point_inductor_at_our_folder()
     locks = directory / "kvmesh-locks"
     locks.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256("\0".join(key_parts).encode()).hexdigest()[:16]

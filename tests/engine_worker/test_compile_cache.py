@@ -58,3 +58,14 @@ def test_the_cache_folder_is_kvmeshs_own(monkeypatch) -> None:
     assert cache_root() == Path.home() / ".cache" / "kvmesh"
     monkeypatch.setenv("KVMESH_CACHE_DIR", "/srv/kvmesh-cache")
     assert cache_root() == Path("/srv/kvmesh-cache")
+
+
+def test_inductors_own_default_counts_as_unset(tmp_path: Path, monkeypatch) -> None:
+    """Inductor writes its /tmp default into the variable the first time it looks."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    with compiling(("a", "key")) as use:
+        pass
+    assert use.directory == str(tmp_path / "inductor")

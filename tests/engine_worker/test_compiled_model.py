@@ -54,8 +54,9 @@ def compiled(default_model_path: str) -> Iterator[Engine]:
     engine = load(None, "auto", scheduler=BATCHING)
     assert engine.manifest["weights"] == "packed" and engine.manifest["compiled"]
     assert engine.worker.runner.compiled is not None
-    cache = engine.manifest["compile_cache"]  # its warm-up compiled or loaded from the cache
-    assert Path(cache["directory"]).is_dir() and cache["hits"] + cache["misses"] > 0
+    # Where its warm-up compiled or loaded the step (0 and 0 when this process had it already).
+    cache = engine.manifest["compile_cache"]
+    assert Path(cache["directory"]).is_dir() and {"hits", "misses"} <= cache.keys()
     GRAPHS_AT_START.append(graphs_compiled())
     yield engine
 
