@@ -61,12 +61,11 @@ def _refusing_cupy_cublas() -> types.ModuleType:
 
         def call(*args: Any, **kwargs: Any) -> None:
             device.STATE.cupy_cublas_calls.append(name)
-            if device.STATE.capturing is not None:
-                device.STATE.capturing.invalidated = f"cupy.cuda.cublas.{name}"
-                raise NotImplementedError(
-                    f"cupy.cuda.cublas.{name}: calling cuBLAS API during stream capture is "
-                    "currently unsupported"
-                )
+            # CuPy's own words: "calling cuBLAS API during stream capture is unsupported".
+            device.refuse_in_capture(
+                f"cupy.cuda.cublas.{name} (CuPy refuses cuBLAS during stream capture)",
+                NotImplementedError,
+            )
 
         return call
 

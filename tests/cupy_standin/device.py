@@ -63,13 +63,13 @@ class DeviceState:
 STATE = DeviceState()
 
 
-def refuse_in_capture(what: str) -> None:
+def refuse_in_capture(what: str, error: type[Exception] = CaptureViolation) -> None:
     graph = STATE.capturing
     if graph is not None:
         message = f"{what} while a stream captures a CUDA graph"
         graph.invalidated = graph.invalidated or message
         STATE.violations.append(message)
-        raise CaptureViolation(message)
+        raise error(message)
 
 
 def launch(name: str, run: Callable[[], None]) -> None:

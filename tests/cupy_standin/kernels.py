@@ -83,19 +83,29 @@ def reshape_and_cache(name: str, grid: Grid, args: tuple) -> None:
         cache.reshape(-1, kv_heads, block, dim)[blocks, :, offsets] = heads
 
 
-def _context(
-    cache: numpy.ndarray,
+def _head_dim(name: str) -> int:
+    return int(re.search(r"_d(\d+)$", name).group(1))  # type: ignore[union-attr]
+
+
+def _keys_and_values(
+    caches: tuple[numpy.ndarray, numpy.ndarray],
     table: numpy.ndarray,
     length: int,
+    heads: int,
     kv_heads: int,
     block: int,
     dim: int,
     s: str,
-) -> numpy.ndarray:
-    """(length, kv_heads, D) float32: a sequence's keys or values read through its table."""
+) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """(length, heads, D) float32 each: a sequence's keys and values read through its
+    table, each KV head repeated for the query heads of its group."""
     positions = numpy.arange(length)
-    blocks = table[positions // block]
-    return to_float(cache.reshape(-1, kv_heads, block, dim)[blocks, :, positions % block], s)
+    blocks, offsets = table[positions // block], positions % block
+    gathered = (
+        to_float(cache.reshape(-1, kv_heads, block, dim)[blocks, :, offsets], s) for cache in caches
+    )
+    k, v = (numpy.repeat(part, heads // kv_heads, 1) for part in gathered)
+    return k, v
 
 
 def paged_decode_attention(name: str, grid: Grid, args: tuple) -> None:
@@ -116,18 +126,15 @@ def paged_decode_attention(name: str, grid: Grid, args: tuple) -> None:
         partition,
         scale,
     ) = args
-    s = _suffix(name)
-    dim = int(re.search(r"_d(\d+)$", name).group(1))  # type: ignore[union-attr]
+    s, dim = _suffix(name), _head_dim(name)
     splits, seqs = grid[0], grid[1]
-    group = heads // kv_heads
     p_out = p_out.reshape(seqs, heads, splits, dim)
     p_max, p_sum = p_max.reshape(seqs, heads, splits), p_sum.reshape(seqs, heads, splits)
     tables = tables.reshape(-1, max_blocks)
     for seq in range(seqs):
         length = int(context_lens[seq])
         q = to_float(qkv.reshape(-1, stride)[seq, : heads * dim], s).reshape(heads, dim) * scale
-        k = numpy.repeat(_context(keys, tables[seq], length, kv_heads, block, dim, s), group, 1)
-        v = numpy.repeat(_context(values, tables[seq], length, kv_heads, block, dim, s), group, 1)
+        k, v = _keys_and_values((keys, values), tables[seq], length, heads, kv_heads, block, dim, s)
         scores = numpy.einsum("hd,thd->ht", q, k)
         for split in range(splits):
             start, end = split * partition, min((split + 1) * partition, length)
@@ -169,21 +176,18 @@ def paged_prefill_attention(name: str, grid: Grid, args: tuple) -> None:
         block,
         scale,
     ) = args
-    s = _suffix(name)
-    dim = int(re.search(r"_d(\d+)$", name).group(1))  # type: ignore[union-attr]
+    s, dim = _suffix(name), _head_dim(name)
     covered, seqs = grid[0] * 4, grid[1]  # four queries (warps) per block
-    group = heads // kv_heads
     tables = tables.reshape(-1, max_blocks)
     for seq in range(seqs):
-        first, num_q = int(query_starts[seq]), int(query_starts[seq + 1] - query_starts[seq])
-        num_q = min(num_q, covered)
+        first, chunk = int(query_starts[seq]), int(query_starts[seq + 1] - query_starts[seq])
+        num_q = min(chunk, covered)  # a grid too small leaves the chunk's last rows unwritten
         length = int(context_lens[seq])
         rows = numpy.arange(first, first + num_q)
         q = to_float(qkv.reshape(-1, stride)[rows, : heads * dim], s).reshape(num_q, heads, dim)
-        k = numpy.repeat(_context(keys, tables[seq], length, kv_heads, block, dim, s), group, 1)
-        v = numpy.repeat(_context(values, tables[seq], length, kv_heads, block, dim, s), group, 1)
+        k, v = _keys_and_values((keys, values), tables[seq], length, heads, kv_heads, block, dim, s)
         scores = numpy.einsum("qhd,thd->hqt", q * scale, k)
-        positions = length - int(query_starts[seq + 1] - query_starts[seq]) + numpy.arange(num_q)
+        positions = length - chunk + numpy.arange(num_q)
         scores[:, numpy.arange(length)[None, :] > positions[:, None]] = -numpy.inf
         weights = numpy.exp(scores - scores.max(axis=2, keepdims=True))
         attended = numpy.einsum("hqt,thd->qhd", weights, v) / weights.sum(axis=2).T[..., None]

@@ -115,9 +115,9 @@ class DecodeGraphs:
     ) -> None:
         self.model, self.cache, self.workspace, self.stream = model, cache, workspace, stream
         self.buckets = buckets
-        self.max_blocks = -(-max_model_len // cache.shape.block_size)
+        max_blocks = -(-max_model_len // cache.shape.block_size)
         with stream:
-            self.inputs = GraphInputs.allocate(self.buckets[-1], self.max_blocks)
+            self.inputs = GraphInputs.allocate(self.buckets[-1], max_blocks)
         self.graphs: dict[int, tuple[Any, Any]] = {}  # bucket -> (graph, its logits view)
         self.failures: dict[int, str] = {}  # bucket -> why it runs eagerly
 

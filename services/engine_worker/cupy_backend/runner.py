@@ -128,10 +128,12 @@ class Runner:
         return unique_states(batch.sampling_states), self._sample(logits, batch, rng)
 
     def _eager(self, batch: GpuBatch) -> Any:
-        longest = int(batch.decode_context_lens.max()) if batch.num_decodes else 1
-        self.workspace.check_fits(batch.num_tokens, len(batch.sampling_states), longest)
         with self.stream:
-            return self.model.forward(DeviceBatch.upload(batch), self.cache, self.workspace)
+            device = DeviceBatch.upload(batch)
+            self.workspace.check_fits(
+                batch.num_tokens, len(batch.sampling_states), device.decode_splits
+            )
+            return self.model.forward(device, self.cache, self.workspace)
 
     def _sample(
         self, logits: Any, batch: GpuBatch, rng: torch.Generator

@@ -94,16 +94,12 @@ class Workspace:
             sums[:size].reshape(shape),
         )
 
-    def check_fits(self, tokens: int, samples: int, longest_context: int) -> None:
+    def check_fits(self, tokens: int, samples: int, splits: int) -> None:
         """A step larger than the scheduler's limits is a bug upstream: refused, not run
         over the end of a buffer."""
         limits = self.limits
-        if (
-            tokens > limits.max_tokens
-            or samples > limits.max_samples
-            or num_splits(longest_context) > limits.max_splits
-        ):
+        if tokens > limits.max_tokens or samples > limits.max_samples or splits > limits.max_splits:
             raise ValueError(
-                f"a step of {tokens} tokens, {samples} sampled rows and a {longest_context}-"
-                f"token context exceeds the workspace's limits {limits}"
+                f"a step of {tokens} tokens, {samples} sampled rows and {splits} attention "
+                f"splits exceeds the workspace's limits {limits}"
             )
