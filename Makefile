@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu test-gpu-standin gpu-check-prepare gpu-check bench-kernels bench-gpu bench-peers bench-cpu bench-spec profile-step perplexity soak clean
+.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-startup bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu test-gpu-standin gpu-check-prepare gpu-check bench-kernels bench-gpu bench-peers bench-cpu bench-spec profile-step perplexity soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,11 @@ bench-embed: $(STAMP)
 # Deploy v2 and roll back under steady streams: rollout seconds, TTFT during vs before.
 bench-rollout: $(STAMP)
 	$(BIN)/python -m loadtest.rollout_bench
+
+# Seconds to ready and to the first token: kvmesh up cold, warm (prepared), a restarted worker,
+# two workers on an empty cache; llama-server's start beside them (built once). ~6 min.
+bench-startup: $(STAMP)
+	$(BIN)/python -m loadtest.startup_bench
 
 # 3x capacity offered: TTFT p50/p99 of what was served against the queue SLO, refusal latency.
 bench-overload: $(STAMP)

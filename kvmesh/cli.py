@@ -14,6 +14,7 @@ from kvmesh.bench_cli import add_bench_parser, run_bench_command
 from kvmesh.convert import add_convert_parser, run_convert
 from kvmesh.mesh_cli import add_remote_flags, add_up_parser, run_chat, run_remote_generate, run_up
 from kvmesh.models_cli import add_models_parser, run_models
+from kvmesh.prepare_cli import add_prepare_parser, run_prepare
 from kvmesh.trace_cli import add_trace_parser, run_trace
 from shared.errors import KvmeshError
 from shared.flags import add_engine_flags, engine_config
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(commands)
     add_convert_parser(commands)
     add_models_parser(commands)
+    add_prepare_parser(commands)
     return parser
 
 
@@ -205,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_convert(args)
         if args.command == "models":
             return run_models(args)
+        if args.command == "prepare":
+            return run_prepare(args)
         from kvmesh.engine import Engine
 
         print(json.dumps(Engine(engine_config(args)).manifest, indent=2))

@@ -16,14 +16,13 @@ from kvmesh.launcher import Mesh, MeshConfig
 from kvmesh.rollout import RolloutController
 from kvmesh.service_process import free_port
 from shared.errors import KvmeshError, Reason
+from shared.flag_forwarding import scheduler_flag_args, worker_flag_args
 from shared.flags import (
     add_gateway_flags,
     add_scheduler_flags,
     add_worker_flags,
     env_default,
     gateway_flag_args,
-    scheduler_flag_args,
-    worker_flag_args,
 )
 from shared.model_repository import ModelRepository
 from shared.outputs import finish_reason_label

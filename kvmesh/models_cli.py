@@ -49,6 +49,12 @@ def add_models_parser(commands: argparse._SubParsersAction) -> None:
         "model serves (repeatable)",
     )
     fixtures.add_argument("--fixture-tokens", type=int, default=8, help="tokens each records")
+    add.add_argument(
+        "--no-prepare",
+        action="store_true",
+        help="do not prepare the version now (pack its weights, compile its step and store "
+        "them in its prepared/ folder); its first worker then prepares it",
+    )
     listing = actions.add_parser("list", help="entries, and where each is loaded")
     listing.add_argument("--addr", help="a gateway HOST:PORT: also show what it serves")
     deploy = actions.add_parser("deploy", help="roll a version out on a running mesh")
@@ -72,6 +78,8 @@ def run_models(args: argparse.Namespace) -> int:
     if args.models_command == "add":
         entry = add_entry(repository, args)
         print(f"added {entry.label} at {entry.directory}")
+        if entry.prepared:
+            print(f"  prepared artifact {entry.prepared} in {entry.directory}/prepared")
         for path, digest in sorted(entry.sha256.items()):
             print(f"  {digest}  {path}")
         return 0
@@ -110,19 +118,21 @@ def add_entry(repository: ModelRepository, args: argparse.Namespace) -> ModelEnt
         default_sampling=sampling,
         aliases=tuple(args.alias),
     )
-    if args.fixture:
+    prepare = not args.no_prepare and os.environ.get("KVMESH_PREPARED", "auto") != "off"
+    if args.fixture or prepare:
         entry = record_fixtures(entry, args.fixture, args.fixture_tokens)
     return entry
 
 
 def record_fixtures(entry: ModelEntry, prompts: list[str], num_tokens: int) -> ModelEntry:
-    """Load the entry as a worker would, record each prompt's greedy output, save them."""
+    """Load the entry as a worker would, which prepares it (stored in its prepared/ folder)
+    unless KVMESH_PREPARED is off; record each prompt's greedy output; save both."""
     from services.engine_worker.worker import Worker
     from shared.config import CacheConfig, EngineConfig, parse_bytes
     from shared.text_tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(entry.artifact_path)
-    if tokenizer is None:
+    if tokenizer is None and prompts:
         raise KvmeshError(Reason.TOKENIZER_UNAVAILABLE, "fixtures need the model's tokenizer")
     serving = entry.serving
     worker = Worker(
@@ -141,12 +151,13 @@ def record_fixtures(entry: ModelEntry, prompts: list[str], num_tokens: int) -> M
             ),
         )
     )
+    prepared = (worker.manifest.preparation or {}).get("id", "")
     fixtures = []
     for prompt in prompts:
-        prompt_ids = tokenizer.encode(prompt)
+        prompt_ids = tokenizer.encode(prompt)  # type: ignore[union-attr]
         expected = worker.greedy(prompt_ids, num_tokens)
         fixtures.append(WarmupFixture(tuple(prompt_ids), tuple(expected)))
-    recorded = dataclasses.replace(entry, fixtures=tuple(fixtures))
+    recorded = dataclasses.replace(entry, fixtures=tuple(fixtures), prepared=prepared)
     write_entry(recorded)
     return recorded
 

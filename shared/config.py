@@ -139,6 +139,11 @@ class EngineConfig:
     # auto: a packed model on the CPU runs as one compiled graph (compiled_model.py);
     # off: eager. KVMESH_COMPILE sets the default (the test suite's is off, see conftest.py).
     compile: str = field(default_factory=lambda: os.environ.get("KVMESH_COMPILE", "auto"))
+    # auto: load a prepared artifact matching this worker, else prepare one and store it
+    # (services/engine_worker/preparation.py); off: prepare in memory only. KVMESH_PREPARED
+    # sets the default (the test suite's is off, see conftest.py).
+    prepared: str = field(default_factory=lambda: os.environ.get("KVMESH_PREPARED", "auto"))
+    prepared_dir: str | None = None  # searched first and written to; else the cache folder
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -162,4 +167,8 @@ class EngineConfig:
         _require(self.max_model_len is None or self.max_model_len > 1, "max_model_len must be > 1")
         _require(
             self.compile in ("auto", "off"), f"compile must be auto or off, got {self.compile!r}"
+        )
+        _require(
+            self.prepared in ("auto", "off"),
+            f"prepared must be auto or off, got {self.prepared!r}",
         )

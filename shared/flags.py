@@ -79,6 +79,20 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         "(compiled at warm-up: 35-165 s the first time, seconds from the disk cache); off: eager",
     )
     group.add_argument(
+        "--prepared",
+        default=env_default("prepared", "auto"),
+        choices=["auto", "off"],
+        help="auto: load a prepared artifact (packed weights, compiled step) made for this "
+        "model, machine and runtime, else prepare one and store it for the next start; off: "
+        "prepare in memory only",
+    )
+    group.add_argument(
+        "--prepared-dir",
+        default=env_default("prepared-dir", None),
+        help="a folder of prepared artifacts searched first and written to (`kvmesh prepare "
+        "--out`); default: the repository version's prepared/, then $KVMESH_CACHE_DIR/prepared",
+    )
+    group.add_argument(
         "--kv-memory", default=env_default("kv-memory", "1GiB"), help="KV cache budget, e.g. 512MiB"
     )
     group.add_argument(
@@ -262,6 +276,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         weights=args.weights,
         quantize=args.quantize,
         compile=args.compile,
+        prepared=args.prepared,
+        prepared_dir=args.prepared_dir,
         max_model_len=args.max_model_len,
         num_threads=args.threads,
         cache=CacheConfig(
@@ -274,26 +290,3 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             scheduler_config(args) if hasattr(args, "max_batched_tokens") else SchedulerConfig()
         ),
     )
-
-
-def worker_flag_args(args: argparse.Namespace) -> list[str]:
-    """Parsed worker flags back as arguments, for a launcher to forward (model and threads are
-    the launcher's own)."""
-    forwarded = ["--backend", args.backend, "--dtype", args.dtype, "--kv-memory", args.kv_memory]
-    forwarded += ["--weights", args.weights] + (
-        ["--quantize", args.quantize] if args.quantize else []
-    )
-    forwarded += ["--block-size", str(args.block_size), "--compile", args.compile]
-    forwarded += ["--kv-cache-dtype", args.kv_cache_dtype]
-    if args.max_model_len is not None:
-        forwarded += ["--max-model-len", str(args.max_model_len)]
-    return forwarded
-
-
-def scheduler_flag_args(args: argparse.Namespace) -> list[str]:
-    forwarded = ["--max-batched-tokens", str(args.max_batched_tokens)]
-    forwarded += ["--max-num-seqs", str(args.max_num_seqs), "--chunk-size", str(args.chunk_size)]
-    forwarded += ["--no-fair-prefill-first"] if args.no_fair_prefill_first else []
-    forwarded += ["--speculative", args.speculative]
-    forwarded += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
-    return forwarded + (["--no-prefix-caching"] if args.no_prefix_caching else [])

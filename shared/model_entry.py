@@ -103,6 +103,7 @@ class ModelEntry:
     default_sampling: Mapping[str, Any] = field(default_factory=dict)
     aliases: tuple[str, ...] = ()
     fixtures: tuple[WarmupFixture, ...] = ()
+    prepared: str = ""  # the prepared artifact `kvmesh models add` made, in ./prepared/<id>
 
     def __post_init__(self) -> None:
         try:  # checked once, here: a request merging these defaults meets valid ones
@@ -150,6 +151,7 @@ class ModelEntry:
             f"version = {_toml(self.version)}",
             f"artifact = {_toml(self.artifact)}",
             f"aliases = {_toml(list(self.aliases))}",
+            f"prepared = {_toml(self.prepared)}",
             "",
             "[serving]",
         ]
@@ -235,6 +237,7 @@ def read_entry(directory: str) -> ModelEntry:
             default_sampling=dict(data.get("sampling", {})),
             aliases=tuple(model.get("aliases", ())),
             fixtures=fixtures,
+            prepared=str(model.get("prepared", "")),
         )
     except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as error:
         raise ModelValidationError(path, f"not a valid repository entry: {error!r}") from None

@@ -15,6 +15,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # meshes the tests start: a compile costs ~35 s cold, ~5 s from inductor's disk cache, per
 # process and model shape. test_compiled_model.py and a mesh test run the compiled path.
 os.environ.setdefault("KVMESH_COMPILE", "off")
+os.environ.setdefault("KVMESH_PREPARED", "off")  # tests of prepared artifacts turn it on
 
 import pytest
 import torch

@@ -175,3 +175,25 @@ def test_tls_is_all_or_nothing() -> None:
             names = {e["name"] for e in container["env"]}
             has = {"KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_TLS_CA"} <= names
             assert has is expected, (overlay, container["name"])
+
+
+def test_worker_pods_start_from_what_the_prepare_job_stored() -> None:
+    """The Job writes prepared artifacts to a shared claim; every worker pod, an added one
+    too, reads that claim at the folder it searches first."""
+    job = by_name("prod", "Job", "prepare-models")["spec"]["template"]["spec"]
+    (prepare,) = job["containers"]
+    out = prepare["command"][prepare["command"].index("--out") + 1]
+    assert prepare["command"][:4] == ["python", "-m", "kvmesh", "prepare"]
+    claims = {
+        v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in job["volumes"]
+    }
+    written = next(m for m in prepare["volumeMounts"] if m["mountPath"] == out)
+    pod = by_name("prod", "Deployment", "worker")["spec"]["template"]["spec"]
+    worker = next(c for c in pod["containers"] if c["name"] == "engine-worker")
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    read = next(m for m in worker["volumeMounts"] if m["mountPath"] == env["KVMESH_PREPARED_DIR"])
+    pod_claims = {
+        v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["volumes"]
+    }
+    assert claims[written["name"]] == pod_claims[read["name"]] == "prepared-models"
+    assert read.get("readOnly") and not written.get("readOnly")

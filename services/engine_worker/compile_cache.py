@@ -49,7 +49,7 @@ class CompileCacheUse:
         }
 
 
-def _point_inductor_at_our_folder() -> Path:
+def point_inductor_at_our_folder() -> Path:
     """TORCHINDUCTOR_CACHE_DIR as the user set it, else kvmesh's folder. Inductor writes its
     default into the variable the first time it looks (loading a model probes the C++
     compiler), so that value counts as unset."""
@@ -75,7 +75,7 @@ def _graph_counts() -> tuple[int, int]:
 def compiling(key_parts: tuple[str, ...]) -> Iterator[CompileCacheUse]:
     """Around the first steps of a compiled model: the cache folder set, this key's lock held
     (several workers of one model on a machine compile it once), hits and misses counted."""
-    directory = _point_inductor_at_our_folder()
+    directory = point_inductor_at_our_folder()
     locks = directory / "kvmesh-locks"
     locks.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256("\0".join(key_parts).encode()).hexdigest()[:16]

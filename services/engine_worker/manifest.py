@@ -51,14 +51,17 @@ class ModelManifest:
     # a compiled step: the Inductor cache folder, graphs loaded from it and compiled (hits,
     # misses), and the wait for another worker compiling the same model (compile_cache.py)
     compile_cache: dict[str, Any] | None = None
+    # how the runner was made ready: loaded from a prepared artifact (its id and folder),
+    # prepared (and stored), or off; a stored artifact not used and why; seconds per phase
+    preparation: dict[str, Any] | None = None
 
     @property
     def artifact_digest(self) -> str:
-        """One digest for the whole artifact: sha256 over each file's digest, in path order."""
-        combined = hashlib.sha256()
-        for path in sorted(self.artifact_sha256):
-            combined.update(bytes.fromhex(self.artifact_sha256[path]))
-        return combined.hexdigest()
+        return combined_digest(self.artifact_sha256)
+
+    @property
+    def prepared_id(self) -> str:
+        return str((self.preparation or {}).get("id", ""))
 
     @property
     def version(self) -> str:
@@ -89,12 +92,12 @@ def describe(
     kv_shape: KVCacheShape,
     quantization: str,
     num_parameters: int,
+    digests: dict[str, str],
     load_seconds: float,
     warmup_seconds: float,
-    compile_cache: dict[str, Any] | None = None,
+    preparation: dict[str, Any],
 ) -> ModelManifest:
     """The manifest of a model a worker has loaded and warmed."""
-    digests = _artifact_digests(entry, model_path)
     return ModelManifest(
         model_name=entry.name if entry else os.path.basename(model_path.rstrip("/")),
         artifact_path=model_path,
@@ -107,7 +110,8 @@ def describe(
         weights_resident_bytes=runner.weights_resident_bytes,
         compiled=getattr(runner, "compiled", None) is not None,
         cuda_graphs=getattr(runner, "cuda_graphs", None),
-        compile_cache=compile_cache,
+        compile_cache=preparation.get("compile_cache"),
+        preparation=preparation,
         backend=backend,
         max_model_len=max_model_len,
         kv_cache_dtype=dtype_name(formats.kv_cache),
@@ -127,7 +131,15 @@ def describe(
     )
 
 
-def _artifact_digests(entry: ModelEntry | None, model_path: str) -> dict[str, str]:
+def combined_digest(digests: dict[str, str]) -> str:
+    """One digest for the whole artifact: sha256 over each file's digest, in path order."""
+    combined = hashlib.sha256()
+    for path in sorted(digests):
+        combined.update(bytes.fromhex(digests[path]))
+    return combined.hexdigest()
+
+
+def artifact_digests(entry: ModelEntry | None, model_path: str) -> dict[str, str]:
     if entry is not None:  # verified a moment ago: no second pass over the bytes
         return {os.path.join(entry.directory, f): d for f, d in entry.sha256.items()}
     return {f: sha256_file(f) for f in artifact_files(model_path)}

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import grpc
 from opentelemetry import trace
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.engine_worker.step_failures import CircuitBreaker, FaultInjector
 from services.engine_worker.worker import Worker
@@ -51,6 +51,12 @@ STEP_FAILURES = Counter(
 TOKENS_COMPUTED = Counter(
     "kvmesh_tokens_computed",
     "Tokens through the model: prefill (prompts, chunks, recomputation) or decode",
+    ["phase"],
+)
+MODEL_LOAD_SECONDS = Gauge(
+    "kvmesh_model_load_seconds",
+    "Seconds of this worker's start by phase: load (source or prepared artifact), prepare "
+    "(packing), compile (tracing the step), warmup (first steps and fixtures), store",
     ["phase"],
 )
 SCHEMA_COMPILE_SECONDS = Histogram(
@@ -90,6 +96,7 @@ def model_info(worker: Worker, served_name: str | None = None) -> common_pb2.Mod
         threads=manifest.threads,
         tokenizer_digest=manifest.tokenizer_digest,
         cuda_graphs=manifest.cuda_graphs or {},
+        prepared_id=manifest.prepared_id,
     )
 
 
@@ -159,6 +166,9 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
         except KvmeshError as error:
             log.error("model refused", extra={"reason": error.reason.value, "error": error.message})
             raise
+        preparation = self.worker.manifest.preparation or {}
+        for phase, seconds in preparation.get("phases", {}).items():
+            MODEL_LOAD_SECONDS.labels(phase).set(seconds)
         log.info("ready", extra={"manifest": self.worker.manifest.to_dict()})
         await self.runtime.set_ready(True)
 

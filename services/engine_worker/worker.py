@@ -8,18 +8,16 @@ from __future__ import annotations
 import importlib
 import threading
 import time
-from typing import Any
 
 import torch
 
-from services.engine_worker.artifacts.loader import ModelArtifact, open_artifact
-from services.engine_worker.artifacts.weights import ModelWeights
+from services.engine_worker.artifacts.loader import open_artifact
 from services.engine_worker.backends import BACKENDS, resolve_backend
 from services.engine_worker.capacity import check_memory_fits
-from services.engine_worker.compile_cache import warm_up_cached
 from services.engine_worker.grammar import GrammarCompiler
 from services.engine_worker.kv_cache import KVCacheShape
-from services.engine_worker.manifest import describe
+from services.engine_worker.manifest import artifact_digests, combined_digest, describe
+from services.engine_worker.preparation import ready_runner
 from services.engine_worker.step_failures import (
     FaultInjector,
     InjectedFault,
@@ -28,7 +26,6 @@ from services.engine_worker.step_failures import (
 )
 from services.engine_worker.step_inputs import RequestState
 from services.engine_worker.torch_backend.step_formats import StepFormats
-from services.engine_worker.torch_backend.weights import int4_source
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, ModelValidationError, Reason
 from shared.model_entry import ModelEntry, is_entry, read_entry
@@ -69,13 +66,14 @@ class Worker:
             formats.kv_cache,
         )
         self._check_memory_fits(formats)
-        self.runner, num_parameters = self._load_runner(artifact, formats)
-        load_seconds = time.perf_counter() - started
-        warmup_started = time.perf_counter()
-        key = (self.model_path, formats.weights, str(formats.activations), str(formats.kv_cache))
-        compile_cache = warm_up_cached(self.warm_up, self.runner, key)
+        digests = artifact_digests(self.entry, self.model_path)
+        self.runner, num_parameters, self.preparation = ready_runner(
+            self, artifact, formats, combined_digest(digests)
+        )
+        phases = self.preparation.phases
+        fixtures_started = time.perf_counter()
         self._check_fixtures()
-        warmup_seconds = time.perf_counter() - warmup_started
+        phases["warmup"] += time.perf_counter() - fixtures_started
         self.manifest = describe(
             self.config,
             self.entry,
@@ -88,9 +86,11 @@ class Worker:
             kv_shape=self.kv_shape,
             quantization=artifact.quantization,
             num_parameters=num_parameters,
-            load_seconds=load_seconds,
-            warmup_seconds=warmup_seconds,
-            compile_cache=compile_cache,
+            digests=digests,
+            # what the worker took before any step ran; warm-up: steps and fixtures
+            load_seconds=time.perf_counter() - started - phases["compile"] - phases["warmup"],
+            warmup_seconds=phases["compile"] + phases["warmup"],
+            preparation=self.preparation.to_dict(),
         )
 
     @staticmethod
@@ -118,22 +118,6 @@ class Worker:
             },
             self.backend,
         )
-
-    def _load_runner(self, artifact: ModelArtifact, formats: StepFormats) -> tuple[Any, int]:
-        """The backend's runner, holding the weights in its own format, and their count."""
-        weights = ModelWeights.build(self.architecture, artifact.load, formats.load_dtype)
-        packed = formats.weights == "packed"  # torch only: a Q4 file's 4-bit groups if fast
-        int4 = {"int4": int4_source(artifact, self.config.quantize)} if packed else {}
-        runner = importlib.import_module(BACKENDS[self.backend]).Runner(
-            self.architecture,
-            weights,
-            self.kv_shape,
-            self.max_model_len,
-            formats.activations,
-            formats.runner_config(self.config),
-            **int4,
-        )
-        return runner, weights.num_parameters  # the float weights go: the runner has its own
 
     def _check_fixtures(self) -> None:
         """A repository version's recorded greedy outputs, reproduced before it serves."""

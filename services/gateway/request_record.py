@@ -149,6 +149,7 @@ def completed_event(
                 threads=model.threads,
                 tokenizer_digest=model.tokenizer_digest,
                 stop=admitted.stop,
+                prepared_id=model.prepared_id,
             ),
         )
     )

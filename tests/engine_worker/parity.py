@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -15,25 +16,13 @@ class Greedy:
     top: list[list[int]]  # top-3 token ids at each generated position
 
 
-# Short questions the default model answers in a few tokens: greedy parity's prompts.
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "What is 2 + 2?",
-    "Who wrote Hamlet?",
-    "What do bees make?",
-    "How many legs does a spider have?",
-    "What is the boiling point of water?",
-    "Translate 'hello' into Spanish.",
-    "What planet is known as the red planet?",
-    "What is the largest ocean?",
-    "Give a synonym for happy.",
-    "What gas do plants absorb?",
-    "How many days are in a week?",
-    "What is the opposite of cold?",
-    "What color is the sky on a clear day?",
-    "What is the square root of 81?",
-]
+# Short questions the default model answers in a few tokens: greedy parity's prompts (also
+# `make bench-startup`'s: a prepared model against a fresh preparation).
+QUESTIONS = (
+    (Path(__file__).parents[2] / "loadtest" / "texts" / "parity_questions.txt")
+    .read_text()
+    .splitlines()
+)
 
 
 def transformers_greedy(

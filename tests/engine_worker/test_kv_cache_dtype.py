@@ -15,7 +15,8 @@ from services.engine_worker.kv_cache import kv_cache_dtype
 from services.engine_worker.worker import Worker
 from shared.config import CacheConfig, EngineConfig
 from shared.errors import KvmeshError, Reason
-from shared.flags import add_worker_flags, engine_config, worker_flag_args
+from shared.flag_forwarding import worker_flag_args
+from shared.flags import add_worker_flags, engine_config
 
 
 def test_auto_is_float16_where_the_step_compiles_else_the_activation_dtype() -> None:

@@ -26,8 +26,8 @@ zeros: the longest row beside it changes nothing). The pool is float16 unless as
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -35,76 +35,15 @@ import torch.nn.functional as F
 
 from services.engine_worker.artifacts.architecture import ModelArchitecture
 from services.engine_worker.kv_cache import KVCache
-from services.engine_worker.step_inputs import FlatBatch
 from services.engine_worker.torch_backend import (
     graph_ops,  # registers the kvmesh:: ops the graph calls
 )
 from services.engine_worker.torch_backend.attention import kv_write_indices
+from services.engine_worker.torch_backend.graph_batch import GraphBatch
 from services.engine_worker.torch_backend.linear import Int4Linear, Int8Linear
 from services.engine_worker.torch_backend.model import CausalLM
+from services.engine_worker.torch_backend.saved_programs import ProgramTable
 from services.engine_worker.torch_backend.weights import Int8Embedding, TorchWeights
-
-
-@dataclass(frozen=True)
-class GraphBatch:
-    """A step's rows as the compiled graph takes them: every size here is dynamic."""
-
-    # Token id, position and the block its K/V goes to, of each decode row (B,) and each
-    # prefill row (P,): apart, not as T rows, so that the graph knows T = B + P and needs no
-    # guard on how T splits (one that held for the first step would fail the next).
-    decode_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    prefill_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    decode_table: torch.Tensor  # (B, max blocks) block table of each decode row, 0-padded
-    decode_context_lens: torch.Tensor  # (B,)
-    prefill_segments: torch.Tensor  # (S, 3) first prefill row, rows, context length
-    prefill_blocks: torch.Tensor  # (S, max blocks)
-    sample_rows: torch.Tensor  # (R,)
-
-    @staticmethod
-    def of(flat: FlatBatch) -> GraphBatch:
-        def table(rows: list[list[int]]) -> torch.Tensor:
-            if not rows:
-                return torch.zeros((0, 1), dtype=torch.long)
-            width = max(len(row) for row in rows)
-            return torch.tensor([row + [0] * (width - len(row)) for row in rows])
-
-        first = flat.prefill_query_starts[0]  # decode rows come first
-
-        def rows(part: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            ids, positions, blocks = flat.input_ids, flat.positions, flat.token_blocks
-            return (
-                torch.tensor(ids[part], dtype=torch.long),
-                torch.tensor(positions[part], dtype=torch.long),
-                torch.tensor(blocks[part], dtype=torch.long),
-            )
-
-        segments = [
-            (start - first, end - start, context)
-            for start, end, context in zip(
-                flat.prefill_query_starts[:-1],
-                flat.prefill_query_starts[1:],
-                flat.prefill_context_lens,
-                strict=True,
-            )
-        ]
-        return GraphBatch(
-            rows(slice(0, first)),
-            rows(slice(first, None)),
-            table(flat.decode_blocks),
-            torch.tensor(flat.decode_context_lens, dtype=torch.long),
-            torch.tensor(segments, dtype=torch.long).view(len(segments), 3),
-            table(flat.prefill_blocks),
-            torch.tensor(flat.sample_rows, dtype=torch.long),
-        )
-
-    def mark_dynamic(self) -> None:
-        for tensor in (*self.decode_rows, *self.prefill_rows, self.sample_rows):
-            torch._dynamo.mark_dynamic(tensor, 0)
-        for tensor in (self.decode_table, self.decode_context_lens, self.prefill_segments):
-            torch._dynamo.mark_dynamic(tensor, 0)
-        torch._dynamo.mark_dynamic(self.prefill_blocks, 0)
-        torch._dynamo.mark_dynamic(self.decode_table, 1)
-        torch._dynamo.mark_dynamic(self.prefill_blocks, 1)
 
 
 def can_compile(weights: TorchWeights) -> bool:
@@ -246,6 +185,9 @@ def _graph(
     return F.rms_norm(x.index_select(0, batch.sample_rows), hidden, final_norm, eps)
 
 
+_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"size_asserts": False}
+
+
 class CompiledCausalLM:
     """`CausalLM.forward`'s contract on a `GraphBatch`, through one compiled graph."""
 
@@ -269,29 +211,46 @@ class CompiledCausalLM:
         self._embed = (w.embed.rows, w.embed.scale)
         # Its inputs are built here, not by strangers: no size/stride asserts on each of them
         # per call (~650 a step, 0.3 ms at batch 1).
-        self._graph = torch.compile(
-            _graph, fullgraph=True, dynamic=False, options={"size_asserts": False}
-        )
+        self._graph = torch.compile(_graph, fullgraph=True, dynamic=False, options=_OPTIONS)
+        # The two graphs compiled ahead of time, when the model was prepared (saved_programs.py)
+        self.programs = ProgramTable()
 
-    @torch.inference_mode()
+    def load_programs(self, saved: dict[str, bytes]) -> None:
+        """Programs a prepared model saved. A loaded program's guards treat a tensor marked
+        dynamic as a new marking (torch 2.13 serializes none), so its inputs go unmarked: the
+        sizes it was traced with dynamic stay so."""
+        self.programs.load(saved)
+        for tensor in (*self._keys, *self._values):  # mark_dynamic's attributes, all of them
+            for name in [name for name in vars(tensor) if "_dynamo" in name]:
+                delattr(tensor, name)
+
     def forward(self, batch: GraphBatch) -> torch.Tensor:
         """-> logits (R, vocab) of the sampled rows."""
         model = self.model
-        batch.mark_dynamic()
+        prefilling = batch.prefill_rows[0].shape[0] > 0  # a graph with prefill rows, one without
+        args = (
+            model.arch,
+            model.scale,
+            model._exact_over_cache,
+            prefilling,
+            batch,
+            self._keys,
+            self._values,
+            self._layers,
+            *self._embed,
+            model.weights.final_norm,
+            model.cos,
+            model.signed_sin,
+        )
         # Sizes 0 and 1 must not get a graph (and kernels) of their own: see the docstring.
         with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
-            hidden = self._graph(
-                model.arch,
-                model.scale,
-                model._exact_over_cache,
-                batch.prefill_rows[0].shape[0] > 0,  # a graph with prefill rows, one without
-                batch,
-                self._keys,
-                self._values,
-                self._layers,
-                *self._embed,
-                model.weights.final_norm,
-                model.cos,
-                model.signed_sin,
-            )
-        return model.weights.lm_head(hidden).float()
+            name = "step-prefill" if prefilling else "step-decode"
+            program = self.programs.programs.get(name)
+            if program is None:  # traced here, now or lazily: the sizes it keeps dynamic
+                batch.mark_dynamic()
+                program = self.programs.get(name, _graph, args, options=_OPTIONS)
+            # A program's guards want no_grad (saved_programs.py); the traced graph was always
+            # run in inference mode.
+            with torch.no_grad() if program is not None else torch.inference_mode():
+                hidden = (program or self._graph)(*args)
+                return model.weights.lm_head(hidden).float()

@@ -25,12 +25,14 @@ both.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
 from services.engine_worker.artifacts.int4_groups import GROUP
 from services.engine_worker.torch_backend.attention import PrefillSegment, _prefill, prefill_mask
 from services.engine_worker.torch_backend.linear import LINEAR_DYNAMIC, Int4Linear, Int8Linear
+from services.engine_worker.torch_backend.saved_programs import ProgramTable
 
 _OPS = torch.library.Library("kvmesh", "DEF")
 _OPS.define(
@@ -115,8 +117,29 @@ _OPS.define(
     "Tensor zero) -> Tensor"
 )
 # One graph per weight shape, compiled at warm-up (its prefill rows reach every projection);
-# with dynamic sizes its loop ran 1.8x longer.
-_DENSE_WEIGHT = torch.compile(Int4Linear.dense_weight, dynamic=False)
+# with dynamic sizes its loop ran 1.8x longer. Made on first use: `torch.compile` probes the
+# C++ compiler for each vector ISA (1.6 s), which a prepared model skips.
+_DENSE_WEIGHT: Callable[..., torch.Tensor] | None = None
+# The same, compiled ahead of time by a prepared model (saved_programs.py), one per shape: the
+# name pins the inputs (the packed weight's shape; the pairs' follow, all dtypes are fixed).
+DENSE_WEIGHT_PROGRAMS = ProgramTable(check_guards=False)
+
+
+def _unpacked(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return Int4Linear.dense_weight(packed, scale, zero)  # a plain function: programs bind args
+
+
+def _dense_weight(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    name = "dense-weight-" + "x".join(map(str, packed.shape))
+    program = DENSE_WEIGHT_PROGRAMS.get(name, _unpacked, (packed, scale, zero))
+    if program is not None:
+        return program(packed, scale, zero)
+    global _DENSE_WEIGHT
+    if _DENSE_WEIGHT is None:
+        _DENSE_WEIGHT = torch.compile(Int4Linear.dense_weight, dynamic=False)
+    return _DENSE_WEIGHT(packed, scale, zero)
+
+
 # Prefill rows are multiplied PREFILL_PIECE at a time, the last piece zero-padded: oneDNN picks
 # its kernel by the row count (with AMX, 53-162 rows of the 3072x576 projection were summed in
 # another order than 1,024), so only a fixed count gives a row the same bits whatever its
@@ -139,7 +162,7 @@ def _int4_rows(
         out[:decodes] = decoded
     prefill = rows[decodes:]
     if prefill.shape[0]:
-        weight = _DENSE_WEIGHT(packed, scale, zero)
+        weight = _dense_weight(packed, scale, zero)
         padded = -(-prefill.shape[0] // PREFILL_PIECE) * PREFILL_PIECE
         pieces = prefill.new_zeros((padded, prefill.shape[1]))
         pieces[: prefill.shape[0]] = prefill

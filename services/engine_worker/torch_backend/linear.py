@@ -112,24 +112,37 @@ class Int8Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """weight: (out, in) float; quantized here, symmetric, one scale per row."""
-        out_features, in_features = weight.shape
-        rows, scale = quantize_rows(weight)
+        self._prepack(*quantize_rows(weight), bias)
+
+    @classmethod
+    def from_rows(
+        cls, rows: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> Int8Linear:
+        """From `rows_and_scales` as a prepared model saved them."""
+        linear = cls.__new__(cls)
+        linear._prepack(rows, scale, bias)
+        return linear
+
+    def _prepack(self, rows: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        out_features, in_features = rows.shape
         padded = torch.zeros(out_features, in_features + 2)
         padded[:, :in_features] = rows * scale
         with warnings.catch_warnings():  # fbgemm's dynamic linear still takes a qint8 tensor
             warnings.simplefilter("ignore", UserWarning)
-            quantized = torch.quantize_per_channel(
-                padded,
-                scale.double().squeeze(1),
-                torch.zeros(out_features, dtype=torch.long),
-                0,
-                torch.qint8,
-            )
+            per_row, zeros = scale.double().squeeze(1), torch.zeros(out_features, dtype=torch.long)
+            quantized = torch.quantize_per_channel(padded, per_row, zeros, 0, torch.qint8)
         self._packed = torch.ops.quantized.linear_prepack(quantized, None)
         self.in_features, self.out_features = in_features, out_features
         self.bias = None if bias is None else bias.float()
         # int8 values + a scale per row (what fbgemm keeps, less its column offsets).
         self._bytes = out_features * (in_features + 2) + out_features * 8
+
+    @property
+    def rows_and_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, in) int8 rows and (out, 1) float32 scales, read back from fbgemm's packing."""
+        quantized, _ = torch.ops.quantized.linear_unpack(self._packed)
+        rows = quantized.int_repr()[:, : self.in_features].contiguous()
+        return rows, quantized.q_per_channel_scales().float().unsqueeze(1)
 
     @staticmethod
     def dequantized(weight: torch.Tensor) -> torch.Tensor:
@@ -220,6 +233,21 @@ class Int4Linear:
             scale, zero = self._scale_zero.unbind(-1)
             self.dense_parts = (scale.contiguous(), zero.contiguous())
         self.bias = None if bias is None else bias.float()
+
+    @classmethod
+    def from_parts(
+        cls,
+        packed: torch.Tensor,
+        scale_zero: torch.Tensor,
+        dense_parts: tuple[torch.Tensor, torch.Tensor] | None,
+        bias: torch.Tensor | None,
+    ) -> Int4Linear:
+        """From the tensors a prepared model saved (inference tensors, as `__init__` makes)."""
+        linear = cls.__new__(cls)
+        linear._packed, linear._scale_zero, linear.dense_parts = packed, scale_zero, dense_parts
+        linear.out_features, linear.in_features = packed.shape[0], packed.shape[1] * 2
+        linear.bias = bias
+        return linear
 
     @classmethod
     def _scale_zero_of(cls, groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:

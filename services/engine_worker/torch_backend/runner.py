@@ -17,11 +17,8 @@ from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.kv_cache import KVCache, KVCacheShape
 from services.engine_worker.step_inputs import RequestState, flatten, unique_states
 from services.engine_worker.torch_backend.batch import build_batch
-from services.engine_worker.torch_backend.compiled_model import (
-    CompiledCausalLM,
-    GraphBatch,
-    can_compile,
-)
+from services.engine_worker.torch_backend.compiled_model import CompiledCausalLM, can_compile
+from services.engine_worker.torch_backend.graph_batch import GraphBatch
 from services.engine_worker.torch_backend.model import CausalLM
 from services.engine_worker.torch_backend.step_formats import DTYPES
 from services.engine_worker.torch_backend.weights import Int4Source, TorchWeights
@@ -34,7 +31,7 @@ class Runner:
     def __init__(
         self,
         arch: ModelArchitecture,
-        weights: ModelWeights,
+        weights: ModelWeights | TorchWeights,  # the latter packed already (a prepared model)
         kv_shape: KVCacheShape,
         max_model_len: int,
         dtype: torch.dtype,
@@ -43,9 +40,11 @@ class Runner:
     ) -> None:
         self.arch = arch
         self.device = torch.device(os.environ.get("KVMESH_TORCH_DEVICE", "cpu"))
-        if self.device.type != "cpu":
-            weights = _moved(weights, self.device)
-        torch_weights = TorchWeights.from_float(weights, config.weights, dtype, int4)
+        if isinstance(weights, TorchWeights):
+            torch_weights = weights
+        else:
+            moved = weights if self.device.type == "cpu" else _moved(weights, self.device)
+            torch_weights = TorchWeights.from_float(moved, config.weights, dtype, int4)
         self.weights_resident_bytes = torch_weights.resident_bytes
         self.model = CausalLM(arch, torch_weights, max_model_len, dtype)
         self.model.cos, self.model.signed_sin = (

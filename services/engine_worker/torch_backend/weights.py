@@ -87,6 +87,12 @@ class Int8Embedding:
     def __init__(self, table: torch.Tensor) -> None:
         self.rows, self.scale = quantize_rows(table)  # (vocab, hidden) int8, (vocab, 1)
 
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor, scale: torch.Tensor) -> Int8Embedding:
+        embedding = cls.__new__(cls)
+        embedding.rows, embedding.scale = rows, scale
+        return embedding
+
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.rows).float().mul_(F.embedding(ids, self.scale))
 

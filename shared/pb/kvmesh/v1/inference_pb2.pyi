@@ -167,7 +167,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class ExecutionRecord(_message.Message):
-    __slots__ = ("model_name", "model_version", "artifact_digest", "backend", "dtype", "sampling", "seed", "scheduler", "routing", "tenant", "attempts", "runtime", "device", "threads", "tokenizer_digest", "stop")
+    __slots__ = ("model_name", "model_version", "artifact_digest", "backend", "dtype", "sampling", "seed", "scheduler", "routing", "tenant", "attempts", "runtime", "device", "threads", "tokenizer_digest", "stop", "prepared_id")
     class RuntimeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +191,7 @@ class ExecutionRecord(_message.Message):
     THREADS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_ID_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_version: str
     artifact_digest: str
@@ -207,7 +208,8 @@ class ExecutionRecord(_message.Message):
     threads: int
     tokenizer_digest: str
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., artifact_digest: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., scheduler: _Optional[str] = ..., routing: _Optional[_Union[RoutingDecision, _Mapping]] = ..., tenant: _Optional[str] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., runtime: _Optional[_Mapping[str, str]] = ..., device: _Optional[str] = ..., threads: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+    prepared_id: str
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., artifact_digest: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., scheduler: _Optional[str] = ..., routing: _Optional[_Union[RoutingDecision, _Mapping]] = ..., tenant: _Optional[str] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., runtime: _Optional[_Mapping[str, str]] = ..., device: _Optional[str] = ..., threads: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., prepared_id: _Optional[str] = ...) -> None: ...
 
 class Attempt(_message.Message):
     __slots__ = ("attempt_id", "scheduler", "error_reason")

@@ -1,0 +1,184 @@
+"""Seconds from start to ready and to the first token: `kvmesh up` cold (an empty cache folder:
+the worker prepares the model and stores it), warm (the prepared artifact is there), one
+engine-worker restarted alone on the warm folder, and `kvmesh up --workers 2` on an empty
+folder (one prepares, the other waits and loads: their logs are counted); beside llama.cpp's
+`llama-server` on the same GGUF, from its start to its health check answering. Then the 16
+parity questions' greedy tokens and logprobs from a fresh preparation against the prepared
+artifact it stored, which must be bit-identical.
+
+Each run is a fresh process tree on this machine, one after another; the default model.
+Run: make bench-startup   (llama-server is built once if missing; --no-llama-cpp skips it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.service_process import free_port
+from shared.model_paths import default_model_path
+
+PROMPT = "Say hello."
+KVMESH = str(Path(sys.executable).with_name("kvmesh"))
+QUESTIONS = Path(__file__).with_name("texts") / "parity_questions.txt"
+# A worker in its own process: the 16 parity questions' greedy tokens and their logprobs.
+PARITY = """
+import json, sys
+from services.engine_worker.worker import Worker
+from shared.config import EngineConfig, CacheConfig
+from shared.text_tokenizer import load_tokenizer
+worker = Worker(EngineConfig(prepared="auto", cache=CacheConfig(kv_memory_bytes=64 << 20)))
+tokenizer = load_tokenizer(worker.model_path)
+outputs = []
+for question in open(sys.argv[1]).read().splitlines():
+    prompt = tokenizer.encode(question)
+    tokens = worker.greedy(prompt, 16)
+    scores = worker.prompt_log_softmax(prompt + tokens)[len(prompt) - 1 :]
+    outputs.append([tokens, scores.gather(1, scores.new_tensor(tokens).long()[:, None]).tolist()])
+print(json.dumps({"source": worker.manifest.preparation["source"], "outputs": outputs}))
+"""
+
+
+def mesh_start(cache: Path, workers: int = 1) -> dict[str, object]:
+    """`kvmesh up --prompt`: seconds to its `ready` line and to the answer's first character;
+    how many workers prepared the model and how many loaded it (from their logs)."""
+    env = {**os.environ, "KVMESH_CACHE_DIR": str(cache)}
+    command = [KVMESH, "up", "--port", "0", "--http-port", "0", "--workers", str(workers)]
+    started = time.perf_counter()
+    process = subprocess.Popen(
+        [*command, "--prompt", PROMPT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    lines: queue.Queue[tuple[float, str]] = queue.Queue()
+
+    def read_stderr() -> None:
+        for raw in process.stderr:  # type: ignore[union-attr]
+            lines.put((time.perf_counter(), raw.decode(errors="replace")))
+
+    threading.Thread(target=read_stderr, daemon=True).start()
+    process.stdout.readline()  # type: ignore[union-attr]  # the gateway's address, once ready
+    process.stdout.read(1)  # type: ignore[union-attr]  # the answer's first character
+    first_token = time.perf_counter() - started
+    process.communicate(timeout=300)
+    ready, log_dir = None, None
+    while not lines.empty():
+        at, line = lines.get()
+        if "ready in" in line and ready is None:
+            ready = at - started
+        if "logs in " in line:
+            log_dir = line.split("logs in ", 1)[1].strip().rstrip(")")
+    logs = "".join(p.read_text() for p in Path(log_dir or ".").glob("engine-worker*.log"))
+    return {
+        "ready_seconds": round(ready or float("nan"), 2),
+        "first_token_seconds": round(first_token, 2),
+        "prepared": logs.count("model prepared and stored"),
+        "loaded": logs.count("prepared model loaded"),
+    }
+
+
+def worker_start(cache: Path) -> dict[str, object]:
+    """An engine-worker alone: seconds from its start to SERVING on gRPC health."""
+    port = free_port()
+    env = {**os.environ, "KVMESH_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "2"}
+    started = time.perf_counter()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.engine_worker", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while process.poll() is None:
+                try:
+                    answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                        return {"ready_seconds": round(time.perf_counter() - started, 2)}
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.05)
+        raise RuntimeError("the engine-worker exited before it was ready")
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def parity(cache: Path) -> dict[str, object]:
+    """A fresh preparation's greedy tokens and logprobs against the prepared artifact's."""
+    env = {**os.environ, "KVMESH_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "2"}
+    runs = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", PARITY, str(QUESTIONS)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    fresh, loaded = runs
+    same = sum(a == b for a, b in zip(fresh["outputs"], loaded["outputs"], strict=True))
+    return {"sources": [fresh["source"], loaded["source"]], "identical": same, "prompts": 16}
+
+
+def llama_server_start(model: str, log_dir: Path) -> dict[str, object]:
+    from loadtest import llama_cpp
+
+    bin_dir = llama_cpp.build()
+    started = time.perf_counter()
+    with llama_cpp.server(bin_dir, model, 1, 2048, 2, log_dir / "llama-server.log"):
+        return {"ready_seconds": round(time.perf_counter() - started, 2)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama-server")
+    parser.add_argument("--json", action="store_true", help="the figures as one JSON object")
+    args = parser.parse_args()
+    results: dict[str, dict[str, object]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvmesh-startup-") as scratch:
+        cache = Path(scratch) / "cache"
+        results["kvmesh up, cold"] = mesh_start(cache)
+        results["kvmesh up, warm"] = mesh_start(cache)
+        results["engine-worker restarted, warm"] = worker_start(cache)
+        shutil.rmtree(cache)
+        results["kvmesh up --workers 2, cold"] = mesh_start(cache, workers=2)
+        checked = parity(Path(scratch) / "parity-cache")
+        if not args.no_llama_cpp:
+            results["llama-server"] = llama_server_start(default_model_path(), Path(scratch))
+    if args.json:
+        print(json.dumps({**results, "parity": checked}, indent=1))
+        return 0
+    print(f"{'start':34} {'ready s':>8} {'first token s':>14}  worker logs")
+    for name, figures in results.items():
+        logs = ""
+        if "prepared" in figures:
+            logs = f"{figures['prepared']} prepared, {figures['loaded']} loaded"
+        first = figures.get("first_token_seconds", "")
+        print(f"{name:34} {figures['ready_seconds']:>8} {first:>14}  {logs}")
+    print(
+        f"greedy tokens and logprobs, {checked['sources'][0]} then {checked['sources'][1]}: "
+        f"{checked['identical']}/{checked['prompts']} parity prompts bit-identical"
+    )
+    peer = results.get("llama-server", {}).get("ready_seconds")
+    if isinstance(peer, float) and peer > 0:
+        for name in ("kvmesh up, warm", "engine-worker restarted, warm"):
+            ratio = float(results[name]["ready_seconds"]) / peer  # type: ignore[arg-type]
+            print(f"{name} ready / llama-server ready: {ratio:.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,296 @@
+"""How a worker gets its runner ready: from a prepared artifact that matches it, else by preparing
+the model (dequantize, pack, compile, warm up) and storing the result for the next start.
+
+A matching artifact is verified (every file's digest), its weights mapped and its compiled step
+loaded: no dequantization, packing or tracing. Its recorded greedy tokens are reproduced before
+it serves. An artifact whose key differs (another torch, CPU, format...) is not used: the log and
+the manifest say which part differs, and the model is prepared anew. A corrupt one is refused
+(INVALID_MODEL): the worker does not start, so a rollout keeps its previous version serving.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch._inductor.config as inductor_config
+
+from services.engine_worker.artifacts.architecture import ModelArchitecture
+from services.engine_worker.artifacts.loader import ModelArtifact
+from services.engine_worker.artifacts.weights import ModelWeights
+from services.engine_worker.backends import BACKENDS
+from services.engine_worker.compile_cache import (
+    cache_root,
+    point_inductor_at_our_folder,
+    warm_up_cached,
+)
+from services.engine_worker.kv_cache import KVCacheShape
+from services.engine_worker.prepared_artifact import (
+    PreparedArtifact,
+    PreparedKey,
+    PreparedStore,
+    runtime_key_parts,
+)
+from services.engine_worker.torch_backend.step_formats import StepFormats, dtype_name
+from services.engine_worker.torch_backend.weights import int4_source
+from shared.config import EngineConfig
+from shared.errors import ModelValidationError
+from shared.model_entry import ModelEntry
+
+
+class Worker(Protocol):
+    """What preparing a runner reads of the worker, and the runner it sets for warm-up."""
+
+    config: EngineConfig
+    backend: str
+    entry: ModelEntry | None
+    model_path: str
+    architecture: ModelArchitecture
+    kv_shape: KVCacheShape
+    max_model_len: int
+    runner: Any
+
+    def warm_up(self) -> None: ...
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]: ...
+
+
+log = logging.getLogger("kvmesh.engine_worker.preparation")
+
+PROGRAMS = "programs"
+# A prepared artifact's own fixture: greedy tokens after a fixed prompt, reproduced at load.
+FIXTURE_PROMPT = tuple(range(1, 25))
+FIXTURE_TOKENS = 4
+
+
+@dataclass
+class Preparation:
+    """What the manifest says of how this runner was made ready."""
+
+    source: str = "off"  # loaded (a prepared artifact) | prepared (and stored) | off
+    id: str = ""
+    directory: str = ""
+    mismatch: str = ""  # a stored artifact of this model that was not used, and why
+    lock_wait_seconds: float = 0.0
+    # seconds: load (read the source, or map a prepared artifact), prepare (pack the weights),
+    # compile (trace and compile the step), warmup (first steps and fixtures)
+    phases: dict[str, float] = field(default_factory=dict)
+    compile_cache: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        found = asdict(self)
+        found["phases"] = {k: round(v, 3) for k, v in self.phases.items()}
+        return found
+
+
+def prepared_key(worker: Worker, formats: StepFormats, source_digest: str) -> PreparedKey:
+    config, runtime = worker.config, runtime_key_parts()
+    return PreparedKey(
+        source=source_digest,
+        kvmesh=runtime["kvmesh"],
+        step_code=runtime["step_code"],
+        torch=runtime["torch"],
+        python=runtime["python"],
+        compiler=runtime["compiler"],
+        cpu=runtime["cpu"],
+        backend=worker.backend,
+        weights=formats.weights,
+        activations=dtype_name(formats.activations),
+        kv_cache=dtype_name(formats.kv_cache),
+        block_size=config.cache.block_size,
+        compiled=config.compile == "auto",
+    )
+
+
+def store_for(worker: Worker) -> PreparedStore:
+    """--prepared-dir first, then the repository version's own `prepared/`, then the cache."""
+    roots = [Path(worker.config.prepared_dir)] if worker.config.prepared_dir else []
+    if worker.entry is not None:
+        roots.append(Path(worker.entry.directory) / "prepared")
+    return PreparedStore([*roots, cache_root() / "prepared"])
+
+
+def ready_runner(
+    worker: Worker, artifact: ModelArtifact, formats: StepFormats, source_digest: str
+) -> tuple[Any, int, Preparation]:
+    """The runner, loaded and warmed up; the weights' parameter count; how it was made."""
+    if not _preparable(worker, formats):
+        return _from_source(worker, artifact, formats, Preparation())
+    key = prepared_key(worker, formats, source_digest)
+    store = store_for(worker)
+    found = store.lookup(key)
+    if found.artifact is None:
+        with store.locked(key) as waited:  # another worker may be preparing this key
+            found = store.lookup(key)  # what it stored while this one waited
+            if found.artifact is None:
+                if found.mismatch:
+                    log.warning(
+                        "prepared artifact not used: it was made for another runtime; "
+                        "preparing anew",
+                        extra={"mismatch": found.mismatch},
+                    )
+                preparation = Preparation("prepared", key.id, mismatch=found.mismatch)
+                preparation.lock_wait_seconds = waited
+                return _prepare_and_store(worker, artifact, formats, key, store, preparation)
+    preparation = Preparation("loaded", key.id, str(found.artifact.directory))
+    return _from_prepared(worker, found.artifact, formats, preparation)
+
+
+def _preparable(worker: Worker, formats: StepFormats) -> bool:
+    return (
+        worker.config.prepared == "auto"
+        and worker.backend == "torch"
+        and (formats.weights == "packed")
+    )
+
+
+def _from_source(
+    worker: Worker, artifact: ModelArtifact, formats: StepFormats, preparation: Preparation
+) -> tuple[Any, int, Preparation]:
+    runner, num_parameters = _build(worker, artifact, formats, preparation)
+    _warm_up(worker, runner, formats, preparation)
+    return runner, num_parameters, preparation
+
+
+def _build(
+    worker: Worker, artifact: ModelArtifact, formats: StepFormats, preparation: Preparation
+) -> tuple[Any, int]:
+    """The runner from the source artifact (load: dequantized; prepare: packed). The float
+    weights go when this returns: the runner holds its own."""
+    started = time.perf_counter()
+    weights = ModelWeights.build(worker.architecture, artifact.load, formats.load_dtype)
+    loaded = time.perf_counter()
+    packed = formats.weights == "packed"  # torch only: a Q4 file's 4-bit groups if fast
+    int4 = {"int4": int4_source(artifact, worker.config.quantize)} if packed else {}
+    runner = _runner(worker, formats, weights, **int4)
+    preparation.phases = {"load": loaded - started, "prepare": time.perf_counter() - loaded}
+    return runner, weights.num_parameters
+
+
+def _runner(worker: Worker, formats: StepFormats, weights: object, **extra: Any) -> Any:
+    return importlib.import_module(BACKENDS[worker.backend]).Runner(
+        worker.architecture,
+        weights,
+        worker.kv_shape,
+        worker.max_model_len,
+        formats.activations,
+        formats.runner_config(worker.config),
+        **extra,
+    )
+
+
+def _warm_up(worker: Worker, runner: Any, formats: StepFormats, preparation: Preparation) -> None:
+    """Warm-up under the compile cache; the compile phase is what tracing took within it."""
+    from services.engine_worker.torch_backend.graph_ops import DENSE_WEIGHT_PROGRAMS
+
+    worker.runner = runner
+    tables = [DENSE_WEIGHT_PROGRAMS]
+    if getattr(runner, "compiled", None) is not None:
+        tables.append(runner.compiled.programs)
+    compiled_before = sum(table.compile_seconds for table in tables)
+    started = time.perf_counter()
+    key = (worker.model_path, formats.weights, str(formats.activations), str(formats.kv_cache))
+    preparation.compile_cache = warm_up_cached(worker.warm_up, runner, key)
+    compiled = sum(table.compile_seconds for table in tables) - compiled_before
+    preparation.phases["compile"] = compiled
+    preparation.phases["warmup"] = time.perf_counter() - started - compiled
+
+
+def _prepare_and_store(
+    worker: Worker,
+    artifact: ModelArtifact,
+    formats: StepFormats,
+    key: PreparedKey,
+    store: PreparedStore,
+    preparation: Preparation,
+) -> tuple[Any, int, Preparation]:
+    from services.engine_worker.torch_backend.graph_ops import DENSE_WEIGHT_PROGRAMS
+    from services.engine_worker.torch_backend.packed_state import save_packed
+
+    runner, num_parameters = _build(worker, artifact, formats, preparation)
+    tables = [DENSE_WEIGHT_PROGRAMS]
+    if runner.compiled is not None:
+        tables.append(runner.compiled.programs)
+    dense_before = set(DENSE_WEIGHT_PROGRAMS.compiled)
+    for table in tables:
+        table.record = True
+    try:
+        _warm_up(worker, runner, formats, preparation)
+    finally:
+        for table in tables:
+            table.record = False
+    fixture = worker.greedy(list(FIXTURE_PROMPT), FIXTURE_TOKENS)
+    saving = time.perf_counter()
+    staging = store.begin(key)
+    files = save_packed(runner.model.weights, str(staging))
+    programs = dict(runner.compiled.programs.compiled) if runner.compiled is not None else {}
+    dense = {n: b for n, b in DENSE_WEIGHT_PROGRAMS.compiled.items() if n not in dense_before}
+    (staging / PROGRAMS).mkdir()
+    for name, data in {**programs, **dense}.items():
+        (staging / PROGRAMS / f"{name}.bin").write_bytes(data)
+        files.append(f"{PROGRAMS}/{name}.bin")
+    stored = store.commit(
+        key,
+        staging,
+        files,
+        {
+            "num_parameters": num_parameters,
+            "step_programs": sorted(programs),
+            "dense_weight_programs": sorted(dense),
+            "fixture": {"prompt_ids": list(FIXTURE_PROMPT), "expected_ids": fixture},
+            "phases": preparation.to_dict()["phases"],
+        },
+    )
+    preparation.directory = str(stored.directory)
+    preparation.phases["store"] = time.perf_counter() - saving
+    log.info("model prepared and stored", extra=preparation.to_dict())
+    return runner, num_parameters, preparation
+
+
+def _from_prepared(
+    worker: Worker, stored: PreparedArtifact, formats: StepFormats, preparation: Preparation
+) -> tuple[Any, int, Preparation]:
+    from services.engine_worker.torch_backend.graph_ops import DENSE_WEIGHT_PROGRAMS
+    from services.engine_worker.torch_backend.packed_state import load_packed
+
+    started = time.perf_counter()
+    stored.verify()
+    # The key names this CPU and compiler, which built these programs: Inductor's probe of
+    # the compiler for each vector ISA (1.6 s) has nothing to find.
+    inductor_config.cpp.vec_isa_ok = True
+    point_inductor_at_our_folder()  # where loading programs writes their modules
+    weights = load_packed(str(stored.directory), worker.architecture.num_layers)
+    runner = _runner(worker, formats, weights)
+    manifest = stored.manifest
+    programs = stored.directory / PROGRAMS
+    read: Callable[[str], bytes] = lambda name: (programs / f"{name}.bin").read_bytes()  # noqa: E731
+    if runner.compiled is not None:
+        runner.compiled.load_programs({n: read(n) for n in manifest["step_programs"]})
+    DENSE_WEIGHT_PROGRAMS.load({n: read(n) for n in manifest["dense_weight_programs"]})
+    preparation.phases = {"load": time.perf_counter() - started, "prepare": 0.0}
+    try:
+        _warm_up(worker, runner, formats, preparation)
+    except RuntimeError as error:  # a program refusing this process's inputs: trace instead
+        if runner.compiled is None or "GuardManager check failed" not in str(error):
+            raise
+        log.warning("prepared step programs not used; tracing the step", extra={"error": error})
+        preparation.mismatch = f"{stored.id}: step programs refused their inputs: {error}"
+        runner.compiled.programs.programs.clear()
+        _warm_up(worker, runner, formats, preparation)
+    fixture = manifest["fixture"]
+    found = worker.greedy(list(fixture["prompt_ids"]), len(fixture["expected_ids"]))
+    if found != fixture["expected_ids"]:
+        raise ModelValidationError(
+            str(stored.directory),
+            f"prepared artifact {stored.id}: its fixture's greedy tokens differ from those "
+            "recorded when it was prepared; delete the folder or run `kvmesh prepare` again",
+            expected=fixture["expected_ids"],
+            found=found,
+        )
+    log.info("prepared model loaded", extra=preparation.to_dict())
+    return runner, int(manifest["num_parameters"]), preparation

@@ -1,0 +1,71 @@
+"""A step's rows as the compiled graph (compiled_model.py) takes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine_worker.step_inputs import FlatBatch
+
+
+@dataclass(frozen=True)
+class GraphBatch:
+    """A step's rows as the compiled graph takes them: every size here is dynamic."""
+
+    # Token id, position and the block its K/V goes to, of each decode row (B,) and each
+    # prefill row (P,): apart, not as T rows, so that the graph knows T = B + P and needs no
+    # guard on how T splits (one that held for the first step would fail the next).
+    decode_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    prefill_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    decode_table: torch.Tensor  # (B, max blocks) block table of each decode row, 0-padded
+    decode_context_lens: torch.Tensor  # (B,)
+    prefill_segments: torch.Tensor  # (S, 3) first prefill row, rows, context length
+    prefill_blocks: torch.Tensor  # (S, max blocks)
+    sample_rows: torch.Tensor  # (R,)
+
+    @staticmethod
+    def of(flat: FlatBatch) -> GraphBatch:
+        def table(rows: list[list[int]]) -> torch.Tensor:
+            if not rows:
+                return torch.zeros((0, 1), dtype=torch.long)
+            width = max(len(row) for row in rows)
+            return torch.tensor([row + [0] * (width - len(row)) for row in rows])
+
+        first = flat.prefill_query_starts[0]  # decode rows come first
+
+        def rows(part: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            ids, positions, blocks = flat.input_ids, flat.positions, flat.token_blocks
+            return (
+                torch.tensor(ids[part], dtype=torch.long),
+                torch.tensor(positions[part], dtype=torch.long),
+                torch.tensor(blocks[part], dtype=torch.long),
+            )
+
+        segments = [
+            (start - first, end - start, context)
+            for start, end, context in zip(
+                flat.prefill_query_starts[:-1],
+                flat.prefill_query_starts[1:],
+                flat.prefill_context_lens,
+                strict=True,
+            )
+        ]
+        return GraphBatch(
+            rows(slice(0, first)),
+            rows(slice(first, None)),
+            table(flat.decode_blocks),
+            torch.tensor(flat.decode_context_lens, dtype=torch.long),
+            torch.tensor(segments, dtype=torch.long).view(len(segments), 3),
+            table(flat.prefill_blocks),
+            torch.tensor(flat.sample_rows, dtype=torch.long),
+        )
+
+    def mark_dynamic(self) -> None:
+        for tensor in (*self.decode_rows, *self.prefill_rows, self.sample_rows):
+            torch._dynamo.mark_dynamic(tensor, 0)
+        for tensor in (self.decode_table, self.decode_context_lens, self.prefill_segments):
+            torch._dynamo.mark_dynamic(tensor, 0)
+        torch._dynamo.mark_dynamic(self.prefill_blocks, 0)
+        torch._dynamo.mark_dynamic(self.decode_table, 1)
+        torch._dynamo.mark_dynamic(self.prefill_blocks, 1)

@@ -1,0 +1,159 @@
+"""Prepared artifacts: a worker prepares a model once and stores it; the next loads it, with no
+packing or tracing, and computes the same bits; an artifact made for another runtime is not
+used (the manifest says why) and one whose bytes changed is refused.
+
+A tiny Qwen2 checkpoint quantized to packed weights at load; the compiled step in one test
+(two processes: the programs are loaded where nothing traced them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh.cli import main
+from services.engine_worker.prepared_artifact import MANIFEST
+from services.engine_worker.server import model_info
+from services.engine_worker.worker import Worker
+from shared.config import EngineConfig
+from shared.errors import ModelValidationError, Reason
+from shared.model_entry import read_entry
+
+PROMPTS = ([3, 17, 42, 5, 9, 11, 2, 8, 30, 31, 7, 6, 1, 4, 12, 13, 19, 21], [50, 51, 52])
+
+# A worker in its own process: how it was made ready, then greedy tokens and their logprobs.
+SERVE = """
+import json, sys
+from services.engine_worker.worker import Worker
+from shared.config import EngineConfig
+worker = Worker(EngineConfig(model=sys.argv[1], quantize="int4", compile=sys.argv[2],
+                             prepared="auto"))
+outputs = []
+for prompt in json.loads(sys.argv[3]):
+    tokens = worker.greedy(prompt, 6)
+    scores = worker.prompt_log_softmax(prompt + tokens)
+    outputs.append([tokens, scores[len(prompt) - 1 :].max(dim=-1).values.tolist()])
+print(json.dumps({"preparation": worker.manifest.preparation, "outputs": outputs}))
+"""
+
+
+def serve_in_processes(
+    model: str, compile: str, cache: Path, count: int = 1
+) -> list[dict[str, object]]:
+    env = {**os.environ, "KVMESH_CACHE_DIR": str(cache)}
+    args = [sys.executable, "-c", SERVE, model, compile, json.dumps(PROMPTS)]
+    processes = [
+        subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True) for _ in range(count)
+    ]
+    outputs = [process.communicate(timeout=600)[0] for process in processes]
+    assert all(process.returncode == 0 for process in processes)
+    return [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+
+
+def worker(model: str, cache: Path, monkeypatch: pytest.MonkeyPatch) -> Worker:
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(cache))
+    return Worker(EngineConfig(model=model, quantize="int4", compile="off", prepared="auto"))
+
+
+def stored(cache: Path) -> list[Path]:
+    return sorted(path.parent for path in (cache / "prepared").glob(f"*/{MANIFEST}"))
+
+
+def test_a_prepared_compiled_model_loads_elsewhere_with_the_same_bits(
+    tiny_qwen2_dir: str, tmp_path: Path
+) -> None:
+    (first,) = serve_in_processes(tiny_qwen2_dir, "auto", tmp_path)
+    (second,) = serve_in_processes(tiny_qwen2_dir, "auto", tmp_path)
+    prepared, loaded = first["preparation"], second["preparation"]
+    assert (prepared["source"], loaded["source"]) == ("prepared", "loaded")
+    assert prepared["id"] == loaded["id"] and prepared["phases"]["compile"] > 0
+    assert loaded["phases"]["compile"] == 0 and loaded["phases"]["prepare"] == 0
+    programs = os.listdir(Path(loaded["directory"]) / "programs")
+    assert {"step-prefill.bin", "step-decode.bin"} <= set(programs)
+    assert second["outputs"] == first["outputs"]  # tokens and logprobs, bit for bit
+
+
+@pytest.mark.parametrize(
+    ("field", "other"), [("torch", "2.0.0"), ("cpu", "x86_64 AVX2"), ("weights", "float32")]
+)
+def test_an_artifact_for_another_runtime_is_refused_and_prepared_anew(
+    tiny_qwen2_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str, other: str
+) -> None:
+    first = worker(tiny_qwen2_dir, tmp_path, monkeypatch)
+    assert first.manifest.preparation["source"] == "prepared"
+    (directory,) = stored(tmp_path)
+    manifest = json.loads((directory / MANIFEST).read_text())
+    manifest["key"][field] = other
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+    again = worker(tiny_qwen2_dir, tmp_path, monkeypatch).manifest.preparation
+    assert again["source"] == "prepared"
+    assert f"{field}: {other!r} != " in again["mismatch"]
+    assert stored(tmp_path) == [directory]  # replaced in place
+    assert worker(tiny_qwen2_dir, tmp_path, monkeypatch).manifest.preparation["source"] == "loaded"
+
+
+def test_a_flipped_byte_fails_its_digest_and_never_serves(
+    tiny_qwen2_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker(tiny_qwen2_dir, tmp_path, monkeypatch)
+    (directory,) = stored(tmp_path)
+    weights = directory / "weights.pt"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ModelValidationError) as refused:
+        worker(tiny_qwen2_dir, tmp_path, monkeypatch)
+    assert refused.value.reason is Reason.INVALID_MODEL
+    assert "weights.pt does not match its digest" in refused.value.message
+
+
+def test_two_workers_racing_on_one_key_prepare_it_once(tiny_qwen2_dir: str, tmp_path: Path) -> None:
+    outcomes = serve_in_processes(tiny_qwen2_dir, "off", tmp_path, count=2)
+    sources = sorted(outcome["preparation"]["source"] for outcome in outcomes)
+    assert sources == ["loaded", "prepared"]  # the second waited for the first, then loaded
+    assert len(stored(tmp_path)) == 1
+    assert not [p for p in (tmp_path / "prepared").iterdir() if p.name.endswith(".tmp")]
+    assert outcomes[0]["outputs"] == outcomes[1]["outputs"]
+
+
+def test_off_stores_nothing(tiny_qwen2_dir: str, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
+    loaded = Worker(EngineConfig(model=tiny_qwen2_dir, quantize="int4", prepared="off"))
+    assert loaded.manifest.preparation["source"] == "off"
+    assert not (tmp_path / "prepared").exists()
+
+
+def test_models_add_prepares_the_version_its_workers_load(
+    default_model_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVMESH_PREPARED", "auto")
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
+    repo = tmp_path / "models"
+    assert main(["models", "--repo", str(repo), "add", "smol", default_model_path]) == 0
+    entry = read_entry(str(repo / "smol" / "1"))
+    assert entry.prepared and (repo / "smol" / "1" / "prepared" / entry.prepared).is_dir()
+    served = Worker(EngineConfig(model=entry.directory, prepared="auto"))
+    assert served.manifest.preparation["source"] == "loaded"
+    assert served.manifest.preparation["id"] == entry.prepared
+    assert model_info(served).prepared_id == entry.prepared  # what execution records carry
+    assert not (tmp_path / "cache" / "prepared").exists()  # the version's own folder served
+
+
+def test_kvmesh_prepare_writes_where_out_says_and_a_worker_there_loads_it(
+    tiny_qwen2_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "prepared"
+    args = ["prepare", tiny_qwen2_dir, "--quantize", "int4", "--compile", "off"]
+    assert main([*args, "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["source"] == "prepared" and (out / printed["id"] / MANIFEST).is_file()
+    config = EngineConfig(
+        model=tiny_qwen2_dir, quantize="int4", compile="off", prepared="auto", prepared_dir=str(out)
+    )
+    assert Worker(config).manifest.preparation["directory"] == str(out / printed["id"])
+    assert not (tmp_path / "cache" / "prepared").exists()
