@@ -81,8 +81,8 @@ bench-embed: $(STAMP)
 bench-rollout: $(STAMP)
 	$(BIN)/python -m loadtest.rollout_bench
 
-# Seconds to ready and to the first token: kvmesh up cold, warm (prepared), a restarted worker,
-# two workers on an empty cache; llama-server's start beside them (built once). ~6 min.
+# Seconds to ready and to the first token: kvmesh up cold (before and with prepared models), warm,
+# a restarted worker, two workers on an empty cache; llama-server beside them (built once). ~20 min.
 bench-startup: $(STAMP)
 	$(BIN)/python -m loadtest.startup_bench
 

@@ -1,10 +1,11 @@
-"""Seconds from start to ready and to the first token: `kvmesh up` cold (an empty cache folder:
-the worker prepares the model and stores it), warm (the prepared artifact is there), one
-engine-worker restarted alone on the warm folder, and `kvmesh up --workers 2` on an empty
-folder (one prepares, the other waits and loads: their logs are counted); beside llama.cpp's
-`llama-server` on the same GGUF, from its start to its health check answering. Then the 16
-parity questions' greedy tokens and logprobs from a fresh preparation against the prepared
-artifact it stored, which must be bit-identical.
+"""Seconds from start to ready and to the first token: `kvmesh up` cold as before prepared
+models (`--prepared off`, an empty cache folder: the step traced and compiled lazily), cold
+(an empty cache folder: the worker prepares the model and stores it), warm (the prepared
+artifact is there), one engine-worker restarted alone on the warm folder, and `kvmesh up
+--workers 2` on an empty folder (one prepares, the other waits and loads: their logs are
+counted); beside llama.cpp's `llama-server` on the same GGUF, from its start to its health
+check answering. Then the 16 parity questions' greedy tokens and logprobs from a fresh
+preparation against the prepared artifact it stored, which must be bit-identical.
 
 Each run is a fresh process tree on this machine, one after another; the default model.
 Run: make bench-startup   (llama-server is built once if missing; --no-llama-cpp skips it)
@@ -51,10 +52,10 @@ print(json.dumps({"source": worker.manifest.preparation["source"], "outputs": ou
 """
 
 
-def mesh_start(cache: Path, workers: int = 1) -> dict[str, object]:
+def mesh_start(cache: Path, workers: int = 1, prepared: str = "auto") -> dict[str, object]:
     """`kvmesh up --prompt`: seconds to its `ready` line and to the answer's first character;
     how many workers prepared the model and how many loaded it (from their logs)."""
-    env = {**os.environ, "KVMESH_CACHE_DIR": str(cache)}
+    env = {**os.environ, "KVMESH_CACHE_DIR": str(cache), "KVMESH_PREPARED": prepared}
     command = [KVMESH, "up", "--port", "0", "--http-port", "0", "--workers", str(workers)]
     started = time.perf_counter()
     process = subprocess.Popen(
@@ -150,6 +151,8 @@ def main() -> int:
     results: dict[str, dict[str, object]] = {}
     with tempfile.TemporaryDirectory(prefix="kvmesh-startup-") as scratch:
         cache = Path(scratch) / "cache"
+        # Before prepared models: the step compiled lazily, Inductor's cache empty.
+        results["kvmesh up, cold, --prepared off"] = mesh_start(Path(scratch) / "off", 1, "off")
         results["kvmesh up, cold"] = mesh_start(cache)
         results["kvmesh up, warm"] = mesh_start(cache)
         results["engine-worker restarted, warm"] = worker_start(cache)
@@ -161,13 +164,13 @@ def main() -> int:
     if args.json:
         print(json.dumps({**results, "parity": checked}, indent=1))
         return 0
-    print(f"{'start':34} {'ready s':>8} {'first token s':>14}  worker logs")
+    print(f"{'start':36} {'ready s':>8} {'first token s':>14}  worker logs")
     for name, figures in results.items():
         logs = ""
         if "prepared" in figures:
             logs = f"{figures['prepared']} prepared, {figures['loaded']} loaded"
         first = figures.get("first_token_seconds", "")
-        print(f"{name:34} {figures['ready_seconds']:>8} {first:>14}  {logs}")
+        print(f"{name:36} {figures['ready_seconds']:>8} {first:>14}  {logs}")
     print(
         f"greedy tokens and logprobs, {checked['sources'][0]} then {checked['sources'][1]}: "
         f"{checked['identical']}/{checked['prompts']} parity prompts bit-identical"

@@ -123,7 +123,7 @@ def ready_runner(
         return _from_source(worker, artifact, formats, Preparation())
     key = prepared_key(worker, formats, source_digest)
     store = store_for(worker)
-    found = store.lookup(key)
+    found, waited = store.lookup(key), 0.0
     if found.artifact is None:
         with store.locked(key) as waited:  # another worker may be preparing this key
             found = store.lookup(key)  # what it stored while this one waited
@@ -138,15 +138,13 @@ def ready_runner(
                 preparation.lock_wait_seconds = waited
                 return _prepare_and_store(worker, artifact, formats, key, store, preparation)
     preparation = Preparation("loaded", key.id, str(found.artifact.directory))
+    preparation.lock_wait_seconds = waited
     return _from_prepared(worker, found.artifact, formats, preparation)
 
 
 def _preparable(worker: Worker, formats: StepFormats) -> bool:
-    return (
-        worker.config.prepared == "auto"
-        and worker.backend == "torch"
-        and (formats.weights == "packed")
-    )
+    config = worker.config
+    return config.prepared == "auto" and worker.backend == "torch" and formats.weights == "packed"
 
 
 def _from_source(
