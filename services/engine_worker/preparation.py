@@ -214,7 +214,6 @@ def _prepare_and_store(
     tables = [DENSE_WEIGHT_PROGRAMS]
     if runner.compiled is not None:
         tables.append(runner.compiled.programs)
-    dense_before = set(DENSE_WEIGHT_PROGRAMS.compiled)
     for table in tables:
         table.record = True
     try:
@@ -227,7 +226,9 @@ def _prepare_and_store(
     staging = store.begin(key)
     files = save_packed(runner.model.weights, str(staging))
     programs = dict(runner.compiled.programs.compiled) if runner.compiled is not None else {}
-    dense = {n: b for n, b in DENSE_WEIGHT_PROGRAMS.compiled.items() if n not in dense_before}
+    # Every unpacking program this process compiled, one per weight shape (~57 KB each): also
+    # those an earlier preparation here compiled for shapes this model shares.
+    dense = dict(DENSE_WEIGHT_PROGRAMS.compiled)
     (staging / PROGRAMS).mkdir()
     for name, data in {**programs, **dense}.items():
         (staging / PROGRAMS / f"{name}.bin").write_bytes(data)
