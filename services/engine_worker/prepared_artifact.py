@@ -160,21 +160,21 @@ class PreparedStore:
         self.roots = roots
 
     def lookup(self, key: PreparedKey) -> Lookup:
-        mismatch = ""
+        """The artifact stored under this key; else why one of the same source (its id's
+        first) was not used."""
+        mismatches: list[str] = []
         for root in self.roots:
-            manifest = _read_manifest(root / key.id)
-            if manifest is not None:
-                differences = key.differences(manifest.get("key", {}))
-                if not differences:
-                    return Lookup(PreparedArtifact(root / key.id, manifest), "")
-                mismatch = f"{key.id}: " + "; ".join(differences)
-        for root in self.roots:  # another key of the same source: say what differs
-            for candidate in sorted(root.glob(f"*/{MANIFEST}")) if root.is_dir() else []:
-                stored = _read_manifest(candidate.parent) or {}
-                if not mismatch and stored.get("key", {}).get("source") == key.source:
-                    differences = key.differences(stored["key"])
-                    mismatch = f"{candidate.parent.name}: " + "; ".join(differences)
-        return Lookup(None, mismatch)
+            for folder in sorted(path.parent for path in root.glob(f"*/{MANIFEST}")):
+                stored = _read_manifest(folder) or {}
+                differences = key.differences(stored.get("key", {}))
+                if folder.name == key.id and not differences:
+                    return Lookup(PreparedArtifact(folder, stored), "")
+                reason = f"{folder.name}: " + "; ".join(differences)
+                if folder.name == key.id:
+                    mismatches.insert(0, reason)
+                elif stored.get("key", {}).get("source") == key.source:
+                    mismatches.append(reason)
+        return Lookup(None, mismatches[0] if mismatches else "")
 
     def writable_root(self) -> Path:
         for root in self.roots:
