@@ -7,10 +7,6 @@ import sys
 from pathlib import Path
 
 from kvmesh import run_file
-from loadtest.bench import BenchPlan, run, write_report
-from loadtest.driver import LoadShape
-from loadtest.report import DEFINITIONS, Slo, markdown_table
-from loadtest.workload import Workload
 
 
 def _numbers(text: str) -> list[float]:
@@ -55,6 +51,12 @@ def _ms(value: float | None) -> float | None:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    # here, not at the top: every `kvmesh` command imports this module
+    from loadtest.bench import BenchPlan, run, write_report
+    from loadtest.driver import LoadShape
+    from loadtest.report import DEFINITIONS, Slo, markdown_table
+    from loadtest.workload import Workload
+
     if args.rate:
         loads = [
             LoadShape(rate=rate, duration_s=args.duration, seed=args.seed) for rate in args.rate

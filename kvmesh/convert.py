@@ -16,8 +16,6 @@ from typing import Any
 
 import numpy
 
-from services.engine_worker.artifacts.loader import open_artifact
-from services.engine_worker.artifacts.weights import expected_tensors
 from shared.model_paths import resolve_model_path
 from shared.text_tokenizer import load_tokenizer
 
@@ -57,6 +55,10 @@ def gguf_to_f32(source: str, target: str) -> None:
 
 def to_safetensors(source: str, target_dir: str) -> None:
     from safetensors.torch import save_file
+
+    # here, not at the top: every `kvmesh` command imports this module, and these import torch
+    from services.engine_worker.artifacts.loader import open_artifact
+    from services.engine_worker.artifacts.weights import expected_tensors
 
     artifact = open_artifact(source)
     artifact.validate()

@@ -18,6 +18,7 @@ from kvmesh.service_process import ServiceProcess, free_port
 from shared.model_entry import ModelEntry
 from shared.model_paths import default_embedding_model_path, is_encoder
 from shared.model_repository import ModelRepository
+from shared.service import LIVENESS
 from shared.tls import tls_config
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # the name clients use for the default embedding model
@@ -95,12 +96,14 @@ class Mesh:
                     ["--worker", worker, "--redis", self.redis_url, *config.scheduler_args],
                 )
             )
-        # The gateway starts once every scheduler serves: it then sees all of them from its
-        # first request, instead of after a reconnect backoff on a peer not yet listening.
+        # The gateway starts once every scheduler and the tokenizer listen, beside the workers
+        # still loading: it watches each peer's health from its first connection (no reconnect
+        # backoff on a peer not yet listening) and is ready once they are.
         deadline = time.monotonic() + config.ready_timeout_s
+        peers = {self.tokenizer_address, *self.scheduler_addresses}
         for service in self.services:
-            if service.address is not None:
-                service.wait_ready(deadline)
+            if service.address in peers:
+                service.wait_ready(deadline, LIVENESS)
         schedulers = [pair.gateway_spec for pair in self.pairs] or self.scheduler_addresses
         default = ["--default-model", entries[0].name] if entries else []
         default += ["--embedder", ",".join(embedders)] if embedders else []
@@ -126,7 +129,9 @@ class Mesh:
             ],
             port=config.gateway_port or None,
         )
-        self.services[-1].wait_ready(deadline)
+        for service in self.services:
+            if service.address is not None:
+                service.wait_ready(deadline)
 
     def start_pair(self, entry: ModelEntry, threads: int | None = None) -> ModelPair:
         """An engine-worker + scheduler for a repository version, with its serving config

@@ -101,8 +101,9 @@ class ServiceProcess:
         self.process.wait()
         self.process = _spawn(self.command, self.env, self.log_path)
 
-    def wait_ready(self, deadline: float) -> None:
-        """Until its health says SERVING; refused at once when it exits, or at the deadline."""
+    def wait_ready(self, deadline: float, health_name: str = "") -> None:
+        """Until its health says SERVING (`health_name` "": ready; LIVENESS: listening);
+        refused at once when it exits, or at the deadline."""
         with sync_channel(self.grpc_address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
@@ -113,7 +114,8 @@ class ServiceProcess:
                         f"its log ({self.log_path}) ends:\n{self.log_tail()}",
                     )
                 try:
-                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                    request = health_pb2.HealthCheckRequest(service=health_name)
+                    reply = health.Check(request, timeout=1)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 except grpc.RpcError:

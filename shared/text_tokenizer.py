@@ -14,6 +14,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from shared.chat_template import render_chat_template
 from shared.errors import KvmeshError, Reason
+from shared.gguf_metadata import read_gguf_metadata
 from shared.tool_prompt import renders_tools, with_tool_prompt
 
 _GGUF_CONTROL_TOKEN = 3  # llama.cpp token type: special tokens matched whole in text
@@ -159,12 +160,10 @@ def _chat_template(directory: str, configured: Any) -> str | None:
 
 
 def _from_gguf(path: str) -> TextTokenizer | None:
-    import gguf
-
-    fields = gguf.GGUFReader(path).fields
+    metadata = read_gguf_metadata(path)
 
     def value(key: str, default: Any = None) -> Any:
-        return fields[key].contents() if key in fields else default
+        return metadata.get(key, default)
 
     if value("tokenizer.ggml.model") != "gpt2":
         return None  # SentencePiece-style GGUF vocabularies are not supported yet

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.engine_worker.artifacts.architecture import ModelArchitecture
@@ -77,12 +79,10 @@ class KVCache:
             shape.head_dim,
         )
         self.keys = [
-            torch.zeros((blocks, heads, dim, size), dtype=dtype, device=device)
-            for _ in range(shape.num_layers)
+            _zeros((blocks, heads, dim, size), dtype, device) for _ in range(shape.num_layers)
         ]
         self.values = [
-            torch.zeros((blocks, heads, size, dim), dtype=dtype, device=device)
-            for _ in range(shape.num_layers)
+            _zeros((blocks, heads, size, dim), dtype, device) for _ in range(shape.num_layers)
         ]
 
     @property
@@ -99,3 +99,12 @@ class KVCache:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[index], self.values[index]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """On the CPU, zeros from calloc: pages the kernel zeroes as blocks are first written, not
+    all at start (the default 1 GiB pool took 0.4-2 s to zero on a 2-core machine)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    zeroed = np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(zeroed).view(dtype).view(shape)

@@ -78,7 +78,7 @@ def test_a_prepared_compiled_model_loads_elsewhere_with_the_same_bits(
 
 
 @pytest.mark.parametrize(
-    ("field", "other"), [("torch", "2.0.0"), ("cpu", "x86_64 AVX2"), ("weights", "float32")]
+    ("field", "other"), [("torch", "2.0.0"), ("cpu", "riscv64 RVV"), ("weights", "float32")]
 )
 def test_an_artifact_for_another_runtime_is_refused_and_prepared_anew(
     tiny_qwen2_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str, other: str

@@ -139,10 +139,16 @@ def test_truncated_gguf(default_model_path: str, tmp_path: Path) -> None:
     assert "truncated" in str(error) or "not a readable GGUF" in str(error)
 
 
-def write_tiny_gguf(path: Path, arch: str, quant_type: str) -> None:
+def write_tiny_gguf(path: Path, arch: str, quant_type: str, vocab: int = 0) -> None:
+    """vocab: a tokenizer of that many entries (strings, scores, token types) too."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
+    if vocab:
+        writer.add_token_list([f"token-{index}" for index in range(vocab)])
+        writer.add_token_scores([float(-index) for index in range(vocab)])
+        writer.add_token_types([1] * vocab)
+        writer.add_string("general.after_the_tokenizer", "still read")
     writer.add_block_count(1)
     writer.add_context_length(64)
     writer.add_embedding_length(256)
@@ -180,6 +186,18 @@ def test_gguf_missing_tensors_are_named(tmp_path: Path) -> None:
     write_tiny_gguf(path, "llama", "Q8_0")
     error = load(path)
     assert "missing tensor" in str(error) and error.tensor is not None
+
+
+def test_long_metadata_arrays_are_read_as_their_lengths(tmp_path: Path) -> None:
+    from services.engine_worker.artifacts.gguf_file import GGUFArtifact
+
+    path = tmp_path / "vocab.gguf"
+    write_tiny_gguf(path, "llama", "Q8_0", vocab=5000)
+    artifact = GGUFArtifact(str(path))
+    for key in ("tokens", "scores", "token_type"):
+        assert len(artifact.metadata[f"tokenizer.ggml.{key}"]) == 5000
+    assert artifact.metadata["general.after_the_tokenizer"] == "still read"  # offsets past them
+    assert (artifact.architecture.num_layers, artifact.architecture.hidden_size) == (1, 256)
 
 
 def test_kv_budget_too_small_is_refused(tiny_llama_dir: str) -> None:
