@@ -28,7 +28,8 @@ class MeshConfig:
     scheduler_args: list[str] = field(default_factory=list)  # e.g. ["--max-num-seqs", "8"]
     gateway_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # None: a temporary directory
-    ready_timeout_s: float = 300.0
+    # A cold start prepares the model: 137 s on a 2-core Xeon, over 300 s on a 2-core EPYC.
+    ready_timeout_s: float = 1200.0
     drain_seconds: float = 10.0
     tracing: bool = True  # every service sends spans to the mesh's trace-collector
 

@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -72,10 +73,13 @@ def mesh_start(cache: Path, workers: int = 1, prepared: str = "auto") -> dict[st
     process.stdout.read(1)  # type: ignore[union-attr]  # the answer's first character
     first_token = time.perf_counter() - started
     process.communicate(timeout=300)
+    stderr = [lines.get() for _ in range(lines.qsize())]
+    if process.returncode != 0:
+        tail = "".join(line for _, line in stderr[-20:])
+        raise RuntimeError(f"`kvmesh up` failed with {process.returncode}:\n{tail}")
     ready, log_dir = None, None
-    while not lines.empty():
-        at, line = lines.get()
-        if "ready in" in line and ready is None:
+    for at, line in stderr:
+        if line.startswith("kvmesh: ready in") and ready is None:
             ready = at - started
         if "logs in " in line:
             log_dir = line.split("logs in ", 1)[1].strip().rstrip(")")
@@ -116,7 +120,7 @@ def worker_start(cache: Path) -> dict[str, object]:
         process.wait(timeout=60)
 
 
-def parity(cache: Path) -> dict[str, object]:
+def parity(cache: Path) -> dict[str, Any]:
     """A fresh preparation's greedy tokens and logprobs against the prepared artifact's."""
     env = {**os.environ, "KVMESH_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "2"}
     runs = []
