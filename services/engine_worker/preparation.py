@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -262,11 +263,14 @@ def _from_prepared(
     # the compiler for each vector ISA (1.6 s) has nothing to find.
     inductor_config.cpp.vec_isa_ok = True
     point_inductor_at_our_folder()  # where loading programs writes their modules
-    manifest, directory = stored.manifest, str(stored.directory)
-    runner = _runner(worker, formats, load_packed(directory, worker.architecture.num_layers))
+    weights = load_packed(str(stored.directory), worker.architecture.num_layers)
+    runner = _runner(worker, formats, weights)
+    manifest = stored.manifest
+    programs = stored.directory / PROGRAMS
+    read: Callable[[str], bytes] = lambda name: (programs / f"{name}.bin").read_bytes()  # noqa: E731
     if runner.compiled is not None:
-        runner.compiled.load_programs(_load_programs(stored.directory, manifest["step_programs"]))
-    DENSE_WEIGHT_PROGRAMS.load(_load_programs(stored.directory, manifest["dense_weight_programs"]))
+        runner.compiled.load_programs({n: read(n) for n in manifest["step_programs"]})
+    DENSE_WEIGHT_PROGRAMS.load({n: read(n) for n in manifest["dense_weight_programs"]})
     preparation.phases = {"load": time.perf_counter() - started, "prepare": 0.0}
     try:
         _warm_up(worker, runner, formats, preparation)
@@ -289,11 +293,3 @@ def _from_prepared(
         )
     log.info("prepared model loaded", extra=preparation.to_dict())
     return runner, int(manifest["num_parameters"]), preparation
-
-
-def _load_programs(directory: Path, names: list[str]) -> dict[str, Any]:
-    from services.engine_worker.torch_backend.saved_programs import load_program
-
-    return {
-        name: load_program((directory / PROGRAMS / f"{name}.bin").read_bytes()) for name in names
-    }

@@ -42,7 +42,7 @@ from services.engine_worker.torch_backend.attention import kv_write_indices
 from services.engine_worker.torch_backend.graph_batch import GraphBatch
 from services.engine_worker.torch_backend.linear import Int4Linear, Int8Linear
 from services.engine_worker.torch_backend.model import CausalLM
-from services.engine_worker.torch_backend.saved_programs import Program, ProgramTable
+from services.engine_worker.torch_backend.saved_programs import ProgramTable
 from services.engine_worker.torch_backend.weights import Int8Embedding, TorchWeights
 
 
@@ -215,11 +215,11 @@ class CompiledCausalLM:
         # The two graphs compiled ahead of time, when the model was prepared (saved_programs.py)
         self.programs = ProgramTable()
 
-    def load_programs(self, programs: dict[str, Program]) -> None:
+    def load_programs(self, saved: dict[str, bytes]) -> None:
         """Programs a prepared model saved. A loaded program's guards treat a tensor marked
         dynamic as a new marking (torch 2.13 serializes none), so its inputs go unmarked: the
         sizes it was traced with dynamic stay so."""
-        self.programs.load(programs)
+        self.programs.load(saved)
         for tensor in (*self._keys, *self._values):  # mark_dynamic's attributes, all of them
             for name in [name for name in vars(tensor) if "_dynamo" in name]:
                 delattr(tensor, name)

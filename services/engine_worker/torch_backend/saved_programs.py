@@ -66,10 +66,9 @@ class ProgramTable:
             self.compiled[name] = program_bytes(program)
         return program
 
-    def load(self, programs: dict[str, Program]) -> None:
-        """Programs `load_program` made of saved bytes."""
-        for name, program in programs.items():
-            self._install(name, program)
+    def load(self, saved: dict[str, bytes]) -> None:
+        for name, data in saved.items():
+            self._install(name, load_program(data))
 
     def _install(self, name: str, program: Program) -> None:
         if not self.check_guards:
