@@ -13,22 +13,15 @@ from __future__ import annotations
 import importlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
-
-import torch._inductor.config as inductor_config
 
 from services.engine_worker.artifacts.architecture import ModelArchitecture
 from services.engine_worker.artifacts.loader import ModelArtifact
 from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.backends import BACKENDS
-from services.engine_worker.compile_cache import (
-    cache_root,
-    point_inductor_at_our_folder,
-    warm_up_cached,
-)
+from services.engine_worker.compile_cache import cache_root, warm_up_cached
 from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.prepared_artifact import (
     PreparedArtifact,
@@ -36,6 +29,7 @@ from services.engine_worker.prepared_artifact import (
     PreparedStore,
     runtime_key_parts,
 )
+from services.engine_worker.torch_backend.saved_programs import PROGRAM_SUFFIX
 from services.engine_worker.torch_backend.step_formats import StepFormats, dtype_name
 from services.engine_worker.torch_backend.weights import int4_source
 from shared.config import EngineConfig
@@ -183,18 +177,18 @@ def _runner(worker: Worker, formats: StepFormats, weights: object, **extra: Any)
 
 
 def _warm_up(worker: Worker, runner: Any, formats: StepFormats, preparation: Preparation) -> None:
-    """Warm-up under the compile cache; the compile phase is what tracing took within it."""
-    from services.engine_worker.torch_backend.graph_ops import DENSE_WEIGHT_PROGRAMS
-
+    """Warm-up, under the compile cache unless the programs were loaded; the compile phase is
+    what compiling programs ahead of time took within it."""
     worker.runner = runner
-    tables = [DENSE_WEIGHT_PROGRAMS]
-    if getattr(runner, "compiled", None) is not None:
-        tables.append(runner.compiled.programs)
-    compiled_before = sum(table.compile_seconds for table in tables)
+    step = getattr(runner, "compiled", None)
+    compiled_before = step.programs.compile_seconds if step is not None else 0.0
     started = time.perf_counter()
-    key = (worker.model_path, formats.weights, str(formats.activations), str(formats.kv_cache))
-    preparation.compile_cache = warm_up_cached(worker.warm_up, runner, key)
-    compiled = sum(table.compile_seconds for table in tables) - compiled_before
+    if preparation.source == "loaded":  # its programs are loaded: Inductor has nothing to do
+        worker.warm_up()
+    else:
+        key = (worker.model_path, formats.weights, str(formats.activations), str(formats.kv_cache))
+        preparation.compile_cache = warm_up_cached(worker.warm_up, runner, key)
+    compiled = (step.programs.compile_seconds if step is not None else 0.0) - compiled_before
     preparation.phases["compile"] = compiled
     preparation.phases["warmup"] = time.perf_counter() - started - compiled
 
@@ -207,40 +201,34 @@ def _prepare_and_store(
     store: PreparedStore,
     preparation: Preparation,
 ) -> tuple[Any, int, Preparation]:
-    from services.engine_worker.torch_backend.graph_ops import DENSE_WEIGHT_PROGRAMS
     from services.engine_worker.torch_backend.packed_state import save_packed
 
     runner, num_parameters = _build(worker, artifact, formats, preparation)
-    tables = [DENSE_WEIGHT_PROGRAMS]
-    if runner.compiled is not None:
-        tables.append(runner.compiled.programs)
-    for table in tables:
-        table.record = True
+    staging = store.begin(key)
+    table = runner.compiled.programs if runner.compiled is not None else None
+    if table is not None:  # the step's programs compile into the artifact as warm-up runs
+        table.record_into(staging / PROGRAMS)
     try:
         _warm_up(worker, runner, formats, preparation)
+        if table is not None:
+            compiling = time.perf_counter()
+            table.finish()
+            preparation.phases["compile"] += time.perf_counter() - compiling
     finally:
-        for table in tables:
-            table.record = False
+        if table is not None:
+            table.record_into(None)
     fixture = worker.greedy(list(FIXTURE_PROMPT), FIXTURE_TOKENS)
     saving = time.perf_counter()
-    staging = store.begin(key)
     files = save_packed(runner.model.weights, str(staging))
-    programs = dict(runner.compiled.programs.compiled) if runner.compiled is not None else {}
-    # Every unpacking program this process compiled, one per weight shape (~57 KB each): also
-    # those an earlier preparation here compiled for shapes this model shares.
-    dense = dict(DENSE_WEIGHT_PROGRAMS.compiled)
-    (staging / PROGRAMS).mkdir()
-    for name, data in {**programs, **dense}.items():
-        (staging / PROGRAMS / f"{name}.bin").write_bytes(data)
-        files.append(f"{PROGRAMS}/{name}.bin")
+    programs = sorted(table.compiled) if table is not None else []
+    files += [f"{PROGRAMS}/{name}{PROGRAM_SUFFIX}" for name in programs]
     stored = store.commit(
         key,
         staging,
         files,
         {
             "num_parameters": num_parameters,
-            "step_programs": sorted(programs),
-            "dense_weight_programs": sorted(dense),
+            "step_programs": programs,
             "fixture": {"prompt_ids": list(FIXTURE_PROMPT), "expected_ids": fixture},
             "phases": preparation.to_dict()["phases"],
         },
@@ -254,33 +242,20 @@ def _prepare_and_store(
 def _from_prepared(
     worker: Worker, stored: PreparedArtifact, formats: StepFormats, preparation: Preparation
 ) -> tuple[Any, int, Preparation]:
-    from services.engine_worker.torch_backend.graph_ops import DENSE_WEIGHT_PROGRAMS
     from services.engine_worker.torch_backend.packed_state import load_packed
 
     started = time.perf_counter()
     stored.verify()
-    # The key names this CPU and compiler, which built these programs: Inductor's probe of
-    # the compiler for each vector ISA (1.6 s) has nothing to find.
-    inductor_config.cpp.vec_isa_ok = True
-    point_inductor_at_our_folder()  # where loading programs writes their modules
     weights = load_packed(str(stored.directory), worker.architecture.num_layers)
     runner = _runner(worker, formats, weights)
     manifest = stored.manifest
-    programs = stored.directory / PROGRAMS
-    read: Callable[[str], bytes] = lambda name: (programs / f"{name}.bin").read_bytes()  # noqa: E731
     if runner.compiled is not None:
-        runner.compiled.load_programs({n: read(n) for n in manifest["step_programs"]})
-    DENSE_WEIGHT_PROGRAMS.load({n: read(n) for n in manifest["dense_weight_programs"]})
+        programs = stored.directory / PROGRAMS
+        runner.compiled.load_programs(
+            {name: programs / f"{name}{PROGRAM_SUFFIX}" for name in manifest["step_programs"]}
+        )
     preparation.phases = {"load": time.perf_counter() - started, "prepare": 0.0}
-    try:
-        _warm_up(worker, runner, formats, preparation)
-    except RuntimeError as error:  # a program refusing this process's inputs: trace instead
-        if runner.compiled is None or "GuardManager check failed" not in str(error):
-            raise
-        log.warning("prepared step programs not used; tracing the step", extra={"error": error})
-        preparation.mismatch = f"{stored.id}: step programs refused their inputs: {error}"
-        runner.compiled.programs.programs.clear()
-        _warm_up(worker, runner, formats, preparation)
+    _warm_up(worker, runner, formats, preparation)
     fixture = manifest["fixture"]
     found = worker.greedy(list(fixture["prompt_ids"]), len(fixture["expected_ids"]))
     if found != fixture["expected_ids"]:

@@ -42,6 +42,7 @@ _STEP_SOURCES = (
     "torch_backend/linear.py",
     "torch_backend/weights.py",
     "torch_backend/packed_state.py",
+    "torch_backend/saved_programs.py",
 )
 
 

@@ -62,9 +62,8 @@ def compiled(default_model_path: str) -> Iterator[Engine]:
 
 
 def graphs_compiled() -> int:
-    """The step's graphs and the dense prefill weight's (graph_ops.int4_rows)."""
-    codes = (compiled_model._graph.__code__, Int4Linear.dense_weight.__func__.__code__)
-    return sum(len(torch._dynamo.eval_frame._debug_get_cache_entry_list(c)) for c in codes)
+    """The step's graphs."""
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(compiled_model._graph.__code__))
 
 
 def test_compile_is_off_where_asked_and_for_float_weights(default_model_path: str) -> None:
@@ -152,26 +151,29 @@ def test_perplexity_within_one_percent_of_float32(compiled: Engine) -> None:
 def test_prefill_rows_run_as_a_dense_gemm_and_decode_steps_dequantize_nothing(
     compiled: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A 40-token prompt in 16-token chunks: three prefill steps dequantize each projection
-    once; the decode steps after them run the 4-bit kernel alone."""
-    dequantized: list[tuple[int, ...]] = []
+    """A 40-token prompt in 16-token chunks: in each of three prefill steps every projection
+    multiplies its prefill rows by its dense weight (one 256-row piece); the decode steps after
+    them run the 4-bit kernel alone."""
+    pieces: list[tuple[int, ...]] = []
+    multiply = torch.mm
 
-    def counting(packed: torch.Tensor, *pair: torch.Tensor) -> torch.Tensor:
-        dequantized.append(tuple(packed.shape))
-        return Int4Linear.dense_weight(packed, *pair)
+    def counting(rows: torch.Tensor, weight: torch.Tensor, **out: torch.Tensor) -> torch.Tensor:
+        if weight.dtype == torch.bfloat16:
+            pieces.append((rows.shape[0], *weight.shape))
+        return multiply(rows, weight, **out)
 
-    monkeypatch.setattr(graph_ops, "_DENSE_WEIGHT", counting)
+    monkeypatch.setattr(torch, "mm", counting)
     prompt = [(37 * i) % 20000 + 100 for i in range(40)]
     compiled.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     layers = compiled.worker.architecture.num_layers
-    assert len(dequantized) == 3 * 4 * layers  # qkv, o, gate_up, down
+    assert len(pieces) == 3 * 4 * layers  # qkv, o, gate_up, down
+    assert {rows for rows, *_ in pieces} == {graph_ops.PREFILL_PIECE}
 
 
 def test_the_graphs_warm_up_compiled_serve_every_kind_of_step(compiled: Engine) -> None:
     """After prefill-only, decode-only and mixed steps of 1 to 4 rows and any block count (the
-    tests above ran on this engine): no graph more than its warm-up compiled (the step's two and
-    the dense prefill weight's, one a projection shape), and another engine of the model, with
-    another KV budget, reuses them."""
+    tests above ran on this engine): no graph more than its warm-up compiled (the step's two),
+    and another engine of the model, with another KV budget, reuses them."""
     assert graphs_compiled() == GRAPHS_AT_START[0]
     other = Engine(EngineConfig(compile="auto", cache=CacheConfig(kv_memory_bytes=40 << 20)))
     other.generate([[5, 6, 7]], SamplingParams(max_tokens=3))

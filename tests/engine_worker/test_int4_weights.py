@@ -124,21 +124,22 @@ def test_a_dense_prefill_row_is_computed_the_same_whatever_its_batch() -> None:
     projection = Int4Linear(Int4Groups.quantize(torch.randn(576, 1536) * 0.02))
     assert projection.dense_parts is not None
     rows = torch.randn(400, 1536).bfloat16()
-    weights = (projection._packed, projection._scale_zero, *projection.dense_parts)
+    packed, scale_zero = projection._packed, projection._scale_zero
+    weight = Int4Linear.dense_weight(packed, *projection.dense_parts)
 
     def int4_rows(rows: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        return torch.ops.kvmesh.int4_rows(rows, decodes, *weights)
+        return torch.ops.kvmesh.int4_rows(rows, decodes, packed, scale_zero, weight)
 
     together = int4_rows(rows)
     assert torch.equal(torch.cat([int4_rows(rows[i : i + 1]) for i in range(64)]), together[:64])
     for start, count in ((5, 2), (16, 40), (63, 1), (100, 150), (30, 300), (0, 257)):
         assert torch.equal(int4_rows(rows[start : start + count]), together[start : start + count])
-    dense = rows.float() @ Int4Linear.dense_weight(*weights[:1], *weights[2:]).float()
+    dense = rows.float() @ weight.float()
     assert ((together.float() - dense).norm() / dense.norm()).item() < 0.01
     mixed = int4_rows(rows, 10)
-    assert torch.equal(mixed[:10], projection.product(rows[:10], *weights[:2]))
+    assert torch.equal(mixed[:10], projection.product(rows[:10], packed, scale_zero))
     assert torch.equal(mixed[10:], together[10:])
-    assert torch.equal(int4_rows(rows[:64], 64), projection.product(rows[:64], *weights[:2]))
+    assert torch.equal(int4_rows(rows[:64], 64), projection.product(rows[:64], packed, scale_zero))
 
 
 @needs_int4_kernel

@@ -3,7 +3,7 @@ packing or tracing, and computes the same bits; an artifact made for another run
 used (the manifest says why) and one whose bytes changed is refused.
 
 A tiny Qwen2 checkpoint quantized to packed weights at load; the compiled step in one test
-(two processes: the programs are loaded where nothing traced them)."""
+(two processes: the programs are loaded where nothing traced them, Dynamo not even imported)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ for prompt in json.loads(sys.argv[3]):
     tokens = worker.greedy(prompt, 6)
     scores = worker.prompt_log_softmax(prompt + tokens)
     outputs.append([tokens, scores[len(prompt) - 1 :].max(dim=-1).values.tolist()])
-print(json.dumps({"preparation": worker.manifest.preparation, "outputs": outputs}))
+dynamo = "torch._dynamo.convert_frame" in sys.modules
+print(json.dumps({"preparation": worker.manifest.preparation, "outputs": outputs,
+                  "dynamo": dynamo}))
 """
 
 
@@ -73,8 +75,9 @@ def test_a_prepared_compiled_model_loads_elsewhere_with_the_same_bits(
     assert prepared["id"] == loaded["id"] and prepared["phases"]["compile"] > 0
     assert loaded["phases"]["compile"] == 0 and loaded["phases"]["prepare"] == 0
     programs = os.listdir(Path(loaded["directory"]) / "programs")
-    assert {"step-prefill.bin", "step-decode.bin"} <= set(programs)
+    assert {"step-prefill.pt2", "step-decode.pt2"} <= set(programs)
     assert second["outputs"] == first["outputs"]  # tokens and logprobs, bit for bit
+    assert first["dynamo"] and not second["dynamo"]  # loaded, nothing traced or imported
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ zeros: the longest row beside it changes nothing). The pool is float16 unless as
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -95,9 +96,8 @@ def _project(
         out = Int4Linear.product(x, parts.packed, parts.scale_zero)
     else:  # as `product`, prefill rows dense (a prompt token is always one: step_inputs.flatten)
         rows = x.to(Int4Linear.ACTIVATIONS)
-        out = torch.ops.kvmesh.int4_rows(
-            rows, decodes, parts.packed, parts.scale_zero, *parts.dense
-        )
+        dense = Int4Linear.dense_weight(parts.packed, *parts.dense)
+        out = torch.ops.kvmesh.int4_rows(rows, decodes, parts.packed, parts.scale_zero, dense)
         out = out.to(x.dtype)
     return out if parts.bias is None else out + parts.bias
 
@@ -196,8 +196,6 @@ class CompiledCausalLM:
         w = model.weights
         self._keys = [kv_cache.layer(i)[0] for i in range(model.arch.num_layers)]
         self._values = [kv_cache.layer(i)[1] for i in range(model.arch.num_layers)]
-        for tensor in (*self._keys, *self._values):  # any KV budget: the same graph
-            torch._dynamo.mark_dynamic(tensor, 0)
         self._layers: list[LayerParts] = [
             (
                 layer.input_norm,
@@ -209,20 +207,21 @@ class CompiledCausalLM:
         if not isinstance(w.embed, Int8Embedding):
             raise TypeError(f"the compiled step runs a packed embedding, not {type(w.embed)}")
         self._embed = (w.embed.rows, w.embed.scale)
-        # Its inputs are built here, not by strangers: no size/stride asserts on each of them
-        # per call (~650 a step, 0.3 ms at batch 1).
-        self._graph = torch.compile(_graph, fullgraph=True, dynamic=False, options=_OPTIONS)
-        # The two graphs compiled ahead of time, when the model was prepared (saved_programs.py)
+        # The two graphs compiled ahead of time when the model is prepared (saved_programs.py);
+        # else traced lazily, made on first use (torch.compile imports Dynamo: ~1 s).
         self.programs = ProgramTable()
+        self._graph: Callable[..., torch.Tensor] | None = None
 
-    def load_programs(self, saved: dict[str, bytes]) -> None:
-        """Programs a prepared model saved. A loaded program's guards treat a tensor marked
-        dynamic as a new marking (torch 2.13 serializes none), so its inputs go unmarked: the
-        sizes it was traced with dynamic stay so."""
+    def load_programs(self, saved: dict[str, Path]) -> None:
+        """The step's programs a prepared model saved (saved_programs.py)."""
         self.programs.load(saved)
-        for tensor in (*self._keys, *self._values):  # mark_dynamic's attributes, all of them
-            for name in [name for name in vars(tensor) if "_dynamo" in name]:
-                delattr(tensor, name)
+
+    def _lazy_graph(self) -> Callable[..., torch.Tensor]:
+        if self._graph is None:
+            # Its inputs are built here, not by strangers: no size/stride asserts on each of
+            # them per call (~650 a step, 0.3 ms at batch 1).
+            self._graph = torch.compile(_graph, fullgraph=True, dynamic=False, options=_OPTIONS)
+        return self._graph
 
     def forward(self, batch: GraphBatch) -> torch.Tensor:
         """-> logits (R, vocab) of the sampled rows."""
@@ -248,9 +247,9 @@ class CompiledCausalLM:
             program = self.programs.programs.get(name)
             if program is None:  # traced here, now or lazily: the sizes it keeps dynamic
                 batch.mark_dynamic()
+                for tensor in (*self._keys, *self._values):  # any KV budget: the same graph
+                    torch._dynamo.mark_dynamic(tensor, 0)
                 program = self.programs.get(name, _graph, args, options=_OPTIONS)
-            # A program's guards want no_grad (saved_programs.py); the traced graph was always
-            # run in inference mode.
-            with torch.no_grad() if program is not None else torch.inference_mode():
-                hidden = (program or self._graph)(*args)
+            with torch.inference_mode():
+                hidden = (program or self._lazy_graph())(*args)
                 return model.weights.lm_head(hidden).float()

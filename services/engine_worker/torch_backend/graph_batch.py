@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree as pytree
 
 from services.engine_worker.step_inputs import FlatBatch
 
@@ -69,3 +70,7 @@ class GraphBatch:
         torch._dynamo.mark_dynamic(self.prefill_blocks, 0)
         torch._dynamo.mark_dynamic(self.decode_table, 1)
         torch._dynamo.mark_dynamic(self.prefill_blocks, 1)
+
+
+# Its tensors are a saved program's inputs (saved_programs.py).
+pytree.register_dataclass(GraphBatch)

@@ -16,23 +16,20 @@ the projection here.
 `kvmesh::int4_rows`, one a 4-bit projection in the graph of steps with prefill rows, where the
 CPU has bfloat16 GEMMs: the decode rows through the 4-bit kernel, as in the decode-only graph,
 and the prefill rows as bfloat16 GEMMs of fixed-size pieces over `Int4Linear.dense_weight`,
-which is compiled on its own (one fused loop unpacks the weight; eager, its ops took 10x as
-long). In the graph, the weight would be dequantized every step; as the one op in place of the
-kernel, the loops around it are the decode-only graph's, and a decode row's bits the same in
-both.
+which the graph unpacks beside the op, one fused loop a projection (eager, its ops took 10x as
+long). As the one op in place of the kernel, the loops around it are the decode-only graph's,
+and a decode row's bits the same in both.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 
 import torch
 
 from services.engine_worker.artifacts.int4_groups import GROUP
 from services.engine_worker.torch_backend.attention import PrefillSegment, _prefill, prefill_mask
-from services.engine_worker.torch_backend.linear import LINEAR_DYNAMIC, Int4Linear, Int8Linear
-from services.engine_worker.torch_backend.saved_programs import ProgramTable
+from services.engine_worker.torch_backend.linear import LINEAR_DYNAMIC, Int8Linear
 
 _OPS = torch.library.Library("kvmesh", "DEF")
 _OPS.define(
@@ -113,31 +110,9 @@ def _(rows, handle, out_features):
 
 
 _OPS.define(
-    "int4_rows(Tensor rows, SymInt decodes, Tensor packed, Tensor scale_zero, Tensor scale, "
-    "Tensor zero) -> Tensor"
+    "int4_rows(Tensor rows, SymInt decodes, Tensor packed, Tensor scale_zero, Tensor dense) "
+    "-> Tensor"
 )
-# One graph per weight shape, compiled at warm-up (its prefill rows reach every projection);
-# with dynamic sizes its loop ran 1.8x longer. Made on first use: `torch.compile` probes the
-# C++ compiler for each vector ISA (1.6 s), which a prepared model skips.
-_DENSE_WEIGHT: Callable[..., torch.Tensor] | None = None
-# The same, compiled ahead of time by a prepared model (saved_programs.py), one per shape: the
-# name pins the inputs (the packed weight's shape; the pairs' follow, all dtypes are fixed).
-DENSE_WEIGHT_PROGRAMS = ProgramTable(check_guards=False)
-
-
-def _unpacked(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    return Int4Linear.dense_weight(packed, scale, zero)  # a plain function: programs bind args
-
-
-def _dense_weight(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    name = "dense-weight-" + "x".join(map(str, packed.shape))
-    program = DENSE_WEIGHT_PROGRAMS.get(name, _unpacked, (packed, scale, zero))
-    if program is not None:
-        return program(packed, scale, zero)
-    global _DENSE_WEIGHT
-    if _DENSE_WEIGHT is None:
-        _DENSE_WEIGHT = torch.compile(Int4Linear.dense_weight, dynamic=False)
-    return _DENSE_WEIGHT(packed, scale, zero)
 
 
 # Prefill rows are multiplied PREFILL_PIECE at a time, the last piece zero-padded: oneDNN picks
@@ -152,17 +127,16 @@ def _int4_rows(
     decodes: int,
     packed: torch.Tensor,
     scale_zero: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
+    weight: torch.Tensor,
 ) -> torch.Tensor:
-    """rows (T, in) bfloat16, its `decodes` decode rows first -> (T, out) bfloat16."""
+    """rows (T, in) bfloat16, its `decodes` decode rows first -> (T, out) bfloat16; weight:
+    the projection's (in, out) `Int4Linear.dense_weight`, for the prefill rows."""
     out = rows.new_empty((rows.shape[0], packed.shape[0]))
     if decodes:
         decoded = torch._weight_int4pack_mm_for_cpu(rows[:decodes], packed, GROUP, scale_zero)
         out[:decodes] = decoded
     prefill = rows[decodes:]
     if prefill.shape[0]:
-        weight = _dense_weight(packed, scale, zero)
         padded = -(-prefill.shape[0] // PREFILL_PIECE) * PREFILL_PIECE
         pieces = prefill.new_zeros((padded, prefill.shape[1]))
         pieces[: prefill.shape[0]] = prefill

@@ -219,8 +219,8 @@ class Int4Linear:
 
     ACTIVATIONS = torch.bfloat16
 
-    # Inference tensors, as the compiled step's first call passes them on: the compiled loop
-    # behind `kvmesh::int4_rows` guards on the difference (it recompiled every shape).
+    # Inference tensors, as the compiled step's first call passes them on: a graph traced
+    # lazily guards on the difference (it recompiled).
     @torch.inference_mode()
     def __init__(self, groups: Int4Groups, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = groups.shape

@@ -1,76 +1,195 @@
 """Compiled programs that are saved once and loaded without tracing: what makes a warm start fast.
 
 `torch.compile` traces its function with Dynamo on the first call of every process, even when
-Inductor's cache holds the compiled code: on the default model that tracing was 18 s of a warm
-worker's 27 s start on a 2-core machine. `aot_compile` traces once, while a model is prepared,
-and what it returns serializes (guards, Dynamo's bytecode and Inductor's code); loading it takes
-a fraction of a second. A loaded program keeps its guards: called with inputs it was not traced
-for, it raises instead of computing.
+Inductor's cache holds the compiled code, and Dynamo's own serialized programs still import
+Dynamo and rebuild their guards when loaded (2-3 s of a warm worker's start on a 2-core
+machine). A program here is an AOTInductor package instead: the function exported once, while
+a model is prepared, and compiled to a shared library with its C++ wrapper; loading one maps
+that library (milliseconds) and imports nothing of Dynamo or Inductor. Calling it passes the
+argument tensors straight to the library; opaque `kvmesh::` ops are reached through torch's
+dispatcher (AOTInductor's proxy executor).
 
-Programs are called under `torch.no_grad()`, not inference mode: a serialized guard records a
-tensor's dispatch keys without the thread's inference-mode exclusions, so a normal tensor
-(the KV pool) fails its own guard in inference mode.
+Compiling is mostly single-threaded (Inductor's code generation, then one C++ build after
+another), so each program compiles in a process of its own, started as soon as its function is
+exported: the default model's two step programs took 180 s one after the other on a 2-core
+machine. Meanwhile the table answers with the function itself, run eagerly.
+
+A program has no guards: it computes with whatever tensors it is given, so its name must pin
+what it was exported for (the table's caller names one program per graph), and the prepared
+artifact's key pins the rest (weights, formats, CPU, torch).
 """
 
 from __future__ import annotations
 
-import io
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
+import torch.utils._pytree as pytree
 
-Program = Callable[..., Any]
+# AOTInductor's package format: the library, its wrapper source and metadata, in one zip.
+PROGRAM_SUFFIX = ".pt2"
+_EXPORTED_SUFFIX = ".exported.pt2"
 
 
-def aot_program(function: Callable[..., Any], args: tuple[Any, ...], **options: Any) -> Program:
-    """`function` traced and compiled for `args` (their marked dynamic sizes stay dynamic)."""
-    compiled = torch.compile(function, fullgraph=True, dynamic=False, **options)
+class Program:
+    """A loaded package, called with the arguments it was exported for.
+
+    Non-tensor arguments were constants of the export. An argument passed as the same object
+    as on the previous call (the weights, the KV pool) keeps its flattened tensors: a step
+    flattens only its batch (~600 weight tensors flattened anew cost ~0.4 ms a step)."""
+
+    def __init__(self, path: Path) -> None:
+        # one runner, on the calling thread: the worker steps one batch at a time
+        self._loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1, -1)
+        self._seen: list[tuple[object, list[torch.Tensor]]] = []
+
+    def __call__(self, *args: Any) -> Any:
+        if len(self._seen) != len(args):
+            self._seen = [(None, [])] * len(args)
+        tensors: list[torch.Tensor] = []
+        for index, arg in enumerate(args):
+            last, flat = self._seen[index]
+            if arg is not last:
+                flat = [t for t in pytree.tree_leaves(arg) if isinstance(t, torch.Tensor)]
+                self._seen[index] = (arg, flat)
+            tensors.extend(flat)
+        (out,) = self._loader.boxed_run(tensors)
+        return out
+
+
+def export_program(function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """`function` exported for `args`: the sizes marked dynamic (`torch._dynamo.mark_dynamic`)
+    stay dynamic, every other one and every non-tensor argument is fixed."""
+    leaves, spec = pytree.tree_flatten(args)
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+    class Bound(torch.nn.Module):
+        def forward(self, *tensors: torch.Tensor) -> Any:
+            full = list(leaves)
+            for i, tensor in zip(at, tensors, strict=True):
+                full[i] = tensor
+            return function(*pytree.tree_unflatten(full, spec))
+
+    tensors = tuple(leaves[i] for i in at)
+    dynamic = tuple(
+        {d: torch.export.Dim.DYNAMIC for d in getattr(t, "_dynamo_dynamic_indices", ())} or None
+        for t in tensors
+    )
     with torch.no_grad():
-        return compiled.aot_compile((args, {}))  # type: ignore[attr-defined]
+        return torch.export.export(Bound(), tensors, dynamic_shapes=(dynamic,), strict=False)
 
 
-def program_bytes(program: Program) -> bytes:
-    return type(program).serialize(program).serialized_data  # type: ignore[attr-defined]
+def _shrunk(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with its dynamic sizes cut to at most 2."""
+    for dim in getattr(tensor, "_dynamo_dynamic_indices", ()):
+        tensor = tensor.narrow(dim, 0, min(tensor.shape[dim], 2))
+    return tensor.clone()
 
 
-def load_program(data: bytes) -> Program:
-    return torch.compiler.load_compiled_function(io.BytesIO(data))
+class _Compiling:
+    """One program compiling in a child process."""
+
+    def __init__(
+        self, function: Callable[..., Any], args: tuple[Any, ...], package: Path, options: Any
+    ) -> None:
+        self.package = package
+        self.exported = package.with_suffix(_EXPORTED_SUFFIX)
+        exported = export_program(function, args)
+        # AOTInductor wants example inputs; the KV pool whole was 1.2 GB written and read back
+        exported.example_inputs = (tuple(map(_shrunk, exported.example_inputs[0])), {})
+        torch.export.save(exported, str(self.exported))
+        settings = {
+            # The wrapper only calls the kernels: at -O1 its build took 36 s of a program's
+            # ~100, at -O0 13 s, for ~3% more time a decode step (still faster than Dynamo's).
+            "options": {"aot_inductor.compile_wrapper_opt_level": "O0", **(options or {})},
+            "modules": [function.__module__],  # registers the ops the graph calls
+            "backed_size_oblivious": bool(fx_config.backed_size_oblivious),
+        }
+        command = [sys.executable, "-m", __name__, str(self.exported), str(package)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.log = package.with_suffix(".log")  # a file: a full pipe would stall the child
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(
+                [*command, json.dumps(settings)], env=env, stdout=log, stderr=log
+            )
+
+    def wait(self) -> Program:
+        self.process.wait()
+        errors = self.log.read_text(errors="replace")[-2000:]
+        self.exported.unlink(missing_ok=True)
+        self.log.unlink(missing_ok=True)
+        if self.process.returncode != 0:
+            raise RuntimeError(f"compiling {self.package.name} failed: {errors}")
+        return Program(self.package)
 
 
 class ProgramTable:
-    """Programs by name, the ones this process compiled kept as bytes for the prepared
-    artifact. `record` on: a program missing when it is first needed is compiled ahead of time
-    and kept; off, the caller falls back to its lazily traced function."""
+    """Programs by name, the packages this process compiled kept for the prepared artifact.
 
-    def __init__(self, check_guards: bool = True) -> None:
-        # Off only where the name pins every input's shape and dtype: a serialized guard on an
-        # inference tensor's dispatch keys fails inside an op's kernel, where the thread's
-        # included keys differ from those of the process that traced it.
-        self.check_guards = check_guards
+    `record_into(folder)`: a program missing when it is first needed is exported and compiled
+    there, in another process, and the function runs eagerly until `finish()` loads what was
+    compiled. Not recording, the caller falls back to its lazily traced function."""
+
+    def __init__(self) -> None:
         self.programs: dict[str, Program] = {}
-        self.compiled: dict[str, bytes] = {}
-        self.record = False
-        self.compile_seconds = 0.0  # spent compiling programs ahead of time
+        self.compiled: dict[str, Path] = {}  # name -> package this process compiled
+        self.compile_seconds = 0.0  # exporting, and waiting for the compiling processes
+        self._folder: Path | None = None
+        self._compiling: dict[str, _Compiling] = {}
+
+    def record_into(self, folder: Path | None) -> None:
+        self._folder = folder
 
     def get(
         self, name: str, function: Callable[..., Any], args: tuple[Any, ...], **options: Any
-    ) -> Program | None:
+    ) -> Callable[..., Any] | None:
         program = self.programs.get(name)
-        if program is None and self.record:
+        if program is not None or self._folder is None:
+            return program
+        if name not in self._compiling:
             started = time.perf_counter()
-            program = aot_program(function, args, **options)
+            self._folder.mkdir(parents=True, exist_ok=True)
+            package = self._folder / f"{name}{PROGRAM_SUFFIX}"
+            self._compiling[name] = _Compiling(function, args, package, options.get("options"))
             self.compile_seconds += time.perf_counter() - started
-            self._install(name, program)
-            self.compiled[name] = program_bytes(program)
-        return program
+        return function
 
-    def load(self, saved: dict[str, bytes]) -> None:
-        for name, data in saved.items():
-            self._install(name, load_program(data))
+    def finish(self) -> None:
+        """Waits for the programs compiling and loads them."""
+        started = time.perf_counter()
+        try:
+            for name, compiling in self._compiling.items():
+                self.programs[name] = compiling.wait()
+                self.compiled[name] = compiling.package
+        finally:
+            for compiling in self._compiling.values():
+                compiling.process.kill()  # after a failure, the others are not waited for
+            self._compiling.clear()
+            self.compile_seconds += time.perf_counter() - started
 
-    def _install(self, name: str, program: Program) -> None:
-        if not self.check_guards:
-            program.disable_guard_check()  # type: ignore[attr-defined]
-        self.programs[name] = program
+    def load(self, saved: dict[str, Path]) -> None:
+        for name, path in saved.items():
+            self.programs[name] = Program(path)
+
+
+def _compile(exported: str, package: str, settings: dict[str, Any]) -> None:
+    import importlib
+
+    for module in settings["modules"]:
+        importlib.import_module(module)
+    with fx_config.patch(backed_size_oblivious=settings["backed_size_oblivious"]):
+        torch._inductor.aoti_compile_and_package(
+            torch.export.load(exported), package_path=package, inductor_configs=settings["options"]
+        )
+
+
+if __name__ == "__main__":
+    _compile(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
