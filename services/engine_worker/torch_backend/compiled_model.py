@@ -244,7 +244,7 @@ class CompiledCausalLM:
         # Sizes 0 and 1 must not get a graph (and kernels) of their own: see the docstring.
         with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
             name = "step-prefill" if prefilling else "step-decode"
-            program = self.programs.programs.get(name)
+            program: Callable[..., Any] | None = self.programs.programs.get(name)
             if program is None:  # traced here, now or lazily: the sizes it keeps dynamic
                 batch.mark_dynamic()
                 for tensor in (*self._keys, *self._values):  # any KV budget: the same graph

@@ -185,7 +185,8 @@ def _compile(exported: str, package: str, settings: dict[str, Any]) -> None:
 
     for module in settings["modules"]:
         importlib.import_module(module)
-    with fx_config.patch(backed_size_oblivious=settings["backed_size_oblivious"]):
+    oblivious = settings["backed_size_oblivious"]
+    with fx_config.patch(backed_size_oblivious=oblivious):  # type: ignore[attr-defined]
         torch._inductor.aoti_compile_and_package(
             torch.export.load(exported), package_path=package, inductor_configs=settings["options"]
         )
