@@ -211,6 +211,7 @@ class CompiledCausalLM:
         # else traced lazily, made on first use (torch.compile imports Dynamo: ~1 s).
         self.programs = ProgramTable()
         self._graph: Callable[..., torch.Tensor] | None = None
+        self._kv_marked = False  # the pool's dynamic size, marked once a graph is traced
 
     def load_programs(self, saved: dict[str, Path]) -> None:
         """The step's programs a prepared model saved (saved_programs.py)."""
@@ -241,15 +242,24 @@ class CompiledCausalLM:
             model.cos,
             model.signed_sin,
         )
+        name = "step-prefill" if prefilling else "step-decode"
+        program = self.programs.programs.get(name)
+        if program is None:
+            return self._traced(name, batch, args)
+        with torch.inference_mode():
+            return model.weights.lm_head(program(*args)).float()
+
+    def _traced(self, name: str, batch: GraphBatch, args: tuple[Any, ...]) -> torch.Tensor:
+        """A step with no program loaded: its graph traced lazily, or exported for a program
+        compiled ahead of time (saved_programs.py), with the sizes it keeps dynamic."""
+        batch.mark_dynamic()
+        if not self._kv_marked:  # any KV budget: the same graph
+            for tensor in (*self._keys, *self._values):
+                torch._dynamo.mark_dynamic(tensor, 0)
+            self._kv_marked = True
         # Sizes 0 and 1 must not get a graph (and kernels) of their own: see the docstring.
         with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
-            name = "step-prefill" if prefilling else "step-decode"
-            program: Callable[..., Any] | None = self.programs.programs.get(name)
-            if program is None:  # traced here, now or lazily: the sizes it keeps dynamic
-                batch.mark_dynamic()
-                for tensor in (*self._keys, *self._values):  # any KV budget: the same graph
-                    torch._dynamo.mark_dynamic(tensor, 0)
-                program = self.programs.get(name, _graph, args, options=_OPTIONS)
+            program = self.programs.get(name, _graph, args, options=_OPTIONS)
             with torch.inference_mode():
                 hidden = (program or self._lazy_graph())(*args)
-                return model.weights.lm_head(hidden).float()
+                return self.model.weights.lm_head(hidden).float()
