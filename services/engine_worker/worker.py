@@ -158,7 +158,10 @@ class Worker:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         prefill = RequestState("warmup-prefill", tokens, [0, 1], 0, params, len(tokens))
         decode = RequestState("warmup-decode", tokens[:2], [0], 1, params, 1)
-        self._run_scratch([(decode, 1), (prefill, len(tokens))])
+        if self.config.scheduler.max_sampled_rows >= 2:
+            self._run_scratch([(decode, 1), (prefill, len(tokens))])
+        else:  # a one-sequence engine never batches the two
+            self._run_scratch([(prefill, len(tokens))])
         # And a decode-only step: the compiled step has a graph for those too.
         decode = RequestState("warmup-decode-alone", tokens[:2], [0], 1, params, 1)
         self._run_scratch([(decode, 1)])

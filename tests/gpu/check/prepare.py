@@ -108,6 +108,10 @@ def pack_llama_cpp(target: Path) -> None:
                     continue
                 data = source.extractfile(member) if member.isfile() else None
                 member.name = name
+                # A long name travels in a pax header, which would override the new one.
+                member.pax_headers = {
+                    key: value for key, value in member.pax_headers.items() if key != "path"
+                }
                 packed.addfile(member, data)
 
 
