@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from kvmesh.prompts import PromptInput, to_token_ids
 from services.engine_worker.worker import Worker
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.tier_loads import TierPolicy
 from services.tokenizer.detokenizer import IncrementalDetokenizer
+from shared.block_hash import hash_full_blocks
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, Reason
 from shared.outputs import RequestOutput, finish_reason_label
@@ -31,6 +33,7 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     cached_tokens: int = 0
+    loaded_tokens: int = 0  # prompt tokens loaded from a KV tier
     error: str | None = None  # the reason, when a step could not compute it (it then has none)
 
     @property
@@ -48,12 +51,14 @@ class Engine:
         self.worker = Worker(self.config)
         self.tokenizer: TextTokenizer | None = load_tokenizer(self.worker.model_path)
         arch = self.worker.architecture
+        tiers = self.config.kv_tiers
         self.scheduler = Scheduler(
             self.config.scheduler,
             self.config.cache,
             self.worker.num_kv_blocks,
             self.worker.max_model_len,
             arch.eos_token_ids,
+            TierPolicy(tiers.tiers, tiers.write, tiers.load_min_tokens),
         )
         self._ids = itertools.count()
 
@@ -86,7 +91,18 @@ class Engine:
         if sampling.response_format is not None:  # compiled (and checked) before it queues
             self.worker.grammars().matcher(sampling.response_format)
         request_id = request_id or f"req-{next(self._ids)}"
-        self.scheduler.add_request(request_id, token_ids, sampling, priority, group_id=group_id)
+        tier_blocks = 0
+        if self.config.kv_tiers.enabled:  # how much of it the tiers could give
+            hashes = hash_full_blocks(token_ids, self.config.cache.block_size)
+            tier_blocks = self.worker.kv_transfer.leading(hashes)
+        self.scheduler.add_request(
+            request_id,
+            token_ids,
+            sampling,
+            priority,
+            group_id=group_id,
+            num_tier_blocks=tier_blocks,
+        )
         return request_id, token_ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -126,6 +142,7 @@ class Engine:
                 if output.finish_reason is not None:
                     completion.finish_reason = finish_reason_label(output.finish_reason)
                     completion.cached_tokens = output.num_cached_tokens
+                    completion.loaded_tokens = output.num_loaded_tokens
                 if output.failure is not None:
                     completion.error = output.failure.reason
         for request_id in order:

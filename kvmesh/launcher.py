@@ -85,7 +85,7 @@ class Mesh:
             worker = self._spawn(
                 f"engine-worker-{index}",
                 "services.engine_worker",
-                [*model, "--threads", str(threads), *config.worker_args],
+                [*model, "--threads", str(threads), *self._kv_redis, *config.worker_args],
                 threads=threads,
             )
             self.worker_addresses.append(worker)
@@ -133,6 +133,11 @@ class Mesh:
             if service.address is not None:
                 service.wait_ready(deadline)
 
+    @property
+    def _kv_redis(self) -> list[str]:
+        """The redis KV tier defaults to the mesh's Redis (a later --kv-redis wins)."""
+        return ["--kv-redis", self.redis_url] if self.redis_url else []
+
     def start_pair(self, entry: ModelEntry, threads: int | None = None) -> ModelPair:
         """An engine-worker + scheduler for a repository version, with its serving config
         (after the mesh-wide flags, so the entry's own values win). Not waited for."""
@@ -147,7 +152,7 @@ class Mesh:
         worker = self._spawn(
             f"engine-worker-{suffix}",
             "services.engine_worker",
-            ["--model", entry.directory, "--threads", str(threads), *worker_args],
+            ["--model", entry.directory, "--threads", str(threads), *self._kv_redis, *worker_args],
             threads=threads,
         )
         self.worker_addresses.append(worker)

@@ -15,7 +15,9 @@ from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2
 from shared.sampling import ResponseFormat, SamplingParams
 from shared.step import (
+    BlockWrite,
     FailedRequest,
+    LoadFailure,
     NewRequestPlan,
     RunningRequestPlan,
     SampledToken,
@@ -118,6 +120,7 @@ def plan_to_pb(plan: StepPlan) -> engine_worker_pb2.StepPlan:
                 num_scheduled_tokens=r.num_scheduled_tokens,
                 sampling=sampling_to_pb(r.sampling),
                 prompt_len=r.prompt_len,
+                load_hashes=r.load_hashes,
             )
             for r in plan.new_requests
         ],
@@ -135,6 +138,12 @@ def plan_to_pb(plan: StepPlan) -> engine_worker_pb2.StepPlan:
             engine_worker_pb2.BlockCopy(source=source, destination=destination)
             for source, destination in plan.block_copies
         ],
+        block_writes=[
+            engine_worker_pb2.BlockWrite(
+                block_id=w.block_id, block_hash=w.block_hash, token_ids=w.token_ids
+            )
+            for w in plan.block_writes
+        ],
     )
 
 
@@ -150,6 +159,7 @@ def plan_from_pb(message: engine_worker_pb2.StepPlan) -> StepPlan:
                 r.num_scheduled_tokens,
                 sampling_from_pb(r.sampling),
                 r.prompt_len,
+                tuple(r.load_hashes),
             )
             for r in message.new_requests
         ),
@@ -164,6 +174,9 @@ def plan_from_pb(message: engine_worker_pb2.StepPlan) -> StepPlan:
         ),
         tuple(message.finished_request_ids),
         tuple((c.source, c.destination) for c in message.block_copies),
+        tuple(
+            BlockWrite(w.block_id, w.block_hash, tuple(w.token_ids)) for w in message.block_writes
+        ),
     )
 
 
@@ -185,8 +198,18 @@ def result_to_pb(result: StepResult, compute_ms: float = 0.0) -> engine_worker_p
         )
         for f in result.failed
     ]
+    load_failures = [
+        engine_worker_pb2.LoadFailure(
+            request_id=f.request_id, num_computed_tokens=f.num_computed_tokens, reason=f.reason
+        )
+        for f in result.load_failures
+    ]
     return engine_worker_pb2.StepResult(
-        step_id=result.step_id, sampled=sampled, compute_ms=compute_ms, failed=failed
+        step_id=result.step_id,
+        sampled=sampled,
+        compute_ms=compute_ms,
+        failed=failed,
+        load_failures=load_failures,
     )
 
 
@@ -204,4 +227,8 @@ def result_from_pb(message: engine_worker_pb2.StepResult) -> StepResult:
             for s in message.sampled
         ),
         tuple(FailedRequest(f.request_id, f.reason, f.error_type) for f in message.failed),
+        tuple(
+            LoadFailure(f.request_id, f.num_computed_tokens, f.reason)
+            for f in message.load_failures
+        ),
     )

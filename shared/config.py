@@ -120,6 +120,48 @@ class SchedulerConfig:
         )
 
 
+KV_TIERS = ("host", "disk", "redis")
+KV_WRITE_POLICIES = ("through", "back")
+
+
+@dataclass(frozen=True)
+class KVTierConfig:
+    """The block store under a worker's pool (services/engine_worker/kv_tiers/): which tiers,
+    their budgets, when blocks go down to them and how long a hit must be to be loaded."""
+
+    tiers: tuple[str, ...] = ()  # of KV_TIERS, searched in that order; () is none
+    host_bytes: int = 4 << 30
+    disk_dir: str = ""  # "" is $KVMESH_CACHE_DIR/kv-blocks
+    disk_bytes: int = 20 << 30
+    redis_url: str = ""  # the mesh's Redis unless set
+    redis_bytes: int = 2 << 30
+    # through: a prefix block goes down as soon as it is full (what another worker or a
+    # restart can find); back: only when the pool evicts it.
+    write: str = "through"
+    write_queue_blocks: int = 256  # a full queue drops the write (counted), never waits
+    # A hit shorter than this is recomputed: at 256 tokens a disk or Redis load is several
+    # times faster than the prefill here, below it the step's fixed cost dominates both.
+    load_min_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        unknown = [tier for tier in self.tiers if tier not in KV_TIERS]
+        _require(not unknown, f"kv tiers must be among {', '.join(KV_TIERS)}, got {unknown}")
+        _require(
+            self.write in KV_WRITE_POLICIES,
+            f"kv write policy must be through or back, got {self.write!r}",
+        )
+        _require(
+            "redis" not in self.tiers or bool(self.redis_url),
+            "the redis kv tier needs a Redis URL (--kv-redis, or the mesh's --redis)",
+        )
+        _require(self.write_queue_blocks > 0, "the kv write queue needs room for a block")
+        _require(self.load_min_tokens >= 0, "kv load min tokens must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tiers)
+
+
 # How projection weights are held: int8 through fbgemm (CPU), or a float dtype. On a GPU the
 # weights run in the activation dtype, which is how float16 comes to be one of them.
 WEIGHT_FORMATS = ("packed", "float32", "bfloat16", "float16")
@@ -146,6 +188,7 @@ class EngineConfig:
     prepared_dir: str | None = None  # searched first and written to; else the cache folder
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)
 
     def __post_init__(self) -> None:
         _require(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from shared.kv_tier_flags import kv_tier_flag_args
+
 
 def worker_flag_args(args: argparse.Namespace) -> list[str]:
     """Parsed worker flags back as arguments, for a launcher to forward (model and threads are
@@ -17,7 +19,7 @@ def worker_flag_args(args: argparse.Namespace) -> list[str]:
     forwarded += ["--prepared-dir", args.prepared_dir] if args.prepared_dir else []
     if args.max_model_len is not None:
         forwarded += ["--max-model-len", str(args.max_model_len)]
-    return forwarded
+    return forwarded + kv_tier_flag_args(args)
 
 
 def scheduler_flag_args(args: argparse.Namespace) -> list[str]:

@@ -19,6 +19,7 @@ from shared.config import (
     SpeculativeConfig,
     parse_bytes,
 )
+from shared.kv_tier_flags import add_kv_tier_flags, kv_tier_config
 
 # Gateway routing policies (services/gateway/router.py implements them).
 ROUTING_POLICIES = ("cache-aware", "round-robin", "least-loaded")
@@ -111,6 +112,7 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         default=env_int("max-model-len", None),
         help="context length cap (default: the model's)",
     )
+    add_kv_tier_flags(parser)
     group.add_argument(
         "--threads",
         type=int,
@@ -289,4 +291,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduler=(
             scheduler_config(args) if hasattr(args, "max_batched_tokens") else SchedulerConfig()
         ),
+        kv_tiers=kv_tier_config(args),
     )

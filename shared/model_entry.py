@@ -61,6 +61,11 @@ class ServingConfig:
     block_size: int | None = None
     max_batched_tokens: int | None = None
     chunk_size: int | None = None
+    kv_tiers: str | None = None  # "disk,redis": as the --kv-* flags (shared/kv_tier_flags.py)
+    kv_write: str | None = None
+    kv_load_min_tokens: int | None = None
+    kv_disk_bytes: str | None = None
+    kv_redis_bytes: str | None = None
 
     def worker_args(self) -> list[str]:
         return _flags(
@@ -72,6 +77,11 @@ class ServingConfig:
             ("--kv-memory", self.kv_memory),
             ("--kv-cache-dtype", self.kv_cache_dtype),
             ("--block-size", self.block_size),
+            ("--kv-tiers", self.kv_tiers),
+            ("--kv-write", self.kv_write),
+            ("--kv-load-min-tokens", self.kv_load_min_tokens),
+            ("--kv-disk-bytes", self.kv_disk_bytes),
+            ("--kv-redis-bytes", self.kv_redis_bytes),
         )
 
     def scheduler_args(self) -> list[str]:

@@ -24,6 +24,7 @@ class RequestOutput:
     logprobs: tuple[TokenLogprobs, ...] = ()
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache; set when finished
+    num_loaded_tokens: int = 0  # prompt tokens loaded from a KV tier; set when finished
     failure: FailedRequest | None = None  # the step could not compute it: it ended failed
     num_draft_tokens: int = 0  # speculative drafts proposed for it, and accepted; when finished
     num_accepted_drafts: int = 0

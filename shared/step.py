@@ -24,6 +24,9 @@ class NewRequestPlan:
     num_scheduled_tokens: int
     sampling: SamplingParams
     prompt_len: int  # penalties treat prompt and output tokens differently
+    # Blocks a KV tier holds, loaded before the step computes: the full blocks that end at
+    # num_computed_tokens, in order (services/engine_worker/kv_tiers/).
+    load_hashes: tuple[int, ...] = ()
     draft_token_ids: ClassVar[tuple[int, ...]] = ()  # a request speculates once it decodes
 
 
@@ -39,6 +42,15 @@ class RunningRequestPlan:
 
 
 @dataclass(frozen=True)
+class BlockWrite:
+    """A full, hashed pool block that goes down to the KV tiers."""
+
+    block_id: int
+    block_hash: int  # chained, with the tenant's salt
+    token_ids: tuple[int, ...]  # stored beside it, re-checked on every load
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """Everything one forward pass computes. Order is the batch order of the result."""
 
@@ -49,6 +61,8 @@ class StepPlan:
     # (source, destination) KV blocks the worker copies before this step runs: a fork's copy
     # of its sibling's partial prompt block.
     block_copies: tuple[tuple[int, int], ...] = ()
+    # Blocks to copy down to the KV tiers before this step runs (it may overwrite them).
+    block_writes: tuple[BlockWrite, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -90,9 +104,21 @@ class FailedRequest:
 
 
 @dataclass(frozen=True)
+class LoadFailure:
+    """A new request whose planned load stopped short: it computed nothing this step, and
+    the tokens after `num_computed_tokens` (what did load, and its cached prefix) are
+    recomputed in later steps."""
+
+    request_id: str
+    num_computed_tokens: int
+    reason: str  # missing, unavailable, checksum, tokens, layout, truncated
+
+
+@dataclass(frozen=True)
 class StepResult:
     """What the worker returns for a plan; requests mid-prefill (chunked) sample nothing."""
 
     step_id: int
     sampled: tuple[SampledToken, ...]
     failed: tuple[FailedRequest, ...] = ()
+    load_failures: tuple[LoadFailure, ...] = ()

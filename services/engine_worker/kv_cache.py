@@ -100,6 +100,30 @@ class KVCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[index], self.values[index]
 
+    def read_block(self, block_id: int) -> bytes:
+        """One block's K and V for every layer, contiguous: a KV tier's value."""
+        parts = [
+            t[block_id].reshape(-1)
+            for pair in zip(self.keys, self.values, strict=True)
+            for t in pair
+        ]
+        return torch.cat(parts).view(torch.uint8).numpy().tobytes()
+
+    def write_block(self, block_id: int, payload: bytes | memoryview) -> None:
+        """The inverse of read_block: a loaded block into pool block `block_id`."""
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        offset = 0
+        for pair in zip(self.keys, self.values, strict=True):
+            for tensor in pair:
+                block = tensor[block_id]
+                size = block.numel() * block.element_size()
+                block.copy_(flat[offset : offset + size].view(tensor.dtype).view(block.shape))
+                offset += size
+
+    @property
+    def block_payload_bytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in (*self.keys, *self.values))
+
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
     """On the CPU, zeros from calloc: pages the kernel zeroes as blocks are first written, not

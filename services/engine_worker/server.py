@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import grpc
-from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.engine_worker.step_failures import CircuitBreaker, FaultInjector
+from services.engine_worker.step_telemetry import record_step
 from services.engine_worker.worker import Worker
 from shared.codec import (
     default_sampling_to_pb,
@@ -32,26 +32,13 @@ from shared.metrics import TOKEN_SECONDS
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
 from shared.service import ServiceRuntime
 from shared.step import StepResult
-from shared.telemetry import context_from_traceparent
 
 log = logging.getLogger("kvmesh.engine_worker")
-tracer = trace.get_tracer("kvmesh.engine_worker")
 T = TypeVar("T")
-STEP_SECONDS = Histogram(
-    "kvmesh_step_duration_seconds", "One forward pass and sampling", buckets=TOKEN_SECONDS
-)
-BATCH_SIZE = Histogram(
-    "kvmesh_step_batch_size", "Requests in one step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)
-)
 STEP_FAILURES = Counter(
     "kvmesh_step_failed_requests",
     "Requests a step could not compute (each failed alone)",
     ["reason"],
-)
-TOKENS_COMPUTED = Counter(
-    "kvmesh_tokens_computed",
-    "Tokens through the model: prefill (prompts, chunks, recomputation) or decode",
-    ["phase"],
 )
 MODEL_LOAD_SECONDS = Gauge(
     "kvmesh_model_load_seconds",
@@ -98,42 +85,6 @@ def model_info(worker: Worker, served_name: str | None = None) -> common_pb2.Mod
         cuda_graphs=manifest.cuda_graphs or {},
         prepared_id=manifest.prepared_id,
     )
-
-
-def record_step(
-    plan: engine_worker_pb2.StepPlan, seconds: float, started_ns: int, worker: str
-) -> None:
-    """Step metrics, and one span per traced prefill chunk (the step's whole compute time:
-    the chunk shares the forward pass with the rest of the batch)."""
-    batch_size = len(plan.new_requests) + len(plan.running_requests)
-    prefill = sum(r.num_scheduled_tokens for r in plan.new_requests)
-    prefill += sum(
-        r.num_scheduled_tokens for r in plan.running_requests if r.num_scheduled_tokens > 1
-    )
-    decode = sum(1 for r in plan.running_requests if r.num_scheduled_tokens == 1)
-    tokens = prefill + decode
-    STEP_SECONDS.observe(seconds)
-    BATCH_SIZE.observe(batch_size)
-    TOKENS_COMPUTED.labels("prefill").inc(prefill)
-    TOKENS_COMPUTED.labels("decode").inc(decode)
-    ended_ns = started_ns + round(seconds * 1e9)
-    for chunk in plan.prefill_traces:
-        span = tracer.start_span(
-            "prefill",
-            context=context_from_traceparent(chunk.traceparent),
-            start_time=started_ns,
-            attributes={
-                "kvmesh.request_id": chunk.request_id,
-                "kvmesh.chunk_tokens": chunk.chunk_tokens,
-                "kvmesh.prefix_hit_tokens": chunk.cached_tokens,
-                "kvmesh.start_position": chunk.start_position,
-                "kvmesh.batch_size": batch_size,
-                "kvmesh.batch_tokens": tokens,
-                "kvmesh.step_id": plan.step_id,
-                "kvmesh.worker": worker,
-            },
-        )
-        span.end(end_time=ended_ns)
 
 
 class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
@@ -203,7 +154,8 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
                     started, started_ns = time.perf_counter(), time.time_ns()
                     result = await self._in_torch_thread(worker.execute, plan)
                     seconds = time.perf_counter() - started
-                    record_step(message, seconds, started_ns, self.runtime.address)
+                    loads = worker.kv_transfer.step_loads
+                    record_step(message, seconds, started_ns, self.runtime.address, loads)
                     yield result_to_pb(result, seconds * 1e3)
                     if result.failed:
                         await self._count_failures(result)
@@ -239,7 +191,21 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
         self, request: engine_worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
     ) -> engine_worker_pb2.WorkerInfo:
         worker = self._ready_worker()
-        return engine_worker_pb2.WorkerInfo(model=model_info(worker, self.served_name))
+        tiers = worker.config.kv_tiers
+        return engine_worker_pb2.WorkerInfo(
+            model=model_info(worker, self.served_name),
+            kv_tiers=engine_worker_pb2.KVTierInfo(
+                tiers=tiers.tiers, write=tiers.write, load_min_tokens=tiers.load_min_tokens
+            ),
+        )
+
+    async def LookupBlocks(
+        self, request: engine_worker_pb2.BlockLookup, context: grpc.aio.ServicerContext
+    ) -> engine_worker_pb2.BlockLookupResult:
+        # Off the step thread and the event loop: the disk index and Redis answer here.
+        leading = self._ready_worker().kv_transfer.leading
+        found = await asyncio.to_thread(leading, list(request.block_hashes))
+        return engine_worker_pb2.BlockLookupResult(num_leading=found)
 
     async def PrepareFormat(
         self, request: common_pb2.ResponseFormat, context: grpc.aio.ServicerContext

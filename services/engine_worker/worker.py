@@ -16,6 +16,7 @@ from services.engine_worker.backends import BACKENDS, resolve_backend
 from services.engine_worker.capacity import check_memory_fits
 from services.engine_worker.grammar import GrammarCompiler
 from services.engine_worker.kv_cache import KVCacheShape
+from services.engine_worker.kv_tiers.transfer import BlockTransfer
 from services.engine_worker.manifest import artifact_digests, combined_digest, describe
 from services.engine_worker.preparation import ready_runner
 from services.engine_worker.step_failures import (
@@ -31,7 +32,14 @@ from shared.errors import KvmeshError, ModelValidationError, Reason
 from shared.model_entry import ModelEntry, is_entry, read_entry
 from shared.model_paths import resolve_model_path
 from shared.sampling import SamplingParams
-from shared.step import FailedRequest, NewRequestPlan, SampledToken, StepPlan, StepResult
+from shared.step import (
+    FailedRequest,
+    LoadFailure,
+    NewRequestPlan,
+    SampledToken,
+    StepPlan,
+    StepResult,
+)
 from shared.text_tokenizer import load_tokenizer
 
 
@@ -69,6 +77,9 @@ class Worker:
         digests = artifact_digests(self.entry, self.model_path)
         self.runner, num_parameters, self.preparation = ready_runner(
             self, artifact, formats, combined_digest(digests)
+        )
+        self.kv_transfer = BlockTransfer.open(
+            config.kv_tiers, combined_digest(digests), formats.kv_cache, self.runner.kv_pool
         )
         phases = self.preparation.phases
         fixtures_started = time.perf_counter()
@@ -158,10 +169,8 @@ class Worker:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         prefill = RequestState("warmup-prefill", tokens, [0, 1], 0, params, len(tokens))
         decode = RequestState("warmup-decode", tokens[:2], [0], 1, params, 1)
-        if self.config.scheduler.max_sampled_rows >= 2:
-            self._run_scratch([(decode, 1), (prefill, len(tokens))])
-        else:  # a one-sequence engine never batches the two
-            self._run_scratch([(prefill, len(tokens))])
+        two_rows = self.config.scheduler.max_sampled_rows >= 2  # else never batched together
+        self._run_scratch([(decode, 1)] * two_rows + [(prefill, len(tokens))])
         # And a decode-only step: the compiled step has a graph for those too.
         decode = RequestState("warmup-decode-alone", tokens[:2], [0], 1, params, 1)
         self._run_scratch([(decode, 1)])
@@ -200,18 +209,15 @@ class Worker:
     def grammars(self) -> GrammarCompiler:
         """Built on first use: loads the tokenizer llguidance needs (a fraction of a second)."""
         with self._grammars_lock:
-            return self._load_grammars()
-
-    def _load_grammars(self) -> GrammarCompiler:
-        if self._grammars is None:
-            tokenizer = load_tokenizer(self.model_path)
-            if tokenizer is None:
-                raise KvmeshError(
-                    Reason.TOKENIZER_UNAVAILABLE, "response formats need the model's tokenizer"
-                )
-            arch = self.architecture
-            self._grammars = GrammarCompiler(tokenizer, arch.vocab_size, arch.eos_token_ids)
-        return self._grammars
+            if self._grammars is None:
+                tokenizer = load_tokenizer(self.model_path)
+                if tokenizer is None:
+                    raise KvmeshError(
+                        Reason.TOKENIZER_UNAVAILABLE, "response formats need the model's tokenizer"
+                    )
+                arch = self.architecture
+                self._grammars = GrammarCompiler(tokenizer, arch.vocab_size, arch.eos_token_ids)
+            return self._grammars
 
     def execute(self, plan: StepPlan) -> StepResult:
         """One step. It never raises: a request whose computation raises fails alone, and an
@@ -229,14 +235,21 @@ class Worker:
     def _execute(self, plan: StepPlan) -> StepResult:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
+        self.kv_transfer.start_step(plan.block_writes)  # before this step may reuse them
         self.runner.copy_blocks(plan.block_copies)  # before anything writes to them
         scheduled: list[tuple[RequestState, int]] = []
         failed: list[FailedRequest] = []
+        load_failures: list[LoadFailure] = []
         for new in plan.new_requests:
             try:
                 state = self._admit(new)
+                short = self.kv_transfer.load_into(new)
             except Exception as error:  # this request fails, not the batch
                 failed.append(failure_of(new.request_id, error))
+                continue
+            if short is not None:  # it computes from there in a later step
+                state.num_computed_tokens = short.num_computed_tokens
+                load_failures.append(short)
                 continue
             scheduled.append((state, new.num_scheduled_tokens))
         for running in plan.running_requests:
@@ -248,7 +261,7 @@ class Worker:
             failed += failed_running
         for failure in failed:
             self.requests.pop(failure.request_id, None)
-        return StepResult(plan.step_id, tuple(sampled), tuple(failed))
+        return StepResult(plan.step_id, tuple(sampled), tuple(failed), tuple(load_failures))
 
     def _admit(self, new: NewRequestPlan) -> RequestState:
         state = RequestState.from_plan(new)

@@ -122,9 +122,11 @@ def completed_event(
         timings.decode_ms = finished.decode_ms
         timings.draft_tokens = finished.draft_tokens
         timings.accepted_draft_tokens = finished.accepted_draft_tokens
+        timings.loaded_tokens = finished.loaded_tokens
     elif progress.first_timings is not None:  # a stop string: the gateway ended it
         timings.queue_ms = progress.first_timings.queue_ms
         timings.prefill_ms = progress.first_timings.prefill_ms
+        timings.loaded_tokens = progress.first_timings.loaded_tokens
         timings.decode_ms = (now - (progress.first_token_at or now)) * 1e3
     return inference_pb2.GenerateEvent(
         completed=inference_pb2.Completed(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.cache_events import CacheEventLog
 from services.scheduler.request import Request
+from shared.step import BlockWrite
 
 
 @dataclass(eq=False)
@@ -68,6 +69,9 @@ class BlockManager:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
+    # Hashed blocks copied down to the worker's KV tiers: as they fill (through), as they are
+    # evicted (back), or never (None); the next plan carries them (take_writes).
+    write_policy: str | None = None
     stats: CacheStats = field(default_factory=CacheStats)
 
     def __post_init__(self) -> None:
@@ -76,6 +80,7 @@ class BlockManager:
         self._by_hash: dict[int, int] = {}
         # What became findable or was evicted, for Redis (bounded: a few times the pool).
         self.events = CacheEventLog(limit=4 * self.num_blocks)
+        self._writes: list[BlockWrite] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -145,6 +150,8 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:
+            if self.write_policy == "back":  # read out before the step that reuses it
+                self._writes.append(BlockWrite(block_id, block.block_hash, block.token_ids))
             self._uncache(block)
             self.stats.evictions += 1
         block.ref_count = 1
@@ -167,6 +174,13 @@ class BlockManager:
             # A block with the same content may already be cached; the first one stays findable.
             if self._by_hash.setdefault(block.block_hash, block.block_id) == block.block_id:
                 self.events.stored(block.salt, block.block_hash)
+                # A block the tiers held when the request arrived is not written again.
+                if self.write_policy == "through" and index >= request.num_tier_blocks:
+                    self._writes.append(BlockWrite(block.block_id, hashes[index], block.token_ids))
+
+    def take_writes(self) -> tuple[BlockWrite, ...]:
+        writes, self._writes = tuple(self._writes), []
+        return writes
 
     def cached_hashes(self) -> dict[bytes, list[int]]:
         """Every findable block hash by salt: the full state a resync publishes."""

@@ -91,6 +91,23 @@ class TenantShares:
             return victim
         return None
 
+    def slot_victim(
+        self,
+        waiting: Sequence[Request],
+        running: Sequence[Request],
+        free_blocks: int,
+        block_size: int,
+    ) -> Request | None:
+        """A full batch (slots or blocks) gives one slot per step to a waiting tenant below
+        its share: the running request that makes room, if any."""
+        if not waiting:
+            return None
+        candidate = self.next_waiting(waiting)
+        needed = -(-candidate.num_tokens // block_size)
+        if len(running) < self.max_seqs and needed <= free_blocks:
+            return None
+        return self.slot_for(candidate, needed, running)
+
     def jumps(self, waiting: Sequence[Request], running: Sequence[Request], max_seqs: int) -> bool:
         """Whether the next waiting request's prefill goes before the running decodes: its
         tenant is below the share of another tenant running requests no more urgent than it,

@@ -41,6 +41,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     num_cached_on_arrival: int = 0  # the hit it would have had on arrival (a load estimate)
+    num_tier_blocks: int = 0  # leading full blocks its worker's KV tiers held on arrival
+    num_loaded_tokens: int = 0  # prompt tokens loaded from a KV tier at admission
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # speculative tokens proposed for it, and accepted
     num_accepted_drafts: int = 0
@@ -99,6 +101,7 @@ class Request:
             logprobs,
             self.finish_reason,
             self.num_cached_tokens,
+            num_loaded_tokens=self.num_loaded_tokens,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_drafts=self.num_accepted_drafts,
         )
@@ -109,7 +112,9 @@ class Request:
         (the step that samples needs logits)."""
         return min(self.prompt_len, self.num_tokens - 1)
 
-    def new_plan(self, num_scheduled_tokens: int) -> NewRequestPlan:
+    def new_plan(
+        self, num_scheduled_tokens: int, load_hashes: tuple[int, ...] = ()
+    ) -> NewRequestPlan:
         """The whole request, for a worker that has not seen it (or must rebuild it)."""
         return NewRequestPlan(
             self.request_id,
@@ -119,7 +124,16 @@ class Request:
             num_scheduled_tokens,
             self.sampling,
             self.prompt_len,
+            load_hashes,
         )
+
+    def tokens_to_schedule(self, budget: int, chunk: int | None) -> int:
+        """What a step with `budget` tokens left computes of it: a chunk of its prompt (when
+        prefill is chunked), else all it lacks or nothing (unchunked prefill goes whole)."""
+        remaining = self.num_tokens - self.num_computed_tokens
+        if chunk is not None:
+            return min(remaining, budget, chunk) if remaining > 1 else min(remaining, budget)
+        return remaining if remaining <= budget else 0
 
     @property
     def sort_key(self) -> tuple[int, int]:

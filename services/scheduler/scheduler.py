@@ -23,6 +23,7 @@ from services.scheduler.groups import Groups
 from services.scheduler.request import Request, RequestStatus, check_prompt_fits
 from services.scheduler.scheduler_load import SchedulerLoad
 from services.scheduler.speculation import Speculator
+from services.scheduler.tier_loads import NO_TIERS, TierLoads, TierPolicy
 from shared.config import CacheConfig, SchedulerConfig
 from shared.errors import KvmeshError, Reason
 from shared.outputs import FinishReason, RequestOutput
@@ -38,13 +39,17 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
+        tiers: TierPolicy = NO_TIERS,
     ) -> None:
         self.config = config
         self.block_size = cache.block_size
         # A request can never outgrow the whole pool, so the pool caps the context length too.
         self.max_model_len = min(max_model_len, num_blocks * cache.block_size)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, cache.block_size, cache.enable_prefix_caching, tiers.write_policy
+        )
+        self.tier_loads = TierLoads(tiers, cache.block_size)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key
@@ -66,6 +71,7 @@ class Scheduler:
         tenant: str = "",
         tenant_weight: float = 1.0,
         group_id: str = "",
+        num_tier_blocks: int = 0,
     ) -> Request:
         if request_id in self.requests:
             raise KvmeshError(Reason.INVALID_ARGUMENT, f"request id {request_id!r} is in use")
@@ -82,6 +88,7 @@ class Scheduler:
             group_id,
         )
         request.num_cached_on_arrival = self.block_manager.cached_prefix_tokens(request)
+        request.num_tier_blocks = num_tier_blocks
         self.requests[request_id] = request
         self.groups.add(request)
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
@@ -103,9 +110,12 @@ class Scheduler:
         )
 
     def schedule(self) -> StepPlan:
-        # Once a step: a request this step preempts waits for the next one anyway.
-        admissible = self._admissible()
-        self._preempt_for_fair_share(admissible)
+        # The waiting, less group members whose sibling still computes their prompt. Taken
+        # once a step: a request this step preempts waits for the next one anyway.
+        admissible = [r for r in self.waiting if not (r.group_id and self.groups.is_held(r))]
+        free = self.block_manager.num_free_blocks
+        if victim := self._shares().slot_victim(admissible, self.running, free, self.block_size):
+            self._preempt(victim, self.running)
         budget = self.config.max_num_batched_tokens
         new_plans: list[NewRequestPlan] = []
         # A tenant below its share gets its prefill in a step of its own, not behind the
@@ -131,22 +141,29 @@ class Scheduler:
             if prefix is None and self.groups.is_held(request):
                 continue  # a sibling admitted just now computes its prompt
             prefix = prefix or self.block_manager.match_prefix(request)
-            request.num_computed_tokens = prefix.num_tokens
-            num_new = self._tokens_to_schedule(request, budget)
+            loads = self.tier_loads.plan(request, prefix)
+            request.num_computed_tokens = prefix.num_tokens + len(loads) * self.block_size
+            num_new = request.tokens_to_schedule(budget, self.config.prefill_chunk_size)
             if num_new == 0 or not self.block_manager.allocate(request, num_new, prefix):
                 request.num_computed_tokens = 0
                 break
             if prefix.copy_from is not None:
                 copies.append((prefix.copy_from, request.block_ids[len(prefix.block_ids)]))
             self._admit(request, prefix)
+            self.tier_loads.admitted(request, loads)
             shares.add(request)
-            new_plans.append(request.new_plan(num_new))
+            new_plans.append(request.new_plan(num_new, loads))
             budget -= num_new
         if prefill_first and not new_plans:
             running_plans, budget, preempted = self._schedule_running(budget)
         freed, self._freed_since_last_plan = tuple(self._freed_since_last_plan), []
         return StepPlan(
-            next(self._step_ids), tuple(new_plans), tuple(running_plans), freed, tuple(copies)
+            next(self._step_ids),
+            tuple(new_plans),
+            tuple(running_plans),
+            freed,
+            tuple(copies),
+            self.block_manager.take_writes(),
         )
 
     def _schedule_running(self, budget: int) -> tuple[list[RunningRequestPlan], int, bool]:
@@ -157,7 +174,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._tokens_to_schedule(request, budget)
+            num_new = request.tokens_to_schedule(budget, self.config.prefill_chunk_size)
             if num_new == 0:
                 index += 1
                 continue
@@ -178,31 +195,8 @@ class Scheduler:
             index += 1
         return plans, budget, preempted
 
-    def _admissible(self) -> list[Request]:
-        """Waiting requests, less group members whose sibling still computes their prompt."""
-        return [r for r in self.waiting if not (r.group_id and self.groups.is_held(r))]
-
-    def _preempt_for_fair_share(self, admissible: list[Request]) -> None:
-        """A full batch gives one slot per step to a waiting tenant below its share."""
-        if not admissible:
-            return
-        shares = self._shares()
-        candidate = shares.next_waiting(admissible)
-        needed = self.block_manager.blocks_needed(candidate.num_tokens)
-        full = len(self.running) >= self.config.max_num_seqs
-        tight = full or needed > self.block_manager.num_free_blocks
-        if tight and (victim := shares.slot_for(candidate, needed, self.running)):
-            self._preempt(victim, self.running)
-
     def _shares(self) -> TenantShares:
         return TenantShares(self.running, self.config.max_num_seqs, self.block_manager.num_blocks)
-
-    def _tokens_to_schedule(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
-        chunk = self.config.prefill_chunk_size
-        if chunk is not None:
-            return min(remaining, budget, chunk) if remaining > 1 else min(remaining, budget)
-        return remaining if remaining <= budget else 0  # unchunked prefill goes whole or waits
 
     def _admit(self, request: Request, prefix: PrefixMatch) -> None:
         self.waiting.remove(request)
@@ -233,12 +227,16 @@ class Scheduler:
         # Failures first: a failed request's blocks must not be cached as computed below.
         outputs = [self._fail(f) for f in result.failed if f.request_id in self.requests]
         sampled = {s.request_id: s for s in result.sampled}
+        short_loads = {f.request_id: f for f in result.load_failures}
         planned_requests: list[NewRequestPlan | RunningRequestPlan] = [*plan.new_requests]
         for planned in planned_requests + list(plan.running_requests):
             request_id, drafts = planned.request_id, planned.draft_token_ids
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            if request_id in short_loads:  # it computed nothing: on from what did load
+                self.tier_loads.fell_short(request, short_loads[request_id], self.block_manager)
+                continue
             token = sampled.get(request_id)
             # Computed: the tokens before the drafts, and the drafts the worker accepted.
             accepted = token.num_accepted_drafts if token and drafts else 0

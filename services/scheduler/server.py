@@ -16,6 +16,7 @@ import grpc
 from services.scheduler.load_report import LoadReporter
 from services.scheduler.request_trace import CANCEL_TO_FREED, RequestTrace
 from services.scheduler.step_loop import StepLoop, Tracked
+from shared.block_hash import hash_full_blocks
 from shared.codec import sampling_from_pb
 from shared.config import SchedulerConfig
 from shared.errors import KvmeshError, Reason
@@ -46,11 +47,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.loop = StepLoop(config, enable_prefix_caching, worker_address, runtime.set_ready)
         self.reporter = LoadReporter(self.loop, max_waiting)
 
+    async def _tier_blocks(self, request: scheduler_pb2.SubmitRequest) -> int:
+        """Leading blocks of its prompt the worker's KV tiers hold (asked before it queues)."""
+        link, scheduler = self.loop.link, self.loop.scheduler
+        if scheduler is None or not link.tiers.enabled:
+            return 0
+        salt = request.cache_salt
+        hashes = hash_full_blocks(list(request.token_ids), scheduler.block_size, salt)
+        return await link.lookup_blocks(hashes)
+
     def _admit(
         self,
         request: scheduler_pb2.SubmitRequest,
         remaining: float | None,
         metadata: Sequence[tuple[str, str | bytes]] | None,
+        tier_blocks: int = 0,
     ) -> tuple[Tracked, int]:
         """Queues the request (its sampling decoded once here: the gateway validated it);
         returns it tracked and its place in the queue."""
@@ -87,6 +98,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             tenant=request.tenant,
             tenant_weight=request.tenant_weight,
             group_id=request.group_id,
+            num_tier_blocks=tier_blocks,
         )
         trace = RequestTrace(metadata, request.request_id, len(request.token_ids), request.tenant)
         tracked = Tracked(request.request_id, trace)
@@ -103,7 +115,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             remaining = context.time_remaining()
             await self.loop.link.prepare_format(request.sampling.response_format, remaining)
         metadata = context.invocation_metadata()
-        tracked, position = self._admit(request, context.time_remaining(), metadata)
+        tier_blocks = await self._tier_blocks(request)
+        tracked, position = self._admit(request, context.time_remaining(), metadata, tier_blocks)
         self.loop.wake()
         with self.runtime.in_flight():
             try:

@@ -103,6 +103,7 @@ class StepLoop:
                 self.model.kv_blocks,
                 self.model.max_model_len,
                 tuple(self.model.eos_token_ids),
+                self.link.tiers,
             )
             await self.set_ready(True)
             try:
@@ -183,6 +184,7 @@ class StepLoop:
             queue_ms=(first_step - trace.arrival) * 1e3,
             prefill_ms=(now - first_step) * 1e3,
             cached_tokens=request.num_cached_tokens if request else output.num_cached_tokens,
+            loaded_tokens=request.num_loaded_tokens if request else output.num_loaded_tokens,
         )
 
     def fail_execution(self, tracked: Tracked, failure: FailedRequest) -> None:
@@ -225,6 +227,7 @@ class StepLoop:
             decode_ms=(now - first_token) * 1e3,
             draft_tokens=output.num_draft_tokens if output else 0,
             accepted_draft_tokens=output.num_accepted_drafts if output else 0,
+            loaded_tokens=output.num_loaded_tokens if output else 0,
         )
         if finished.draft_tokens:
             trace.span.set_attributes(

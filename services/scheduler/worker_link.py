@@ -16,6 +16,7 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.scheduler.tier_loads import NO_TIERS, TierPolicy
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
@@ -25,6 +26,9 @@ from shared.tls import aio_channel
 log = logging.getLogger("kvmesh.scheduler.worker_link")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 PREPARE_TIMEOUT_S = 30.0  # a grammar compile; schemas take milliseconds
+# A tier lookup is in-memory indexes and one Redis round trip; past this the request simply
+# computes its prompt (never waits on a slow tier).
+LOOKUP_TIMEOUT_S = 0.5
 
 
 class WorkerLost(Exception):
@@ -43,6 +47,7 @@ class WorkerLink:
         self._call: grpc.aio.StreamStreamCall | None = None
         self._watcher: asyncio.Task[None] | None = None
         self.lost = False
+        self.tiers = NO_TIERS  # the attached worker's KV tiers (WorkerInfo)
         self.draining = False  # reachable but NOT_SERVING: finish what runs, take nothing new
 
     async def connect(self) -> common_pb2.ModelInfo:
@@ -55,6 +60,8 @@ class WorkerLink:
                 info = await stub.GetInfo(engine_worker_pb2.WorkerInfoRequest(), timeout=10)
                 self._call = stub.Step()
                 self.lost = self.draining = False
+                kv = info.kv_tiers
+                self.tiers = TierPolicy(tuple(kv.tiers), kv.write or "through", kv.load_min_tokens)
                 self._watcher = asyncio.create_task(self._watch(self._channel))
                 log.info("worker attached", extra={"worker": self.address})
                 return info.model
@@ -80,6 +87,19 @@ class WorkerLink:
             await stub.PrepareFormat(response_format, timeout=timeout or PREPARE_TIMEOUT_S)
         except grpc.RpcError as error:
             raise grpc_errors.from_rpc_error(error) from None
+
+    async def lookup_blocks(self, block_hashes: list[int]) -> int:
+        """How many of a prompt's leading blocks the worker's tiers hold; 0 on any failure."""
+        if self._channel is None or self.lost or not block_hashes:
+            return 0
+        stub = engine_worker_pb2_grpc.EngineWorkerStub(self._channel)
+        lookup = engine_worker_pb2.BlockLookup(block_hashes=block_hashes)
+        try:
+            found = await stub.LookupBlocks(lookup, timeout=LOOKUP_TIMEOUT_S)
+        except grpc.RpcError as error:
+            log.info("kv tier lookup failed", extra={"error": str(error.code())})
+            return 0
+        return int(found.num_leading)
 
     @staticmethod
     async def _wait_serving(channel: grpc.aio.Channel) -> None:

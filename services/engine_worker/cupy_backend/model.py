@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import cupy
+import numpy
 import torch
 
 from services.engine_worker.artifacts.architecture import ModelArchitecture
@@ -100,6 +101,22 @@ class GpuKVCache:
 
     def layer(self, index: int) -> tuple[Any, Any]:
         return self.pool[index, 0], self.pool[index, 1]
+
+    def read_block(self, block_id: int) -> bytes:
+        """One block's K and V for every layer, contiguous, copied to the host (after the
+        steps queued on any stream: a device-wide sync, between steps)."""
+        cupy.cuda.Device().synchronize()
+        return bytes(cupy.asnumpy(cupy.ascontiguousarray(self.pool[:, :, block_id])).tobytes())
+
+    def write_block(self, block_id: int, payload: bytes | memoryview) -> None:
+        shape = self.pool[:, :, block_id].shape
+        host = numpy.frombuffer(payload, dtype=self.pool.dtype).reshape(shape)
+        self.pool[:, :, block_id] = cupy.asarray(host)
+        cupy.cuda.Device().synchronize()  # in place before the step's stream reads it
+
+    @property
+    def block_payload_bytes(self) -> int:
+        return int(self.pool[:, :, 0].nbytes)
 
 
 @dataclass(frozen=True)

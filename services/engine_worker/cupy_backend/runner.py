@@ -112,6 +112,11 @@ class Runner:
             return {str(size): "off (KVMESH_CUDA_GRAPHS=0)" for size in self.buckets}
         return self.graphs.report()
 
+    @property
+    def kv_pool(self) -> Any:
+        """The pool blocks are read from and loaded into (read_block, write_block)."""
+        return self.cache
+
     def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
         with self.stream:  # ordered before the step's kernels on the same stream
             self.cache.copy_blocks(pairs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import torch
 
@@ -73,6 +74,11 @@ class Runner:
     @property
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.num_bytes
+
+    @property
+    def kv_pool(self) -> Any:
+        """The pool blocks are read from and loaded into (read_block, write_block)."""
+        return self.kv_cache
 
     def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
         self.kv_cache.copy_blocks(pairs)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shared.pb.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/v1/engine_worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"4\n\x0b\x45mbedInputs\x12%\n\x06inputs\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.EmbedInput\"8\n\x0c\x45mbedVectors\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.Embedding\"\x16\n\x14\x45mbedderModelRequest\"0\n\x15PrepareFormatResponse\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\"\xc6\x01\n\x0eNewRequestPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\nprompt_len\x18\x07 \x01(\r\"v\n\x12RunningRequestPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\r\"|\n\x0cPrefillTrace\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x16\n\x0estart_position\x18\x05 \x01(\r\"\x80\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x19.kvmesh.v1.NewRequestPlan\x12\x37\n\x10running_requests\x18\x03 \x03(\x0b\x32\x1d.kvmesh.v1.RunningRequestPlan\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12/\n\x0eprefill_traces\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.PrefillTrace\x12*\n\x0c\x62lock_copies\x18\x06 \x03(\x0b\x32\x14.kvmesh.v1.BlockCopy\"0\n\tBlockCopy\x12\x0e\n\x06source\x18\x01 \x01(\r\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\r\"\xc1\x01\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12/\n\x08logprobs\x18\x03 \x01(\x0b\x32\x18.kvmesh.v1.TokenLogprobsH\x00\x88\x01\x01\x12\x1b\n\x13num_accepted_drafts\x18\x04 \x01(\r\x12\x30\n\x0e\x64raft_logprobs\x18\x05 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobsB\x0b\n\t_logprobs\"\x85\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x07sampled\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.SampledToken\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12(\n\x06\x66\x61iled\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.FailedRequest\"G\n\rFailedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nerror_type\x18\x03 \x01(\t\"\x13\n\x11WorkerInfoRequest\"1\n\nWorkerInfo\x12#\n\x05model\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.ModelInfo\"\x0f\n\rWarmupRequest\"!\n\x0eWarmupResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x32\x93\x02\n\x0c\x45ngineWorker\x12\x36\n\x04Step\x12\x13.kvmesh.v1.StepPlan\x1a\x15.kvmesh.v1.StepResult(\x01\x30\x01\x12>\n\x07GetInfo\x12\x1c.kvmesh.v1.WorkerInfoRequest\x1a\x15.kvmesh.v1.WorkerInfo\x12=\n\x06Warmup\x12\x18.kvmesh.v1.WarmupRequest\x1a\x19.kvmesh.v1.WarmupResponse\x12L\n\rPrepareFormat\x12\x19.kvmesh.v1.ResponseFormat\x1a .kvmesh.v1.PrepareFormatResponse2\x87\x01\n\x08\x45mbedder\x12\x38\n\x05\x45mbed\x12\x16.kvmesh.v1.EmbedInputs\x1a\x17.kvmesh.v1.EmbedVectors\x12\x41\n\x08GetModel\x12\x1f.kvmesh.v1.EmbedderModelRequest\x1a\x14.kvmesh.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/v1/engine_worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"4\n\x0b\x45mbedInputs\x12%\n\x06inputs\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.EmbedInput\"8\n\x0c\x45mbedVectors\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.Embedding\"\x16\n\x14\x45mbedderModelRequest\"0\n\x15PrepareFormatResponse\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\"\xdb\x01\n\x0eNewRequestPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\nprompt_len\x18\x07 \x01(\r\x12\x13\n\x0bload_hashes\x18\x08 \x03(\x06\"v\n\x12RunningRequestPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\r\"|\n\x0cPrefillTrace\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x16\n\x0estart_position\x18\x05 \x01(\r\"\xad\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x19.kvmesh.v1.NewRequestPlan\x12\x37\n\x10running_requests\x18\x03 \x03(\x0b\x32\x1d.kvmesh.v1.RunningRequestPlan\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12/\n\x0eprefill_traces\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.PrefillTrace\x12*\n\x0c\x62lock_copies\x18\x06 \x03(\x0b\x32\x14.kvmesh.v1.BlockCopy\x12+\n\x0c\x62lock_writes\x18\x07 \x03(\x0b\x32\x15.kvmesh.v1.BlockWrite\"E\n\nBlockWrite\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x06\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"0\n\tBlockCopy\x12\x0e\n\x06source\x18\x01 \x01(\r\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\r\"\xc1\x01\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12/\n\x08logprobs\x18\x03 \x01(\x0b\x32\x18.kvmesh.v1.TokenLogprobsH\x00\x88\x01\x01\x12\x1b\n\x13num_accepted_drafts\x18\x04 \x01(\r\x12\x30\n\x0e\x64raft_logprobs\x18\x05 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobsB\x0b\n\t_logprobs\"\xb4\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x07sampled\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.SampledToken\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12(\n\x06\x66\x61iled\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.FailedRequest\x12-\n\rload_failures\x18\x05 \x03(\x0b\x32\x16.kvmesh.v1.LoadFailure\"N\n\x0bLoadFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"G\n\rFailedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nerror_type\x18\x03 \x01(\t\"\x13\n\x11WorkerInfoRequest\"Z\n\nWorkerInfo\x12#\n\x05model\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.ModelInfo\x12\'\n\x08kv_tiers\x18\x02 \x01(\x0b\x32\x15.kvmesh.v1.KVTierInfo\"C\n\nKVTierInfo\x12\r\n\x05tiers\x18\x01 \x03(\t\x12\r\n\x05write\x18\x02 \x01(\t\x12\x17\n\x0fload_min_tokens\x18\x03 \x01(\r\"#\n\x0b\x42lockLookup\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\"(\n\x11\x42lockLookupResult\x12\x13\n\x0bnum_leading\x18\x01 \x01(\r\"\x0f\n\rWarmupRequest\"!\n\x0eWarmupResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x32\xd9\x02\n\x0c\x45ngineWorker\x12\x36\n\x04Step\x12\x13.kvmesh.v1.StepPlan\x1a\x15.kvmesh.v1.StepResult(\x01\x30\x01\x12>\n\x07GetInfo\x12\x1c.kvmesh.v1.WorkerInfoRequest\x1a\x15.kvmesh.v1.WorkerInfo\x12\x44\n\x0cLookupBlocks\x12\x16.kvmesh.v1.BlockLookup\x1a\x1c.kvmesh.v1.BlockLookupResult\x12=\n\x06Warmup\x12\x18.kvmesh.v1.WarmupRequest\x1a\x19.kvmesh.v1.WarmupResponse\x12L\n\rPrepareFormat\x12\x19.kvmesh.v1.ResponseFormat\x1a .kvmesh.v1.PrepareFormatResponse2\x87\x01\n\x08\x45mbedder\x12\x38\n\x05\x45mbed\x12\x16.kvmesh.v1.EmbedInputs\x1a\x17.kvmesh.v1.EmbedVectors\x12\x41\n\x08GetModel\x12\x1f.kvmesh.v1.EmbedderModelRequest\x1a\x14.kvmesh.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,31 +41,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREPAREFORMATRESPONSE']._serialized_start=204
   _globals['_PREPAREFORMATRESPONSE']._serialized_end=252
   _globals['_NEWREQUESTPLAN']._serialized_start=255
-  _globals['_NEWREQUESTPLAN']._serialized_end=453
-  _globals['_RUNNINGREQUESTPLAN']._serialized_start=455
-  _globals['_RUNNINGREQUESTPLAN']._serialized_end=573
-  _globals['_PREFILLTRACE']._serialized_start=575
-  _globals['_PREFILLTRACE']._serialized_end=699
-  _globals['_STEPPLAN']._serialized_start=702
-  _globals['_STEPPLAN']._serialized_end=958
-  _globals['_BLOCKCOPY']._serialized_start=960
-  _globals['_BLOCKCOPY']._serialized_end=1008
-  _globals['_SAMPLEDTOKEN']._serialized_start=1011
-  _globals['_SAMPLEDTOKEN']._serialized_end=1204
-  _globals['_STEPRESULT']._serialized_start=1207
-  _globals['_STEPRESULT']._serialized_end=1340
-  _globals['_FAILEDREQUEST']._serialized_start=1342
-  _globals['_FAILEDREQUEST']._serialized_end=1413
-  _globals['_WORKERINFOREQUEST']._serialized_start=1415
-  _globals['_WORKERINFOREQUEST']._serialized_end=1434
-  _globals['_WORKERINFO']._serialized_start=1436
-  _globals['_WORKERINFO']._serialized_end=1485
-  _globals['_WARMUPREQUEST']._serialized_start=1487
-  _globals['_WARMUPREQUEST']._serialized_end=1502
-  _globals['_WARMUPRESPONSE']._serialized_start=1504
-  _globals['_WARMUPRESPONSE']._serialized_end=1537
-  _globals['_ENGINEWORKER']._serialized_start=1540
-  _globals['_ENGINEWORKER']._serialized_end=1815
-  _globals['_EMBEDDER']._serialized_start=1818
-  _globals['_EMBEDDER']._serialized_end=1953
+  _globals['_NEWREQUESTPLAN']._serialized_end=474
+  _globals['_RUNNINGREQUESTPLAN']._serialized_start=476
+  _globals['_RUNNINGREQUESTPLAN']._serialized_end=594
+  _globals['_PREFILLTRACE']._serialized_start=596
+  _globals['_PREFILLTRACE']._serialized_end=720
+  _globals['_STEPPLAN']._serialized_start=723
+  _globals['_STEPPLAN']._serialized_end=1024
+  _globals['_BLOCKWRITE']._serialized_start=1026
+  _globals['_BLOCKWRITE']._serialized_end=1095
+  _globals['_BLOCKCOPY']._serialized_start=1097
+  _globals['_BLOCKCOPY']._serialized_end=1145
+  _globals['_SAMPLEDTOKEN']._serialized_start=1148
+  _globals['_SAMPLEDTOKEN']._serialized_end=1341
+  _globals['_STEPRESULT']._serialized_start=1344
+  _globals['_STEPRESULT']._serialized_end=1524
+  _globals['_LOADFAILURE']._serialized_start=1526
+  _globals['_LOADFAILURE']._serialized_end=1604
+  _globals['_FAILEDREQUEST']._serialized_start=1606
+  _globals['_FAILEDREQUEST']._serialized_end=1677
+  _globals['_WORKERINFOREQUEST']._serialized_start=1679
+  _globals['_WORKERINFOREQUEST']._serialized_end=1698
+  _globals['_WORKERINFO']._serialized_start=1700
+  _globals['_WORKERINFO']._serialized_end=1790
+  _globals['_KVTIERINFO']._serialized_start=1792
+  _globals['_KVTIERINFO']._serialized_end=1859
+  _globals['_BLOCKLOOKUP']._serialized_start=1861
+  _globals['_BLOCKLOOKUP']._serialized_end=1896
+  _globals['_BLOCKLOOKUPRESULT']._serialized_start=1898
+  _globals['_BLOCKLOOKUPRESULT']._serialized_end=1938
+  _globals['_WARMUPREQUEST']._serialized_start=1940
+  _globals['_WARMUPREQUEST']._serialized_end=1955
+  _globals['_WARMUPRESPONSE']._serialized_start=1957
+  _globals['_WARMUPRESPONSE']._serialized_end=1990
+  _globals['_ENGINEWORKER']._serialized_start=1993
+  _globals['_ENGINEWORKER']._serialized_end=2338
+  _globals['_EMBEDDER']._serialized_start=2341
+  _globals['_EMBEDDER']._serialized_end=2476
 # @@protoc_insertion_point(module_scope)

@@ -30,7 +30,7 @@ class PrepareFormatResponse(_message.Message):
     def __init__(self, compile_seconds: _Optional[float] = ...) -> None: ...
 
 class NewRequestPlan(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "prompt_len")
+    __slots__ = ("request_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "prompt_len", "load_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class NewRequestPlan(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    LOAD_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -45,7 +46,8 @@ class NewRequestPlan(_message.Message):
     num_scheduled_tokens: int
     sampling: _common_pb2.SamplingParams
     prompt_len: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ...) -> None: ...
+    load_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ..., load_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RunningRequestPlan(_message.Message):
     __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens", "draft_token_ids")
@@ -74,20 +76,32 @@ class PrefillTrace(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., start_position: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "running_requests", "finished_request_ids", "prefill_traces", "block_copies")
+    __slots__ = ("step_id", "new_requests", "running_requests", "finished_request_ids", "prefill_traces", "block_copies", "block_writes")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TRACES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_WRITES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequestPlan]
     running_requests: _containers.RepeatedCompositeFieldContainer[RunningRequestPlan]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     prefill_traces: _containers.RepeatedCompositeFieldContainer[PrefillTrace]
     block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestPlan, _Mapping]]] = ..., running_requests: _Optional[_Iterable[_Union[RunningRequestPlan, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., prefill_traces: _Optional[_Iterable[_Union[PrefillTrace, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    block_writes: _containers.RepeatedCompositeFieldContainer[BlockWrite]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestPlan, _Mapping]]] = ..., running_requests: _Optional[_Iterable[_Union[RunningRequestPlan, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., prefill_traces: _Optional[_Iterable[_Union[PrefillTrace, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., block_writes: _Optional[_Iterable[_Union[BlockWrite, _Mapping]]] = ...) -> None: ...
+
+class BlockWrite(_message.Message):
+    __slots__ = ("block_id", "block_hash", "token_ids")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_id: int
+    block_hash: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_id: _Optional[int] = ..., block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("source", "destination")
@@ -112,16 +126,28 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., num_accepted_drafts: _Optional[int] = ..., draft_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "compute_ms", "failed")
+    __slots__ = ("step_id", "sampled", "compute_ms", "failed", "load_failures")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     compute_ms: float
     failed: _containers.RepeatedCompositeFieldContainer[FailedRequest]
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., failed: _Optional[_Iterable[_Union[FailedRequest, _Mapping]]] = ...) -> None: ...
+    load_failures: _containers.RepeatedCompositeFieldContainer[LoadFailure]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., failed: _Optional[_Iterable[_Union[FailedRequest, _Mapping]]] = ..., load_failures: _Optional[_Iterable[_Union[LoadFailure, _Mapping]]] = ...) -> None: ...
+
+class LoadFailure(_message.Message):
+    __slots__ = ("request_id", "num_computed_tokens", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_computed_tokens: int
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class FailedRequest(_message.Message):
     __slots__ = ("request_id", "reason", "error_type")
@@ -138,10 +164,34 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model",)
+    __slots__ = ("model", "kv_tiers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
+    kv_tiers: KVTierInfo
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kv_tiers: _Optional[_Union[KVTierInfo, _Mapping]] = ...) -> None: ...
+
+class KVTierInfo(_message.Message):
+    __slots__ = ("tiers", "write", "load_min_tokens")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    write: str
+    load_min_tokens: int
+    def __init__(self, tiers: _Optional[_Iterable[str]] = ..., write: _Optional[str] = ..., load_min_tokens: _Optional[int] = ...) -> None: ...
+
+class BlockLookup(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockLookupResult(_message.Message):
+    __slots__ = ("num_leading",)
+    NUM_LEADING_FIELD_NUMBER: _ClassVar[int]
+    num_leading: int
+    def __init__(self, num_leading: _Optional[int] = ...) -> None: ...
 
 class WarmupRequest(_message.Message):
     __slots__ = ()

@@ -46,6 +46,11 @@ class EngineWorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_engine__worker__pb2.WorkerInfoRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_engine__worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.LookupBlocks = channel.unary_unary(
+                '/kvmesh.v1.EngineWorker/LookupBlocks',
+                request_serializer=kvmesh_dot_v1_dot_engine__worker__pb2.BlockLookup.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_engine__worker__pb2.BlockLookupResult.FromString,
+                _registered_method=True)
         self.Warmup = channel.unary_unary(
                 '/kvmesh.v1.EngineWorker/Warmup',
                 request_serializer=kvmesh_dot_v1_dot_engine__worker__pb2.WarmupRequest.SerializeToString,
@@ -72,6 +77,13 @@ class EngineWorkerServicer:
 
     def GetInfo(self, request, context):
         """The loaded model and the KV pool the scheduler must plan for.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LookupBlocks(self, request, context):
+        """How many of a prompt's leading blocks its KV tiers hold (asked before a request queues).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -104,6 +116,11 @@ def add_EngineWorkerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=kvmesh_dot_v1_dot_engine__worker__pb2.WorkerInfoRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_engine__worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'LookupBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupBlocks,
+                    request_deserializer=kvmesh_dot_v1_dot_engine__worker__pb2.BlockLookup.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_engine__worker__pb2.BlockLookupResult.SerializeToString,
             ),
             'Warmup': grpc.unary_unary_rpc_method_handler(
                     servicer.Warmup,
@@ -171,6 +188,33 @@ class EngineWorker:
             '/kvmesh.v1.EngineWorker/GetInfo',
             kvmesh_dot_v1_dot_engine__worker__pb2.WorkerInfoRequest.SerializeToString,
             kvmesh_dot_v1_dot_engine__worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.EngineWorker/LookupBlocks',
+            kvmesh_dot_v1_dot_engine__worker__pb2.BlockLookup.SerializeToString,
+            kvmesh_dot_v1_dot_engine__worker__pb2.BlockLookupResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -149,7 +149,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "decode_ms", "total_ms", "ttft_ms", "draft_tokens", "accepted_draft_tokens")
+    __slots__ = ("queue_ms", "prefill_ms", "decode_ms", "total_ms", "ttft_ms", "draft_tokens", "accepted_draft_tokens", "loaded_tokens")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class Timings(_message.Message):
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     decode_ms: float
@@ -164,7 +165,8 @@ class Timings(_message.Message):
     ttft_ms: float
     draft_tokens: int
     accepted_draft_tokens: int
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
+    loaded_tokens: int
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., loaded_tokens: _Optional[int] = ...) -> None: ...
 
 class ExecutionRecord(_message.Message):
     __slots__ = ("model_name", "model_version", "artifact_digest", "backend", "dtype", "sampling", "seed", "scheduler", "routing", "tenant", "attempts", "runtime", "device", "threads", "tokenizer_digest", "stop", "prepared_id")

@@ -56,17 +56,19 @@ class SubmitTokens(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., first: _Optional[_Union[FirstTokenTimings, _Mapping]] = ...) -> None: ...
 
 class FirstTokenTimings(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "cached_tokens")
+    __slots__ = ("queue_ms", "prefill_ms", "cached_tokens", "loaded_tokens")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     cached_tokens: int
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    loaded_tokens: int
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., loaded_tokens: _Optional[int] = ...) -> None: ...
 
 class SubmitFinished(_message.Message):
-    __slots__ = ("finish_reason", "cached_tokens", "queue_ms", "prefill_ms", "decode_ms", "draft_tokens", "accepted_draft_tokens")
+    __slots__ = ("finish_reason", "cached_tokens", "queue_ms", "prefill_ms", "decode_ms", "draft_tokens", "accepted_draft_tokens", "loaded_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +76,7 @@ class SubmitFinished(_message.Message):
     DECODE_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _common_pb2.FinishReason
     cached_tokens: int
     queue_ms: float
@@ -81,7 +84,8 @@ class SubmitFinished(_message.Message):
     decode_ms: float
     draft_tokens: int
     accepted_draft_tokens: int
-    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
+    loaded_tokens: int
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., loaded_tokens: _Optional[int] = ...) -> None: ...
 
 class SchedulerAbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -1,0 +1,92 @@
+"""`BlockTransfer`: blocks between the worker's pool and its KV block store.
+
+A step plan's writes are read out of the pool before the step runs (the step may reuse those
+blocks) and offered to the store's queue; a new request's planned load is copied into its pool
+blocks before the step computes the rest of its prompt. A load that stops short says where, so
+the scheduler recomputes from there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from services.engine_worker.compile_cache import cache_root
+from services.engine_worker.kv_tiers.block_record import TierNamespace
+from services.engine_worker.kv_tiers.store import KVBlockStore
+from shared.config import KVTierConfig
+from shared.step import BlockWrite, LoadFailure, NewRequestPlan
+
+
+@dataclass(frozen=True)
+class LoadRecord:
+    """One request's load in the current step, for its trace's span."""
+
+    request_id: str
+    started_ns: int
+    seconds: float
+    loaded_tokens: int
+    outcome: str  # ok, or why it stopped short
+
+
+class BlockTransfer:
+    def __init__(self, store: KVBlockStore | None, pool: Any, block_size: int) -> None:
+        self.store = store  # None: no tiers, nothing to write or load
+        self.pool = pool  # a KVCache or GpuKVCache: read_block, write_block
+        self.block_size = block_size
+        self.step_loads: list[LoadRecord] = []  # this step's, until the next starts
+
+    @classmethod
+    def open(
+        cls, config: KVTierConfig, model_digest: str, kv_dtype: torch.dtype, pool: Any
+    ) -> BlockTransfer:
+        """The disk tier defaults to $KVMESH_CACHE_DIR/kv-blocks."""
+        block_size = pool.shape.block_size
+        if not config.enabled:
+            return cls(None, pool, block_size)
+        if "disk" in config.tiers and not config.disk_dir:
+            config = replace(config, disk_dir=str(cache_root() / "kv-blocks"))
+        dtype = str(kv_dtype).removeprefix("torch.")
+        namespace = TierNamespace(model_digest, dtype, block_size)
+        return cls(KVBlockStore(config, namespace), pool, block_size)
+
+    def leading(self, block_hashes: list[int]) -> int:
+        """How many of a prompt's leading full blocks the tiers hold (0 without tiers)."""
+        return 0 if self.store is None else self.store.leading(block_hashes)
+
+    def start_step(self, writes: tuple[BlockWrite, ...]) -> None:
+        """A step begins: the plan's writes read out before the step may reuse the blocks."""
+        self.step_loads = []
+        if self.store is None:
+            return
+        for write in writes:
+            self.store.offer(
+                write.block_hash, write.token_ids, self.pool.read_block(write.block_id)
+            )
+
+    def load_into(self, new: NewRequestPlan) -> LoadFailure | None:
+        """Its planned blocks into its pool blocks; where it stopped, if it did."""
+        if not new.load_hashes:
+            return None
+        if self.store is None:  # a plan for tiers this worker lacks: all recomputed
+            return LoadFailure(
+                new.request_id,
+                new.num_computed_tokens - len(new.load_hashes) * self.block_size,
+                "unavailable",
+            )
+        size, count = self.block_size, len(new.load_hashes)
+        first = new.num_computed_tokens // size - count
+        tokens = [new.token_ids[(first + i) * size : (first + i + 1) * size] for i in range(count)]
+        started_ns, started = time.time_ns(), time.perf_counter()
+        payloads, reason = self.store.load(new.load_hashes, tokens, self.pool.block_payload_bytes)
+        for index, payload in enumerate(payloads):
+            self.pool.write_block(new.block_ids[first + index], payload)
+        seconds, loaded = time.perf_counter() - started, len(payloads) * size
+        record = LoadRecord(new.request_id, started_ns, seconds, loaded, reason or "ok")
+        self.step_loads.append(record)
+        if reason is None:
+            return None
+        return LoadFailure(new.request_id, (first + len(payloads)) * size, reason)
