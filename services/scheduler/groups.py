@@ -42,7 +42,7 @@ class Groups:
         """A waiting member waits while a running sibling is still computing the prompt it
         would share: admitted now, it would compute the same tokens twice."""
         wanted = request.num_shareable_tokens
-        computed = [s.num_computed_tokens for s in self.running_siblings(request)]
+        computed = [s.num_pooled_tokens for s in self.running_siblings(request)]
         return bool(computed) and max(computed) < wanted
 
     def fork(self, request: Request, block_size: int) -> PrefixMatch | None:
@@ -51,6 +51,6 @@ class Groups:
         if wanted == 0:
             return None
         for sibling in self.running_siblings(request):
-            if sibling.num_computed_tokens >= wanted:
+            if sibling.num_pooled_tokens >= wanted:
                 return fork_of(sibling, wanted, block_size)
         return None

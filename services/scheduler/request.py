@@ -43,6 +43,7 @@ class Request:
     num_cached_on_arrival: int = 0  # the hit it would have had on arrival (a load estimate)
     num_tier_blocks: int = 0  # leading full blocks its worker's KV tiers held on arrival
     num_loaded_tokens: int = 0  # prompt tokens loaded from a KV tier at admission
+    loading: bool = False  # its planned load has not come back yet (the step runs it)
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # speculative tokens proposed for it, and accepted
     num_accepted_drafts: int = 0
@@ -57,6 +58,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_pooled_tokens(self) -> int:
+        """Computed tokens whose K/V surely sit in its blocks: not a load still in flight,
+        which may fall short (what a sibling may fork from)."""
+        return self.num_computed_tokens - (self.num_loaded_tokens if self.loading else 0)
 
     @property
     def num_output_tokens(self) -> int:

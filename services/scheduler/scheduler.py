@@ -234,9 +234,8 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            if request_id in short_loads:  # it computed nothing: on from what did load
-                self.tier_loads.fell_short(request, short_loads[request_id], self.block_manager)
-                continue
+            if self.tier_loads.fell_short(request, short_loads.get(request_id), self.block_manager):
+                continue  # it computed nothing: on from what did load
             token = sampled.get(request_id)
             # Computed: the tokens before the drafts, and the drafts the worker accepted.
             accepted = token.num_accepted_drafts if token and drafts else 0

@@ -61,13 +61,18 @@ class TierLoads:
 
     def admitted(self, request: Request, loads: tuple[int, ...]) -> None:
         request.num_loaded_tokens = len(loads) * self.block_size
+        request.loading = bool(loads)
         self.stats.loaded_tokens += request.num_loaded_tokens
 
     def fell_short(
-        self, request: Request, failure: LoadFailure, block_manager: BlockManager
-    ) -> None:
-        """The step computed nothing for it: it goes on from what the pool holds, and is
-        never planned a load again (a preempted request recomputes)."""
+        self, request: Request, failure: LoadFailure | None, block_manager: BlockManager
+    ) -> bool:
+        """After the step that ran its load (if any): whether the load fell short. Then the
+        step computed nothing for it: it goes on from what the pool holds, and is never
+        planned a load again (a preempted request recomputes)."""
+        request.loading = False
+        if failure is None:
+            return False
         missing = request.num_computed_tokens - failure.num_computed_tokens
         request.num_loaded_tokens -= missing
         request.num_computed_tokens = failure.num_computed_tokens
@@ -76,3 +81,4 @@ class TierLoads:
         self.stats.short_loads += 1
         self.stats.recomputed_tokens += missing
         block_manager.cache_full_blocks(request)
+        return True

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.tier_loads import NO_TIERS, TierPolicy
 from shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from shared.outputs import RequestOutput
 from shared.step import FailedRequest, StepResult
@@ -19,6 +21,7 @@ def make_scheduler(
     max_model_len: int = 4096,
     fair_prefill_first: bool = True,
     speculative: str = "off",
+    tiers: TierPolicy = NO_TIERS,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -32,6 +35,7 @@ def make_scheduler(
         num_blocks=num_blocks,
         max_model_len=max_model_len,
         eos_token_ids=(),
+        tiers=tiers,
     )
 
 
@@ -58,4 +62,4 @@ def fail_one(result: StepResult, rng: random.Random) -> StepResult:
     failing = rng.choice(result.sampled).request_id
     sampled = tuple(t for t in result.sampled if t.request_id != failing)
     failure = FailedRequest(failing, "EXECUTION_FAILED", "ValueError")
-    return StepResult(result.step_id, sampled, (failure,))
+    return dataclasses.replace(result, sampled=sampled, failed=(failure,))

@@ -6,7 +6,11 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import pytest
+
 from services.scheduler.request import RequestStatus
+from services.scheduler.tier_loads import NO_TIERS, TierPolicy
+from shared.block_hash import hash_full_blocks
 from shared.sampling import SamplingParams
 from tests.scheduler.fake_worker import FakeWorker
 from tests.scheduler.helpers import fail_one, make_scheduler
@@ -14,10 +18,16 @@ from tests.scheduler.helpers import fail_one, make_scheduler
 STEPS = 10_000
 
 
-def test_random_workload_never_leaks_or_double_frees_blocks() -> None:
+@pytest.mark.parametrize("tier_write", [None, "through", "back"])
+def test_random_workload_never_leaks_or_double_frees_blocks(tier_write: str | None) -> None:
+    """With a KV tier, new requests load blocks another one wrote, and some loads fall short
+    (blocks dropped from the tier between lookup and load): those are recomputed."""
     rng = random.Random(1234)
-    scheduler = make_scheduler(num_blocks=32, block_size=4, budget=24, chunk=8, max_seqs=8)
-    worker = FakeWorker(4, vocab=20)
+    tiers = TierPolicy(("host",), tier_write, load_min_tokens=4) if tier_write else NO_TIERS
+    scheduler = make_scheduler(
+        num_blocks=32, block_size=4, budget=24, chunk=8, max_seqs=8, tiers=tiers
+    )
+    worker = FakeWorker(4, vocab=20, tiers=tier_write is not None)
     prefixes = [[rng.randrange(20) for _ in range(rng.randint(4, 20))] for _ in range(4)]
     next_id = 0
     finished = 0
@@ -36,6 +46,7 @@ def test_random_workload_never_leaks_or_double_frees_blocks() -> None:
             tenant = rng.choice("abc")
             priority = rng.randint(0, 2)
             n = rng.choice((1, 1, 1, 2, 4))  # n > 1: completions forking from one prompt
+            tier_blocks = worker.leading(hash_full_blocks(prompt, 4))
             for index in range(n):
                 scheduler.add_request(
                     f"r{next_id}/{index}",
@@ -45,11 +56,16 @@ def test_random_workload_never_leaks_or_double_frees_blocks() -> None:
                     tenant=tenant,
                     tenant_weight={"a": 1.0, "b": 2.0, "c": 0.5}[tenant],
                     group_id=f"g{next_id}" if n > 1 else "",
+                    num_tier_blocks=tier_blocks,
                 )
             next_id += 1
         if rng.random() < 0.05 and scheduler.requests:
             scheduler.abort(rng.choice(sorted(scheduler.requests)))
             aborted += 1
+        if worker.tier and rng.random() < 0.1:  # a tier evicts (or loses) a block
+            del worker.tier[rng.choice(sorted(worker.tier))]
+        if worker.tier and rng.random() < 0.03:  # or restarts empty
+            worker.tier.clear()
         plan = scheduler.schedule()
         assert plan.num_scheduled_tokens <= 24
         result = worker.execute(plan)
@@ -66,6 +82,9 @@ def test_random_workload_never_leaks_or_double_frees_blocks() -> None:
     assert finished > 500 and aborted > 50 and failed > 50 and scheduler.num_preemptions > 0
     stats = scheduler.block_manager.stats
     assert stats.hits > 0 and stats.evictions > 0 and stats.forked > 0
+    loads = scheduler.tier_loads.stats
+    if tier_write is not None:
+        assert loads.loaded_tokens > 100 and loads.short_loads > 10, loads
     for request_id in list(scheduler.requests):
         scheduler.abort(request_id)
     scheduler.block_manager.check_invariants([])
