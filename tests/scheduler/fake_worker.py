@@ -52,7 +52,7 @@ class FakeWorker:
                 state.num_computed = (first + index) * self.block_size
                 return LoadFailure(new.request_id, state.num_computed, "missing")
             for offset, token in enumerate(content):
-                self.slots[(new.block_ids[first + index], offset)] = token  # type: ignore[assignment]
+                self.slots[(new.block_ids[first + index], offset)] = token
         return None
 
     def execute(self, plan: StepPlan) -> StepResult:
