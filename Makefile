@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-startup bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu test-gpu-standin gpu-check-prepare gpu-check bench-kernels bench-gpu bench-peers bench-cpu bench-spec profile-step perplexity soak clean
+.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-startup bench-kv-tiers bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu test-gpu-standin gpu-check-prepare gpu-check bench-kernels bench-gpu bench-peers bench-cpu bench-spec profile-step perplexity soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -85,6 +85,12 @@ bench-rollout: $(STAMP)
 # a restarted worker, two workers on an empty cache; llama-server beside them (built once). ~20 min.
 bench-startup: $(STAMP)
 	$(BIN)/python -m loadtest.startup_bench
+
+# KV tiers against recomputing: a prefix loaded by another worker (Redis) and after a worker
+# restart (disk), TTFT against a mesh without tiers; 32 conversations through a pool that
+# holds 4 of them. ~10 minutes.
+bench-kv-tiers: $(STAMP)
+	$(BIN)/python -m loadtest.kv_tiers_bench
 
 # 3x capacity offered: TTFT p50/p99 of what was served against the queue SLO, refusal latency.
 bench-overload: $(STAMP)

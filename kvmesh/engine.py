@@ -110,8 +110,10 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        result = self.worker.execute(plan)
-        return self.scheduler.update(plan, result)
+        outputs = self.scheduler.update(plan, self.worker.execute(plan))
+        if not self.scheduler.has_unfinished() and self.scheduler.block_manager.has_writes:
+            self.worker.execute(self.scheduler.schedule())  # the last full blocks go down now
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

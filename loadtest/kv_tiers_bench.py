@@ -8,6 +8,9 @@
 3. under eviction pressure (in process): 32 multi-turn conversations cycling through a pool
    that holds about 4 of them: TTFT p50/p99 and prompt tokens computed, disk tier
    (write-back) against none.
+4. where the line is (in process): TTFT of a prompt whose first N tokens load from the disk
+   tier against the same length computed, N from 16 to 512, and what a loaded token costs
+   against a computed one: what `--kv-load-min-tokens` should be on this machine.
 The loaded answers' greedy tokens and logprobs are compared with the same request computed
 without tiers. Run: make bench-kv-tiers
 """
@@ -139,13 +142,48 @@ def conversations(engine: Engine, count: int, turns: int, doc: list[int]) -> dic
             "computed": computed}  # fmt: skip
 
 
+def first_token_s(engine: Engine, prompt: list[int]) -> tuple[float, int]:
+    """Seconds to the first token of a lone request, and its prompt tokens loaded."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        for output in engine.step():
+            loaded = output.num_loaded_tokens
+    return time.perf_counter() - started, loaded
+
+
+def break_even(doc: list[int], folder: Path) -> None:
+    tiers = KVTierConfig(tiers=("disk",), disk_dir=str(folder / "line"), load_min_tokens=16)
+    config = EngineConfig(cache=CacheConfig(kv_memory_bytes=256 << 20), kv_tiers=tiers)
+    writer, reader = Engine(config), Engine(config)
+    ask = question(0)
+    for size in (16, 32, 64, 128, 256, 512):
+        stored, fresh = doc[:size], doc[1000 : 1000 + size]  # each never seen by the reader
+        first_token_s(writer, stored + ask)
+        assert writer.worker.kv_transfer.store is not None
+        writer.worker.kv_transfer.store.flush()
+        computed = min(first_token_s(reader, fresh + ask)[0] for _ in range(1))
+        loaded, count = first_token_s(reader, stored + question(1))
+        print(f"the line: {size:4d}-token prefix: TTFT {computed * 1e3:.0f} ms computed, "
+              f"{loaded * 1e3:.0f} ms with {count} tokens loaded from disk "
+              f"({computed / loaded:.2f}x)", flush=True)  # fmt: skip
+        doc = doc[size:] + doc[:size]  # the next size starts on tokens the reader never saw
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--doc-tokens", type=int, default=3000)
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--only-line", action="store_true", help="part 4 alone")
     args = parser.parse_args()
-    doc = document(args.doc_tokens)
+    doc = document(max(args.doc_tokens, 2000))
+    if args.only_line:
+        with tempfile.TemporaryDirectory() as scratch:
+            break_even(doc, Path(scratch))
+        return
+    doc = doc[: args.doc_tokens]
     rows: list[tuple[str, float, float, str]] = []
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
@@ -174,6 +212,7 @@ def main() -> None:
             print(f"eviction pressure, tiers {label}: TTFT p50 {figures['p50'] * 1e3:.0f} ms, "
                   f"p99 {figures['p99'] * 1e3:.0f} ms, prompt tokens computed "
                   f"{figures['computed']}", flush=True)  # fmt: skip
+        break_even(document(2000), folder)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ schedulers' prefix caches use (salted per tenant), and asks Redis, in one pipeli
 leading blocks each scheduler holds and how loaded each is. Each candidate costs the prompt
 tokens already queued there plus twice the prompt tokens it would have to compute (a miss
 also evicts cached blocks); the cheapest wins. So a request follows its cached prefix until
-that worker's queue is longer than two whole prefills elsewhere.
+that worker's queue is longer than two whole prefills elsewhere. A worker with the mesh's Redis
+KV tier can load a prefix that any worker cached (written through): those tokens cost a tenth
+of a computed one, so a request goes to the worker whose pool holds its prefix, then to one
+that can load it, then to the least loaded.
 
 Admission: a candidate whose estimated queue time or queued tokens is past the watermarks is
 not eligible; with none eligible the request is refused at once with OVERLOADED and a
@@ -36,6 +39,9 @@ from shared.redis_link import RedisLink
 # A prompt token computed where its prefix is not cached costs its compute, and its blocks
 # evict what that worker had cached for later requests: it counts twice against queued work.
 MISS_WEIGHT = 2
+# A token loaded from the Redis KV tier instead: a 3,000-token prefix loads ~10x faster than it
+# prefills on the CPU (make bench-kv-tiers).
+LOAD_WEIGHT = 0.1
 MIN_RETRY_MS = 100
 MAX_RETRY_MS = 60_000
 
@@ -58,6 +64,7 @@ class WorkerLoad:
     waiting_tokens: int  # prefill work queued there (or sent from here and not yet started)
     drain_per_s: float
     published: bool  # False: no fresh report in Redis
+    shared_tier: bool = False  # its worker loads from the mesh's Redis KV tier
     slot_releases_s: tuple[float, ...] = ()  # when its running requests free their slots
 
     @classmethod
@@ -72,6 +79,7 @@ class WorkerLoad:
             waiting_tokens=max(tokens, backend.pending_tokens),
             drain_per_s=float(fields.get(b"drain_per_s", 0.0)),
             published=bool(fields),
+            shared_tier=fields.get(b"kv_shared_tier") == b"1",
             slot_releases_s=tuple(
                 float(s) for s in fields.get(b"slot_releases_s", b"").split(b",") if s
             ),
@@ -186,13 +194,15 @@ class Router:
             pool = [candidates[i] for i in eligible]
             return self._round_robin(pool, len(token_ids), block_size)
 
-        def cost(index: int) -> tuple[int, int]:
-            uncached = len(token_ids) - matches[index] * block_size
+        best_match = max(matches)
+
+        def cost(index: int) -> tuple[float, int]:
+            loadable = best_match - matches[index] if loads[index].shared_tier else 0
+            uncached = len(token_ids) - (matches[index] + loadable) * block_size
             work = loads[index].waiting_tokens + MISS_WEIGHT * uncached
-            return work, candidates[index].in_flight
+            return work + LOAD_WEIGHT * loadable * block_size, candidates[index].in_flight
 
         chosen = min(eligible, key=cost)
-        best_match = max(matches)
         if matches[chosen] and matches[chosen] == best_match:
             reason = "prefix"
         elif best_match:

@@ -178,6 +178,10 @@ class BlockManager:
                 if self.write_policy == "through" and index >= request.num_tier_blocks:
                     self._writes.append(BlockWrite(block.block_id, hashes[index], block.token_ids))
 
+    @property
+    def has_writes(self) -> bool:
+        return bool(self._writes)
+
     def take_writes(self) -> tuple[BlockWrite, ...]:
         writes, self._writes = tuple(self._writes), []
         return writes

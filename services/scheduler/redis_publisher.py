@@ -73,6 +73,9 @@ class RedisPublisher:
             "max_waiting": report.max_waiting,
             "max_running": self.loop.config.max_num_seqs,
             "ready": int(report.worker_ready),
+            # Its worker loads blocks from the mesh's Redis tier: the router counts a prefix
+            # cached on any worker as loadable there.
+            "kv_shared_tier": int("redis" in self.loop.link.tiers.tiers),
         }
 
         async def publish(client: redis.Redis) -> int:

@@ -134,7 +134,9 @@ class StepLoop:
             )
             plan = scheduler.schedule()
             if plan.num_scheduled_tokens == 0:
-                if plan.finished_request_ids:  # let the worker forget them now
+                # Let the worker forget them now, and write down the last blocks that filled
+                # (an idle worker has no next step to carry them).
+                if plan.finished_request_ids or plan.block_writes:
                     await self.link.step(plan_to_pb(plan))
                 if not scheduler.has_unfinished():
                     await self._wake.wait()

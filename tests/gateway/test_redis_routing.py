@@ -90,6 +90,29 @@ async def test_a_long_queue_outweighs_a_cached_prefix(redis_server: RedisServer)
     await client.aclose()
 
 
+async def test_a_busy_prefix_holder_loses_to_a_worker_that_can_load_the_prefix(
+    redis_server: RedisServer,
+) -> None:
+    router = Router(link(redis_server))
+    client = redis.Redis.from_url(redis_server.url)
+    key = redis_keys.prefix_blocks("tiny", b"", "busy:1")
+    await client.sadd(key, *hash_full_blocks(PROMPT[:40], 4))
+    busy = {"waiting_tokens": 90}
+    await client.hset(redis_keys.scheduler_load("busy:1"), mapping={**busy, "kv_shared_tier": 1})
+    for address in ("plain:2", "loads:3"):
+        tier = {"kv_shared_tier": int(address == "loads:3"), "waiting_tokens": 0}
+        await client.hset(redis_keys.scheduler_load(address), mapping=tier)
+    backends = [backend("busy:1"), backend("plain:2"), backend("loads:3")]
+    # The holder's queue outweighs its prefix; of the idle two, the one with the mesh's Redis
+    # tier loads what the holder wrote through instead of computing it.
+    decision = await router.route(backends, PROMPT, b"")
+    assert (decision.backend.address, decision.reason) == ("loads:3", "load")
+    # Idle, the holder itself is cheapest: its pool has the prefix, nothing to load.
+    await client.hset(redis_keys.scheduler_load("busy:1"), mapping={"waiting_tokens": 0})
+    assert (await router.route(backends, PROMPT, b"")).backend.address == "busy:1"
+    await client.aclose()
+
+
 async def test_past_the_watermarks_the_router_refuses_with_a_drain_time(
     redis_server: RedisServer,
 ) -> None:

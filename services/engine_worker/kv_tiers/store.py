@@ -77,7 +77,7 @@ class KVBlockStore:
         for key in keys:
             found.append(self._local_get(key))
         if self.remote is not None and any(value is None for _, value in found):
-            found = self._remote_fill(keys, found)
+            found = self._remote_fill(self.remote, keys, found)
         payloads: list[memoryview] = []
         for (tier, value), tokens in zip(found, token_ids, strict=True):
             if value is None:
@@ -101,15 +101,15 @@ class KVBlockStore:
         return (self.local[-1].name if self.local else "none"), None
 
     def _remote_fill(
-        self, keys: list[str], found: list[tuple[str, bytes | None]]
+        self, remote: RedisTier, keys: list[str], found: list[tuple[str, bytes | None]]
     ) -> list[tuple[str, bytes | None]]:
-        """Redis's values for the blocks no local tier had, up to the first local miss's run."""
-        assert self.remote is not None
+        """Redis's values, in one round trip, for the blocks no local tier had, from the
+        first such block on (the load stops there anyway if Redis lacks it too)."""
         first = next(i for i, (_, value) in enumerate(found) if value is None)
         wanted = [i for i in range(first, len(keys)) if found[i][1] is None]
         started = time.perf_counter()
         try:
-            values = self.remote.get_many([keys[i] for i in wanted])
+            values = remote.get_many([keys[i] for i in wanted])
         except RedisTierDown as down:
             self.stats.load_failed("redis", "unavailable")
             log.warning("kv tier load failed", extra={"tier": "redis", "error": str(down)})
