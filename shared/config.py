@@ -139,8 +139,9 @@ class KVTierConfig:
     # restart can find); back: only when the pool evicts it.
     write: str = "through"
     write_queue_blocks: int = 256  # a full queue drops the write (counted), never waits
-    # A hit shorter than this is recomputed: at 256 tokens a disk or Redis load is several
-    # times faster than the prefill here, below it the step's fixed cost dominates both.
+    # A shorter tier hit is recomputed. On a 2-core CPU a 256-token load halves TTFT and below
+    # 64 tokens it gains nothing (make bench-kv-tiers); a GPU prefills a short prefix faster
+    # than Redis returns it, so the line sits at SGLang's 256 for both.
     load_min_tokens: int = 256
 
     def __post_init__(self) -> None:

@@ -128,3 +128,26 @@ def test_blocks_of_another_kv_dtype_are_not_loaded(tiny_llama_dir, tmp_path) -> 
     assert completion.loaded_tokens == 0
     same = engine(tiny_llama_dir, tiers)
     assert ask(same, 5).loaded_tokens == len(DOCUMENT)  # the writer's own kind loads
+
+
+def test_a_pool_that_refuses_a_loaded_block_recomputes_the_rest(
+    tiny_llama_dir, tmp_path, expected, monkeypatch
+) -> None:
+    tiers = KVTierConfig(tiers=("disk",), disk_dir=str(tmp_path), load_min_tokens=16)
+    writer = engine(tiny_llama_dir, tiers)
+    ask(writer, 1)
+    reader = engine(tiny_llama_dir, tiers)
+    pool = reader.worker.kv_transfer.pool
+    write_block, calls = pool.write_block, []
+
+    def failing_third(block_id: int, payload: bytes) -> None:
+        calls.append(block_id)
+        if len(calls) == 3:
+            raise RuntimeError("device refused the copy")
+        write_block(block_id, payload)
+
+    monkeypatch.setattr(pool, "write_block", failing_third)
+    completion = ask(reader, 5)
+    assert same_answer(answer(completion), expected(5)) and completion.loaded_tokens == 32
+    assert reader.scheduler.tier_loads.stats.short_loads == 1
+    assert_no_block_held(reader)

@@ -77,8 +77,9 @@ class GpuWeights:
 class GpuKVCache:
     """Per layer K and V, each (num_blocks, kv_heads, block_size, head_dim): one pool."""
 
-    def __init__(self, shape: KVCacheShape, spec: DTypeSpec) -> None:
+    def __init__(self, shape: KVCacheShape, spec: DTypeSpec, stream: Any = None) -> None:
         self.shape = shape
+        self.stream = stream  # the steps' stream: a block read or loaded is ordered on it
         dims = (
             shape.num_layers,
             2,
@@ -103,16 +104,19 @@ class GpuKVCache:
         return self.pool[index, 0], self.pool[index, 1]
 
     def read_block(self, block_id: int) -> bytes:
-        """One block's K and V for every layer, contiguous, copied to the host (after the
-        steps queued on any stream: a device-wide sync, between steps)."""
-        cupy.cuda.Device().synchronize()
-        return bytes(cupy.asnumpy(cupy.ascontiguousarray(self.pool[:, :, block_id])).tobytes())
+        """One block's K and V for every layer, contiguous, copied to the host after the
+        steps queued before it."""
+        with self.stream:
+            block = cupy.asnumpy(cupy.ascontiguousarray(self.pool[:, :, block_id]))
+            self.stream.synchronize()
+        return bytes(block.tobytes())
 
     def write_block(self, block_id: int, payload: bytes | memoryview) -> None:
         shape = self.pool[:, :, block_id].shape
         host = numpy.frombuffer(payload, dtype=self.pool.dtype).reshape(shape)
-        self.pool[:, :, block_id] = cupy.asarray(host)
-        cupy.cuda.Device().synchronize()  # in place before the step's stream reads it
+        with self.stream:  # before the step that reads it, on the same stream
+            self.pool[:, :, block_id] = cupy.asarray(host)
+            self.stream.synchronize()  # `host` is a view of `payload`: done with it
 
     @property
     def block_payload_bytes(self) -> int:

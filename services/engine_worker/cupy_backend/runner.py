@@ -77,7 +77,7 @@ class Runner:
         with self.stream:
             self.gemm = CublasGemm(self.stream)
             self.model = CupyCausalLM(arch, weights, max_model_len, self.spec, self.gemm)
-            self.cache = GpuKVCache(kv_shape, self.spec)
+            self.cache = GpuKVCache(kv_shape, self.spec, self.stream)
             self.workspace = Workspace(arch, self.spec, limits)
         self.buckets = buckets_up_to(limits.max_samples)
         self.graphs: DecodeGraphs | None = None

@@ -8,6 +8,7 @@ the scheduler recomputes from there.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -19,6 +20,8 @@ from services.engine_worker.kv_tiers.block_record import TierNamespace
 from services.engine_worker.kv_tiers.store import KVBlockStore
 from shared.config import KVTierConfig
 from shared.step import BlockWrite, LoadFailure, NewRequestPlan
+
+log = logging.getLogger("kvmesh.kv_tiers")
 
 
 @dataclass(frozen=True)
@@ -63,9 +66,13 @@ class BlockTransfer:
         if self.store is None:
             return
         for write in writes:
-            self.store.offer(
-                write.block_hash, write.token_ids, self.pool.read_block(write.block_id)
-            )
+            try:
+                payload = self.pool.read_block(write.block_id)
+            except Exception as error:  # a write lost, counted: never a failed step
+                self.store.stats.write_failed("pool")
+                log.warning("kv block read-out failed", extra={"error": repr(error)})
+                continue
+            self.store.offer(write.block_hash, write.token_ids, payload)
 
     def load_into(self, new: NewRequestPlan) -> LoadFailure | None:
         """Its planned blocks into its pool blocks; where it stopped, if it did."""
@@ -81,12 +88,21 @@ class BlockTransfer:
         first = new.num_computed_tokens // size - count
         tokens = [new.token_ids[(first + i) * size : (first + i + 1) * size] for i in range(count)]
         started_ns, started = time.time_ns(), time.perf_counter()
-        payloads, reason = self.store.load(new.load_hashes, tokens, self.pool.block_payload_bytes)
-        for index, payload in enumerate(payloads):
-            self.pool.write_block(new.block_ids[first + index], payload)
-        seconds, loaded = time.perf_counter() - started, len(payloads) * size
+        reason: str | None = None
+        written = 0
+        try:
+            payloads, reason = self.store.load(
+                new.load_hashes, tokens, self.pool.block_payload_bytes
+            )
+            for payload in payloads:
+                self.pool.write_block(new.block_ids[first + written], payload)
+                written += 1
+        except Exception as error:  # what loaded before it stays; the rest is recomputed
+            reason = "error"
+            log.warning("kv block load into the pool failed", extra={"error": repr(error)})
+        seconds, loaded = time.perf_counter() - started, written * size
         record = LoadRecord(new.request_id, started_ns, seconds, loaded, reason or "ok")
         self.step_loads.append(record)
         if reason is None:
             return None
-        return LoadFailure(new.request_id, (first + len(payloads)) * size, reason)
+        return LoadFailure(new.request_id, (first + written) * size, reason)
