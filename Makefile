@@ -88,7 +88,7 @@ bench-startup: $(STAMP)
 
 # KV tiers against recomputing: a prefix loaded by another worker (Redis) and after a worker
 # restart (disk), TTFT against a mesh without tiers; 32 conversations through a pool that
-# holds 4 of them. ~10 minutes.
+# holds 4 of them; where a load stops paying. ~5 minutes.
 bench-kv-tiers: $(STAMP)
 	$(BIN)/python -m loadtest.kv_tiers_bench
 
