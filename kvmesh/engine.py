@@ -7,6 +7,7 @@ one answer's text as it is produced. `add_request`/`step`/`abort` drive it by ha
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -110,7 +111,10 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        outputs = self.scheduler.update(plan, self.worker.execute(plan))
+        started = time.perf_counter()
+        result = self.worker.execute(plan)
+        self.worker.kv_transfer.observe_step(plan.num_prefill_tokens, time.perf_counter() - started)
+        outputs = self.scheduler.update(plan, result)
         if not self.scheduler.has_unfinished() and self.scheduler.block_manager.has_writes:
             self.worker.execute(self.scheduler.schedule())  # the last full blocks go down now
         return outputs

@@ -70,6 +70,16 @@ class StepPlan:
             r.num_scheduled_tokens for r in self.running_requests
         )
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens it computes: new requests' and running chunks' (not drafts)."""
+        running = self.running_requests
+        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(
+            r.num_scheduled_tokens
+            for r in running
+            if r.num_scheduled_tokens > 1 + len(r.draft_token_ids)
+        )
+
 
 @dataclass(frozen=True)
 class TokenLogprobs:

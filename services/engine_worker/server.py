@@ -154,6 +154,7 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
                     started, started_ns = time.perf_counter(), time.time_ns()
                     result = await self._in_torch_thread(worker.execute, plan)
                     seconds = time.perf_counter() - started
+                    worker.kv_transfer.observe_step(plan.num_prefill_tokens, seconds)
                     loads = worker.kv_transfer.step_loads
                     record_step(message, seconds, started_ns, self.runtime.address, loads)
                     yield result_to_pb(result, seconds * 1e3)

@@ -8,6 +8,7 @@ import pytest
 from services.engine_worker.kv_tiers.block_record import TierNamespace, pack, unpack
 from services.engine_worker.kv_tiers.local_tiers import HostTier
 from services.engine_worker.kv_tiers.store import KVBlockStore
+from services.engine_worker.kv_tiers.transfer import BlockTransfer
 from shared.block_hash import hash_full_blocks
 from shared.config import KVTierConfig
 
@@ -144,3 +145,16 @@ def test_a_full_write_queue_drops_and_counts_instead_of_waiting(tmp_path) -> Non
     offered = [store.offer(h, t, payload(0)) for h, t in blocks() * 50]
     store.flush()
     assert store.stats.dropped_writes == offered.count(False) > 0
+
+
+def test_a_tier_measured_slower_than_the_prefill_is_not_offered(tmp_path) -> None:
+    store = filled(KVTierConfig(tiers=("disk",), disk_dir=str(tmp_path)))
+    transfer = BlockTransfer(store, pool=None, block_size=4)
+    hashes = [h for h, _ in blocks()]
+    assert transfer.leading(hashes) == 4  # nothing measured yet: load, and learn
+    store.stats.loaded("disk", PAYLOAD, 0.010)  # a block took 10 ms to load
+    transfer.observe_step(100, 5.0)  # too short a prefill to measure by
+    transfer.observe_step(1000, 1.0)  # 1 ms a token: a 4-token block prefills in 4 ms
+    assert transfer.leading(hashes) == 0 and store.stats.slow_skips == 1
+    transfer.observe_step(1000, 100.0)  # the prefill slows down: loading pays again
+    assert transfer.leading(hashes) == 4

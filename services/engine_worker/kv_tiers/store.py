@@ -55,17 +55,27 @@ class KVBlockStore:
 
     def leading(self, block_hashes: Sequence[int]) -> int:
         """How many of these blocks, from the first, some tier holds."""
+        return len(self.leading_tiers(block_hashes))
+
+    def leading_tiers(self, block_hashes: Sequence[int]) -> list[str]:
+        """For each of these blocks from the first, the fastest tier that holds it, up to the
+        first that none holds."""
         keys = [self.namespace.key(h) for h in block_hashes]
-        held = [any(tier.contains(key) for tier in self.local) for key in keys]
+        held = [next((t.name for t in self.local if t.contains(key)), "") for key in keys]
         if self.remote is not None and not all(held):
-            missing = [i for i, found in enumerate(held) if not found]
+            missing = [i for i, tier in enumerate(held) if not tier]
             try:
                 answers = self.remote.contains_many([keys[i] for i in missing])
             except RedisTierDown:
                 answers = [False] * len(missing)
             for index, found in zip(missing, answers, strict=True):
-                held[index] = found
-        return next((i for i, found in enumerate(held) if not found), len(held))
+                held[index] = "redis" if found else ""
+        return held[: next((i for i, tier in enumerate(held) if not tier), len(held))]
+
+    def block_load_seconds(self, tier: str) -> float | None:
+        """What loading one block from `tier` has taken on average; None before any did."""
+        hits = self.stats.hits[tier]
+        return self.stats.load_seconds.get(tier, 0.0) / hits if hits else None
 
     def load(
         self, block_hashes: Sequence[int], token_ids: Sequence[Sequence[int]], payload_bytes: int

@@ -21,6 +21,10 @@ FAILED_LOADS = Counter(
     ["tier", "reason"],
 )
 FAILED_WRITES = Counter("kvmesh_kv_tier_failed_writes", "KV block writes a tier refused", ["tier"])
+SLOW_TIER_SKIPS = Counter(
+    "kvmesh_kv_tier_slow_skips",
+    "Tier hits not offered for loading: the tier measured slower than the prefill they save",
+)
 DROPPED_WRITES = Counter(
     "kvmesh_kv_tier_dropped_writes", "KV block writes dropped because the write queue was full"
 )
@@ -38,6 +42,7 @@ class TierStats:
     failed_loads: Tally[str] = field(default_factory=Tally)  # by "tier:reason"
     failed_writes: Tally[str] = field(default_factory=Tally)
     dropped_writes: int = 0
+    slow_skips: int = 0
 
     def loaded(self, tier: str, num_bytes: int, seconds: float) -> None:
         self.hits[tier] += 1
@@ -66,6 +71,10 @@ class TierStats:
     def write_failed(self, tier: str) -> None:
         self.failed_writes[tier] += 1
         FAILED_WRITES.labels(tier).inc()
+
+    def skipped_slow(self) -> None:
+        self.slow_skips += 1
+        SLOW_TIER_SKIPS.inc()
 
     def dropped(self) -> None:
         self.dropped_writes += 1

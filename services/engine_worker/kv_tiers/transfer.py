@@ -22,6 +22,7 @@ from shared.config import KVTierConfig
 from shared.step import BlockWrite, LoadFailure, NewRequestPlan
 
 log = logging.getLogger("kvmesh.kv_tiers")
+MIN_MEASURED_PREFILL = 256
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class BlockTransfer:
         self.pool = pool  # a KVCache or GpuKVCache: read_block, write_block
         self.block_size = block_size
         self.step_loads: list[LoadRecord] = []  # this step's, until the next starts
+        self.prefill_s_per_token: float | None = None  # measured on steps, see observe_step
 
     @classmethod
     def open(
@@ -57,8 +59,34 @@ class BlockTransfer:
         return cls(KVBlockStore(config, namespace), pool, block_size)
 
     def leading(self, block_hashes: list[int]) -> int:
-        """How many of a prompt's leading full blocks the tiers hold (0 without tiers)."""
-        return 0 if self.store is None else self.store.leading(block_hashes)
+        """How many of a prompt's leading full blocks the tiers can give: 0 without tiers, or
+        when loading them from the tiers that hold them has measured slower than prefilling
+        them (a slow Redis: never a load that costs more than the prefill it saves)."""
+        if self.store is None:
+            return 0
+        tiers = self.store.leading_tiers(block_hashes)
+        if self._slower_than_prefill(tiers):
+            self.store.stats.skipped_slow()
+            return 0
+        return len(tiers)
+
+    def observe_step(self, prefill_tokens: int, seconds: float) -> None:
+        """A step's time per prefill token (steps of at least 256: the step's fixed cost
+        would dominate a shorter one), averaged over recent steps."""
+        if prefill_tokens < MIN_MEASURED_PREFILL:
+            return
+        rate = seconds / prefill_tokens
+        previous = self.prefill_s_per_token
+        self.prefill_s_per_token = rate if previous is None else 0.8 * previous + 0.2 * rate
+
+    def _slower_than_prefill(self, tiers: list[str]) -> bool:
+        if not tiers or self.store is None or self.prefill_s_per_token is None:
+            return False
+        per_block = {tier: self.store.block_load_seconds(tier) for tier in set(tiers)}
+        if any(seconds is None for seconds in per_block.values()):
+            return False  # not measured yet: load, and learn
+        load_s = sum(per_block[tier] or 0.0 for tier in tiers)
+        return load_s >= len(tiers) * self.block_size * self.prefill_s_per_token
 
     def start_step(self, writes: tuple[BlockWrite, ...]) -> None:
         """A step begins: the plan's writes read out before the step may reuse the blocks."""
