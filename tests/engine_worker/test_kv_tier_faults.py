@@ -84,7 +84,11 @@ def test_redis_killed_mid_run_recomputes(tiny_llama_dir, redis_server, expected)
     writer, reader = engine(tiny_llama_dir, tiers), engine(tiny_llama_dir, tiers)
     ask(writer, 1)
     writer.worker.kv_transfer.store.flush()  # type: ignore[union-attr]
-    # The reader's lookup finds the blocks; Redis dies before the step that loads them.
+    # The reader's lookup finds the blocks; Redis dies before the step that loads them (with
+    # no prefetch, which would have staged them by then: tested in test_kv_tier_store.py).
+    store = reader.worker.kv_transfer.store
+    assert store is not None
+    store.prefetcher = None
     reader.add_request([*DOCUMENT, 5, 6], GREEDY, request_id="after-redis")
     assert reader.scheduler.requests["after-redis"].num_tier_blocks == 6
     redis_server.stop()
@@ -94,8 +98,7 @@ def test_redis_killed_mid_run_recomputes(tiny_llama_dir, redis_server, expected)
     tokens = [t for o in outputs for t in o.new_token_ids]
     logprobs = [(lp.token_id, lp.logprob) for o in outputs for lp in o.logprobs]
     assert same_answer(logprobs, expected(5)) and len(tokens) == 6
-    store = reader.worker.kv_transfer.store
-    assert store is not None and store.stats.failed_loads["redis:unavailable"] == 1
+    assert store.stats.failed_loads["redis:unavailable"] == 1
     assert reader.scheduler.tier_loads.stats.short_loads == 1
     assert_no_block_held(reader)
 

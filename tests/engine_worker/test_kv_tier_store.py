@@ -158,3 +158,15 @@ def test_a_tier_measured_slower_than_the_prefill_is_not_offered(tmp_path) -> Non
     assert transfer.leading(hashes) == 0 and store.stats.slow_skips == 1
     transfer.observe_step(1000, 100.0)  # the prefill slows down: loading pays again
     assert transfer.leading(hashes) == 4
+
+
+def test_a_lookup_prefetches_redis_blocks_before_the_load(redis_server) -> None:
+    config = KVTierConfig(tiers=("redis",), redis_url=redis_server.url)
+    filled(config)
+    reader = KVBlockStore(config, NAMESPACE)
+    assert BlockTransfer(reader, pool=None, block_size=4).leading([h for h, _ in blocks()]) == 4
+    assert reader.prefetcher is not None
+    reader.prefetcher.wait()
+    redis_server.stop()  # the load that follows needs no round trip: all four are staged
+    assert load_all(reader) == ([payload(i) for i in range(4)], None)
+    assert reader.stats.hits["redis"] == 4 and not reader.stats.failed_loads

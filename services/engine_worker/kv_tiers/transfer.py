@@ -68,6 +68,14 @@ class BlockTransfer:
         if self._slower_than_prefill(tiers):
             self.store.stats.skipped_slow()
             return 0
+        # Fetched while the request queues: its step then copies them from memory.
+        self.store.prefetch(
+            [
+                h
+                for h, tier in zip(block_hashes[: len(tiers)], tiers, strict=True)
+                if tier == "redis"
+            ]
+        )
         return len(tiers)
 
     def observe_step(self, prefill_tokens: int, seconds: float) -> None:
