@@ -51,10 +51,6 @@ class KVBlockStore:
         self._writer = threading.Thread(target=self._write_forever, name="kv-writer", daemon=True)
         self._writer.start()
 
-    @property
-    def tier_names(self) -> list[str]:
-        return [tier.name for tier in self.local] + (["redis"] if self.remote else [])
-
     def leading(self, block_hashes: Sequence[int]) -> int:
         """How many of these blocks, from the first, some tier holds."""
         return len(self.leading_tiers(block_hashes))
