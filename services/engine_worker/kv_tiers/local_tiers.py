@@ -3,10 +3,14 @@ the process. Both are LRU under a byte budget, and safe to use from several thre
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
+
+STALE_WRITE_S = 60.0  # a block's write takes milliseconds
 
 
 class HostTier:
@@ -43,7 +47,7 @@ class DiskTier:
     """One file per block in `folder`; the index (key -> size, least recently used first) is
     rebuilt from the folder at start, oldest modification first, so a restarted worker finds
     what it wrote before, and a file another worker on this host wrote is adopted when asked
-    for. A write goes to a temporary name and is renamed into place: a crash
+    for. A write goes to a temporary name of its process and is renamed into place: a crash
     leaves a whole block or none."""
 
     name = "disk"
@@ -59,8 +63,10 @@ class DiskTier:
             (path.name.removesuffix(self.SUFFIX), path.stat().st_size) for path in files
         )
         self._bytes = sum(self._index.values())
-        for stale in self.folder.glob("*.tmp"):  # a write that a crash cut short
-            stale.unlink(missing_ok=True)
+        for stale in self.folder.glob("*.tmp"):  # a write a crash cut short, not a live one
+            with contextlib.suppress(FileNotFoundError):  # renamed into place meanwhile
+                if time.time() - stale.stat().st_mtime > STALE_WRITE_S:
+                    stale.unlink()
 
     def _path(self, key: str) -> Path:
         return self.folder / (key.replace(":", "_") + self.SUFFIX)
@@ -100,7 +106,7 @@ class DiskTier:
         if name in self._index or len(value) > self.budget_bytes:
             return
         path = self._path(key)
-        temporary = path.with_suffix(".tmp")
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
         temporary.write_bytes(value)
         os.replace(temporary, path)
         with self._lock:
