@@ -114,10 +114,7 @@ class Engine:
         started = time.perf_counter()
         result = self.worker.execute(plan)
         self.worker.kv_transfer.observe_step(plan.num_prefill_tokens, time.perf_counter() - started)
-        outputs = self.scheduler.update(plan, result)
-        if not self.scheduler.has_unfinished() and self.scheduler.block_manager.has_writes:
-            self.worker.execute(self.scheduler.schedule())  # the last full blocks go down now
-        return outputs
+        return self.scheduler.update(plan, result)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -9,7 +9,7 @@ import sys
 
 from shared.config import KV_CACHE_DTYPES
 from shared.errors import KvmeshError, Reason
-from shared.flags import env_default
+from shared.flag_env import env_default
 from shared.model_entry import ModelEntry, ServingConfig, WarmupFixture, write_entry
 from shared.model_repository import ModelRepository
 

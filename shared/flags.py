@@ -7,7 +7,6 @@ in-process CLI takes both.
 from __future__ import annotations
 
 import argparse
-import os
 
 from shared.config import (
     KV_CACHE_DTYPES,
@@ -19,24 +18,11 @@ from shared.config import (
     SpeculativeConfig,
     parse_bytes,
 )
+from shared.flag_env import env_default, env_int
 from shared.kv_tier_flags import add_kv_tier_flags, kv_tier_config
 
 # Gateway routing policies (services/gateway/router.py implements them).
 ROUTING_POLICIES = ("cache-aware", "round-robin", "least-loaded")
-
-
-def env_default(flag: str, default: str | None) -> str | None:
-    """KVMESH_<FLAG> (dashes as underscores) when set: containers configure by environment."""
-    return os.environ.get("KVMESH_" + flag.upper().replace("-", "_"), default)
-
-
-def env_int(flag: str, default: int | None) -> int | None:
-    value = env_default(flag, None if default is None else str(default))
-    return None if value is None else int(value)
-
-
-def env_float(flag: str, default: float) -> float:
-    return float(env_default(flag, str(default)) or default)
 
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from shared.config import KV_TIERS, KV_WRITE_POLICIES, KVTierConfig, parse_bytes
+from shared.flag_env import env_default, env_int
 
 
 def _env(flag: str, default: str) -> str:
-    """KVMESH_<FLAG>, as every flag reads its default (shared/flags.py)."""
-    return os.environ.get("KVMESH_" + flag.upper().replace("-", "_"), default)
+    return env_default(flag, default) or default
 
 
 def add_kv_tier_flags(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +46,7 @@ def add_kv_tier_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-load-min-tokens",
         type=int,
-        default=int(_env("kv-load-min-tokens", "256")),
+        default=env_int("kv-load-min-tokens", 256),
         help="a tier hit shorter than this is recomputed instead of loaded",
     )
 

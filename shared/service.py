@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from shared.error_boundary import KvmeshErrors
 from shared.errors import KvmeshError, Reason
-from shared.flags import env_default, env_int
+from shared.flag_env import env_default, env_int
 from shared.metrics import serve_metrics
 from shared.parent_watch import watch_parent
 from shared.telemetry import configure_tracing

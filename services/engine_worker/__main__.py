@@ -9,7 +9,8 @@ import logging
 from services.engine_worker.embed.server import EmbedderService
 from services.engine_worker.server import EngineWorkerService
 from services.engine_worker.step_failures import BreakerDefaults, CircuitBreaker, FaultInjector
-from shared.flags import add_worker_flags, engine_config, env_default, env_float, env_int
+from shared.flag_env import env_default, env_float, env_int
+from shared.flags import add_worker_flags, engine_config
 from shared.logs import configure_logging
 from shared.model_entry import artifact_location
 from shared.model_paths import is_encoder, resolve_model_path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,18 +101,21 @@ class KVCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[index], self.values[index]
 
-    def read_block(self, block_id: int) -> bytes:
-        """One block's K and V for every layer, contiguous: a KV tier's value."""
+    def read_block(self, block_id: int) -> memoryview:
+        """One block's K and V for every layer, contiguous: a KV tier's value (a copy of its
+        own, which the pool's later writes never touch)."""
         parts = [
             t[block_id].reshape(-1)
             for pair in zip(self.keys, self.values, strict=True)
             for t in pair
         ]
-        return torch.cat(parts).view(torch.uint8).numpy().tobytes()
+        return torch.cat(parts).view(torch.uint8).numpy().data
 
     def write_block(self, block_id: int, payload: bytes | memoryview) -> None:
         """The inverse of read_block: a loaded block into pool block `block_id`."""
-        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        with warnings.catch_warnings():  # read only here: no copy to make it writable
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(payload, dtype=torch.uint8)
         offset = 0
         for pair in zip(self.keys, self.values, strict=True):
             for tensor in pair:

@@ -169,8 +169,8 @@ class Worker:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         prefill = RequestState("warmup-prefill", tokens, [0, 1], 0, params, len(tokens))
         decode = RequestState("warmup-decode", tokens[:2], [0], 1, params, 1)
-        two_rows = self.config.scheduler.max_sampled_rows >= 2  # else never batched together
-        self._run_scratch([(decode, 1)] * two_rows + [(prefill, len(tokens))])
+        rows = [(decode, 1), (prefill, len(tokens))]  # a one-row engine never batches the two
+        self._run_scratch(rows if self.config.scheduler.max_sampled_rows >= 2 else rows[1:])
         # And a decode-only step: the compiled step has a graph for those too.
         decode = RequestState("warmup-decode-alone", tokens[:2], [0], 1, params, 1)
         self._run_scratch([(decode, 1)])

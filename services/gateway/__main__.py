@@ -18,7 +18,8 @@ from services.gateway.router import Router, Watermarks
 from services.gateway.server import InferenceService
 from services.gateway.tenants import ApiKeys
 from services.gateway.tokenizer_link import TokenizerLink
-from shared.flags import add_gateway_flags, env_default, env_int
+from shared.flag_env import env_default, env_int
+from shared.flags import add_gateway_flags
 from shared.logs import configure_logging
 from shared.pb.kvmesh.v1 import inference_pb2_grpc, model_admin_pb2_grpc
 from shared.redis_link import RedisLink

@@ -11,7 +11,8 @@ from prometheus_client import REGISTRY
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.redis_publisher import RedisPublisher
 from services.scheduler.server import SchedulerService
-from shared.flags import add_scheduler_flags, env_default, env_int, scheduler_config
+from shared.flag_env import env_default, env_int
+from shared.flags import add_scheduler_flags, scheduler_config
 from shared.logs import configure_logging
 from shared.pb.kvmesh.v1 import scheduler_pb2_grpc
 from shared.service import ServiceRuntime, add_common_flags, start_observability

@@ -23,7 +23,7 @@ all of this is plain FCFS.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from services.scheduler.request import Request
 
@@ -96,14 +96,14 @@ class TenantShares:
         waiting: Sequence[Request],
         running: Sequence[Request],
         free_blocks: int,
-        block_size: int,
+        blocks_needed: Callable[[int], int],
     ) -> Request | None:
         """A full batch (slots or blocks) gives one slot per step to a waiting tenant below
         its share: the running request that makes room, if any."""
         if not waiting:
             return None
         candidate = self.next_waiting(waiting)
-        needed = -(-candidate.num_tokens // block_size)
+        needed = blocks_needed(candidate.num_tokens)
         if len(running) < self.max_seqs and needed <= free_blocks:
             return None
         return self.slot_for(candidate, needed, running)

@@ -102,7 +102,9 @@ class Scheduler:
         return self._finish(request, FinishReason.FINISH_REASON_ABORT, ())
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to run, or full blocks still to write down to the KV tiers (an idle
+        worker has no next step to carry them: the next plan is theirs alone)."""
+        return bool(self.waiting or self.running or self.block_manager.has_writes)
 
     def load(self) -> SchedulerLoad:
         return SchedulerLoad.of(
@@ -113,8 +115,9 @@ class Scheduler:
         # The waiting, less group members whose sibling still computes their prompt. Taken
         # once a step: a request this step preempts waits for the next one anyway.
         admissible = [r for r in self.waiting if not (r.group_id and self.groups.is_held(r))]
-        free = self.block_manager.num_free_blocks
-        if victim := self._shares().slot_victim(admissible, self.running, free, self.block_size):
+        manager = self.block_manager
+        free, needed = manager.num_free_blocks, manager.blocks_needed
+        if victim := self._shares().slot_victim(admissible, self.running, free, needed):
             self._preempt(victim, self.running)
         budget = self.config.max_num_batched_tokens
         new_plans: list[NewRequestPlan] = []

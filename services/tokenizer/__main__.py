@@ -8,7 +8,7 @@ import logging
 
 from services.tokenizer.server import LoadedTokenizer, TokenizerService
 from shared.errors import KvmeshError, Reason
-from shared.flags import env_default
+from shared.flag_env import env_default
 from shared.logs import configure_logging
 from shared.model_entry import artifact_location
 from shared.model_paths import resolve_model_path

@@ -13,7 +13,7 @@ from services.trace_collector.forwarder import OtlpForwarder
 from services.trace_collector.server import TraceCollector, TracesService
 from services.trace_collector.span_store import SpanStore
 from shared.config import parse_bytes
-from shared.flags import env_default
+from shared.flag_env import env_default
 from shared.logs import configure_logging
 from shared.metrics import serve_metrics
 from shared.pb.kvmesh.v1 import traces_pb2_grpc

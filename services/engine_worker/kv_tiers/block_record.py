@@ -42,10 +42,11 @@ class TierNamespace:
         return f"{self.prefix}:{block_hash:016x}"
 
 
-def pack(token_ids: Sequence[int], payload: bytes) -> bytes:
+def pack(token_ids: Sequence[int], payload: bytes | memoryview) -> bytes:
     tokens = struct.pack(f"<{len(token_ids)}I", *token_ids)
     checksum = zlib.crc32(payload, zlib.crc32(tokens))
-    return _HEADER.pack(MAGIC, checksum, len(token_ids), len(payload)) + tokens + payload
+    header = _HEADER.pack(MAGIC, checksum, len(token_ids), len(payload))
+    return b"".join((header, tokens, payload))
 
 
 def unpack(value: bytes, token_ids: Sequence[int], payload_bytes: int) -> memoryview:

@@ -32,6 +32,13 @@ class HostTier:
                 self._values.move_to_end(key)
             return value
 
+    def pop(self, key: str) -> bytes | None:
+        with self._lock:
+            value = self._values.pop(key, None)
+            if value is not None:
+                self._bytes -= len(value)
+            return value
+
     def put(self, key: str, value: bytes) -> None:
         with self._lock:
             if key in self._values or len(value) > self.budget_bytes:

@@ -8,11 +8,10 @@ push it out of the staging budget; a load that finds a block not yet staged fetc
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
+from services.engine_worker.kv_tiers.local_tiers import HostTier
 from services.engine_worker.kv_tiers.redis_tier import RedisTier, RedisTierDown
 
 STAGING_BYTES = 256 << 20  # ~11,000 tokens of the default model's float16 K/V
@@ -21,10 +20,8 @@ STAGING_BYTES = 256 << 20  # ~11,000 tokens of the default model's float16 K/V
 class Prefetcher:
     def __init__(self, remote: RedisTier, budget_bytes: int = STAGING_BYTES) -> None:
         self.remote = remote
-        self.budget_bytes = budget_bytes
-        self._staged: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
+        self._staged = HostTier(budget_bytes)
+        self._block_seconds = 0.0  # what a block of the latest fetch took
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
 
     def start(self, keys: list[str]) -> None:
@@ -37,26 +34,17 @@ class Prefetcher:
 
     def take(self, key: str) -> tuple[bytes, float] | None:
         """A staged block and the seconds its fetch took, once."""
-        with self._lock:
-            staged = self._staged.pop(key, None)
-            if staged is not None:
-                self._bytes -= len(staged[0])
-            return staged
+        value = self._staged.pop(key)
+        return None if value is None else (value, self._block_seconds)
 
     def _fetch(self, keys: list[str]) -> None:
-        with self._lock:
-            keys = [key for key in keys if key not in self._staged]
+        keys = [key for key in keys if not self._staged.contains(key)]
         started = time.perf_counter()
         try:
             values = self.remote.get_many(keys)
         except RedisTierDown:
             return  # the load will find Redis down itself, and recompute
         found = [(key, value) for key, value in zip(keys, values, strict=True) if value]
-        seconds = (time.perf_counter() - started) / max(1, len(found))
-        with self._lock:
-            for key, value in found:
-                self._staged[key] = (value, seconds)
-                self._bytes += len(value)
-            while self._bytes > self.budget_bytes:
-                _, (dropped, _) = self._staged.popitem(last=False)
-                self._bytes -= len(dropped)
+        self._block_seconds = (time.perf_counter() - started) / max(1, len(found))
+        for key, value in found:
+            self._staged.put(key, value)

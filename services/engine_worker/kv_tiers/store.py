@@ -2,8 +2,8 @@
 
 Lookups and loads walk the tiers fastest first (host, disk, Redis) and ask Redis once per
 call, in one round trip, for whatever the local tiers lack. Writes never wait: the step offers
-a block to a bounded queue and a writer thread puts it in every tier; a full queue drops the
-write and counts it.
+a block's bytes to a bounded queue and a writer thread checksums it and puts it in every tier;
+a full queue drops the write and counts it.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ class KVBlockStore:
             RedisTier(config.redis_url, config.redis_bytes) if "redis" in config.tiers else None
         )
         self.prefetcher = Prefetcher(self.remote) if self.remote is not None else None
-        self._writes: queue.Queue[tuple[str, bytes]] = queue.Queue(config.write_queue_blocks)
+        self._writes: queue.Queue[tuple[str, Sequence[int], bytes | memoryview]] = queue.Queue(
+            config.write_queue_blocks
+        )
         self._writer = threading.Thread(target=self._write_forever, name="kv-writer", daemon=True)
         self._writer.start()
 
@@ -139,10 +141,11 @@ class KVBlockStore:
                 self.stats.loaded("redis", len(value), seconds)
         return merged
 
-    def offer(self, block_hash: int, token_ids: Sequence[int], payload: bytes) -> bool:
-        """Queues one block for every tier; False (counted) when the queue is full."""
+    def offer(self, block_hash: int, token_ids: Sequence[int], payload: bytes | memoryview) -> bool:
+        """Queues one block for every tier (`payload` is the caller's no more); False
+        (counted) when the queue is full."""
         try:
-            self._writes.put_nowait((self.namespace.key(block_hash), pack(token_ids, payload)))
+            self._writes.put_nowait((self.namespace.key(block_hash), token_ids, payload))
             return True
         except queue.Full:
             self.stats.dropped()
@@ -154,9 +157,9 @@ class KVBlockStore:
 
     def _write_forever(self) -> None:
         while True:
-            key, value = self._writes.get()
+            key, token_ids, payload = self._writes.get()
             try:
-                self._write(key, value)
+                self._write(key, pack(token_ids, payload))
             finally:
                 self._writes.task_done()
 
