@@ -31,15 +31,20 @@ def tier_mesh(model_dir: str, log_dir: str, tiers: str, disk_dir: str) -> MeshCo
 
 
 async def generate(address: str, question: list[int], timeout: float = 60):  # type: ignore[no-untyped-def]
-    """The document and a question, greedy with logprobs. A request refused while a restarted
-    worker's scheduler reattaches is sent again."""
+    """The document and a question, greedy with logprobs. A request refused or failed while a
+    restarted worker's scheduler reattaches is sent again."""
     deadline = time.monotonic() + timeout
     request = ids_request(
         DOCUMENT + question, max_tokens=8, ignore_eos=True, logprobs=1, temperature=0.0
     )
     while True:
         async with grpc.aio.insecure_channel(address) as channel:
-            events = await collect(inference_pb2_grpc.InferenceStub(channel), request)
+            try:
+                events = await collect(inference_pb2_grpc.InferenceStub(channel), request)
+            except grpc.aio.AioRpcError as refused:  # MODEL_NOT_READY until it reattaches
+                assert time.monotonic() < deadline, refused
+                await asyncio.sleep(0.2)
+                continue
         if assert_one_terminal(events) == "completed":
             return events
         assert time.monotonic() < deadline, events[-1]
