@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-startup bench-kv-tiers bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu test-gpu-standin gpu-check-prepare gpu-check bench-kernels bench-gpu bench-peers bench-cpu bench-spec profile-step perplexity soak clean
+.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-startup bench-kv-tiers bench-pd bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu test-gpu-standin gpu-check-prepare gpu-check bench-kernels bench-gpu bench-peers bench-cpu bench-spec profile-step perplexity soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -91,6 +91,11 @@ bench-startup: $(STAMP)
 # holds 4 of them; where a load stops paying. ~5 minutes.
 bench-kv-tiers: $(STAMP)
 	$(BIN)/python -m loadtest.kv_tiers_bench
+
+# One prefill + one decode pair against two mixed pairs, a core each: decoding streams' ITL
+# p50/p99 while 3,000-token prompts arrive, their TTFT, output tok/s (~5 min).
+bench-pd: $(STAMP)
+	$(BIN)/python -m loadtest.pd_bench
 
 # 3x capacity offered: TTFT p50/p99 of what was served against the queue SLO, refusal latency.
 bench-overload: $(STAMP)

@@ -68,11 +68,11 @@ class Mesh:
         else:
             model = ["--model", config.model] if config.model else []
         self.tokenizer_address = self._spawn("tokenizer", "services.tokenizer", model)
-        num_workers = config.workers * max(1, len(entries))
+        num_workers = len(config.roles) * max(1, len(entries))
         threads = config.worker_threads or max(1, (os.cpu_count() or 1) // num_workers)
         for entry in entries:
-            for _ in range(config.workers):
-                self.start_pair(entry, threads)
+            for role in config.roles:
+                self.start_pair(entry, threads, role)
         embedders = [
             self.start_embedder(e.directory, e.label) for e in all_entries if e not in entries
         ]
@@ -81,19 +81,23 @@ class Mesh:
         elif config.embedder:
             name = os.path.basename(config.embedder.rstrip("/"))
             embedders.append(self.start_embedder(config.embedder, name))
-        for index in range(0 if all_entries else config.workers):
+        for index, role in enumerate([] if all_entries else config.roles):
             worker = self._spawn(
                 f"engine-worker-{index}",
                 "services.engine_worker",
                 [*model, "--threads", str(threads), *self._kv_redis, *config.worker_args],
                 threads=threads,
+                cpus=self._cpus(index),
             )
             self.worker_addresses.append(worker)
             self.scheduler_addresses.append(
                 self._spawn(
                     f"scheduler-{index}",
                     "services.scheduler",
-                    ["--worker", worker, "--redis", self.redis_url, *config.scheduler_args],
+                    [
+                        *("--worker", worker, "--redis", self.redis_url, "--role", role),
+                        *config.scheduler_args,
+                    ],
                 )
             )
         # The gateway starts once every scheduler and the tokenizer listen, beside the workers
@@ -138,7 +142,13 @@ class Mesh:
         """The redis KV tier defaults to the mesh's Redis (a later --kv-redis wins)."""
         return ["--kv-redis", self.redis_url] if self.redis_url else []
 
-    def start_pair(self, entry: ModelEntry, threads: int | None = None) -> ModelPair:
+    def _cpus(self, worker_index: int) -> str | None:
+        cpus = self.config.worker_cpus
+        return cpus[worker_index] if worker_index < len(cpus) else None
+
+    def start_pair(
+        self, entry: ModelEntry, threads: int | None = None, role: str = "mixed"
+    ) -> ModelPair:
         """An engine-worker + scheduler for a repository version, with its serving config
         (after the mesh-wide flags, so the entry's own values win). Not waited for."""
         config = self.config
@@ -154,6 +164,7 @@ class Mesh:
             "services.engine_worker",
             ["--model", entry.directory, "--threads", str(threads), *self._kv_redis, *worker_args],
             threads=threads,
+            cpus=self._cpus(len(self.worker_addresses)),
         )
         self.worker_addresses.append(worker)
         worker_process = self.services[-1]
@@ -163,7 +174,7 @@ class Mesh:
         scheduler = self._spawn(
             f"scheduler-{suffix}",
             "services.scheduler",
-            ["--worker", worker, "--redis", self.redis_url, *scheduler_args],
+            ["--worker", worker, "--redis", self.redis_url, "--role", role, *scheduler_args],
         )
         self.scheduler_addresses.append(scheduler)
         pair = ModelPair(entry.name, entry.version, worker_process, self.services[-1])
@@ -223,7 +234,14 @@ class Mesh:
         return f"redis://{host}:{port}/0"
 
     def _spawn(
-        self, name: str, module: str, args: list[str], *, threads: int = 1, port: int | None = None
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        *,
+        threads: int = 1,
+        port: int | None = None,
+        cpus: str | None = None,
     ) -> str:
         address = f"{self.config.host}:{port or free_port(self.config.host)}"
         host, port_text = address.rsplit(":", 1)
@@ -243,6 +261,8 @@ class Mesh:
         ]
         if self.config.tracing and self.collector_address:
             command += ["--otlp-endpoint", self.collector_address]
+        if cpus is not None:  # pinned: a benchmark's worker to its own cores
+            command = ["taskset", "-c", cpus, *command]
         # One torch/OpenMP pool per core budget: only engine-workers get more than one thread.
         env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         self._launch(name, address, command, env)

@@ -24,6 +24,7 @@ from shared.flags import (
     env_default,
     gateway_flag_args,
 )
+from shared.handover_flags import add_handover_flags, handover_flag_args
 from shared.model_repository import ModelRepository
 from shared.outputs import finish_reason_label
 from shared.pb.kvmesh.v1 import inference_pb2
@@ -32,6 +33,16 @@ from shared.pb.kvmesh.v1 import inference_pb2
 def add_up_parser(commands: argparse._SubParsersAction) -> None:
     up = commands.add_parser("up", help="start the whole mesh on this machine (Ctrl-C stops it)")
     up.add_argument("--workers", type=int, default=1, help="engine-worker + scheduler pairs")
+    up.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=0,
+        help="pairs that only prefill, handing each request over to a decode pair (with "
+        "--decode-workers, instead of --workers)",
+    )
+    up.add_argument(
+        "--decode-workers", type=int, default=0, help="pairs that decode what was handed over"
+    )
     up.add_argument("--redis", help="use this Redis (redis://HOST:PORT) instead of starting one")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=50051, help="gateway port; 0 picks a free one")
@@ -68,6 +79,7 @@ def add_up_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_worker_flags(up)  # forwarded to every engine-worker
     add_scheduler_flags(up)  # forwarded to every scheduler
+    add_handover_flags(up, per_pair=False)  # forwarded too; each pair's role is ours
     add_gateway_flags(up)  # forwarded to the gateway
     up.add_argument(
         "--prompt",
@@ -101,6 +113,8 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
     return MeshConfig(
         model=args.model,
         workers=args.workers,
+        prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers,
         models=models,
         model_repo=args.model_repo or "models",
         embedder=args.embedder,
@@ -110,7 +124,7 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
         http_port=None if args.http_port < 0 else args.http_port,
         worker_threads=args.threads,
         worker_args=worker_flag_args(args),
-        scheduler_args=scheduler_flag_args(args),
+        scheduler_args=scheduler_flag_args(args) + handover_flag_args(args),
         gateway_args=gateway_flag_args(args),
         log_dir=args.log_dir,
     )

@@ -11,6 +11,11 @@ from kvmesh.service_process import ServiceProcess
 class MeshConfig:
     model: str | None = None
     workers: int = 1  # engine-worker + scheduler pairs (per model, with `models`)
+    # The prefill/decode split: these pairs instead of `workers` mixed ones, when either is set.
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    # CPU lists (taskset -c) for engine-worker i, by start order; empty: not pinned.
+    worker_cpus: list[str] = field(default_factory=list)
     # Repository models to serve (NAME or NAME@VERSION), each with its entry's serving config;
     # the first is the default. Empty: `model` (a path, or the default model) alone.
     models: list[str] = field(default_factory=list)
@@ -32,6 +37,13 @@ class MeshConfig:
     ready_timeout_s: float = 1200.0
     drain_seconds: float = 10.0
     tracing: bool = True  # every service sends spans to the mesh's trace-collector
+
+    @property
+    def roles(self) -> list[str]:
+        """Each pair's role, in start order (per model, with `models`)."""
+        if self.prefill_workers or self.decode_workers:
+            return ["prefill"] * self.prefill_workers + ["decode"] * self.decode_workers
+        return ["mixed"] * self.workers
 
 
 @dataclass

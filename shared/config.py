@@ -163,6 +163,33 @@ class KVTierConfig:
         return bool(self.tiers)
 
 
+SERVING_ROLES = ("mixed", "prefill", "decode")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class HandoverConfig:
+    """A scheduler/engine-worker pair's part in the prefill/decode split (docs/guides/
+    prefill-decode.md): its role, and how a handover's blocks are held and pulled."""
+
+    role: str = "mixed"  # of SERVING_ROLES
+    # The address other workers dial to pull this pair's leased blocks ("" is --worker).
+    worker_advertise: str = ""
+    # A prefilled request's blocks wait this long for its decode pair (vLLM's NIXL lease: 30 s).
+    lease_s: float = 30.0
+    # A pull past this gives what arrived; the policy says what becomes of the rest.
+    pull_timeout_s: float = 10.0
+    load_failure: str = "recompute"  # of KV_LOAD_FAILURE_POLICIES
+
+    def __post_init__(self) -> None:
+        _require(self.role in SERVING_ROLES, f"role must be one of {SERVING_ROLES}")
+        _require(
+            self.load_failure in KV_LOAD_FAILURE_POLICIES,
+            f"kv load failure policy must be one of {KV_LOAD_FAILURE_POLICIES}",
+        )
+        _require(self.lease_s > 0 and self.pull_timeout_s > 0, "handover times must be > 0")
+
+
 # How projection weights are held: int8 through fbgemm (CPU), or a float dtype. On a GPU the
 # weights run in the activation dtype, which is how float16 comes to be one of them.
 WEIGHT_FORMATS = ("packed", "float32", "bfloat16", "float16")

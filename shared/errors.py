@@ -32,6 +32,9 @@ class Reason(str, Enum):
     # request ends, the rest of its batch goes on. Not retryable: it would fail again.
     EXECUTION_FAILED = "EXECUTION_FAILED"
     OUT_OF_MEMORY = "OUT_OF_MEMORY"  # the device (or host) ran out of memory computing it
+    # A prefill/decode handover whose blocks did not arrive whole, under `--kv-load-failure
+    # fail` (the default, `recompute`, computes them again instead).
+    KV_HANDOVER_FAILED = "KV_HANDOVER_FAILED"
     UNREACHABLE = "UNREACHABLE"  # a service at a known address did not answer (not a model)
     CLIENT_STALLED = "CLIENT_STALLED"  # the client stopped reading its stream
     # A finished output that fails its response format's own check: a bug, never sent as valid.

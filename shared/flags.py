@@ -215,6 +215,13 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
         "control holds the rest back; 0: never)",
     )
     group.add_argument(
+        "--handover-min-tokens",
+        type=int,
+        default=env_int("handover-min-tokens", 256),
+        help="with prefill and decode pairs: a prompt with fewer tokens to compute (past the "
+        "decode pair's cached prefix) skips the prefill pair",
+    )
+    group.add_argument(
         "--api-keys-file",
         default=env_default("api-keys-file", None),
         help="TOML file of tenants, their API keys and limits (or KVMESH_API_KEYS=tenant=key,...)",
@@ -236,6 +243,7 @@ def gateway_flag_args(args: argparse.Namespace) -> list[str]:
     forwarded += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
     forwarded += ["--max-total-tokens", str(args.max_total_tokens)]
     forwarded += ["--stall-timeout-s", str(args.stall_timeout_s)]
+    forwarded += ["--handover-min-tokens", str(args.handover_min_tokens)]
     forwarded += ["--trace-content"] if args.trace_content else []
     return forwarded + (["--api-keys-file", args.api_keys_file] if args.api_keys_file else [])
 

@@ -40,6 +40,7 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.EXECUTION_FAILED: grpc.StatusCode.INTERNAL,
     Reason.OUT_OF_MEMORY: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.UNREACHABLE: grpc.StatusCode.UNAVAILABLE,
+    Reason.KV_HANDOVER_FAILED: grpc.StatusCode.UNAVAILABLE,
     Reason.CLIENT_STALLED: grpc.StatusCode.CANCELLED,
     Reason.INVALID_OUTPUT: grpc.StatusCode.INTERNAL,
     Reason.INTERNAL: grpc.StatusCode.INTERNAL,

@@ -17,6 +17,7 @@ from typing import TypeVar
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.engine_worker.kv_tiers.handover import LeaseEnded
 from services.engine_worker.step_failures import CircuitBreaker, FaultInjector
 from services.engine_worker.step_telemetry import record_step
 from services.engine_worker.worker import Worker
@@ -207,6 +208,27 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
         leading = self._ready_worker().kv_transfer.leading
         found = await asyncio.to_thread(leading, list(request.block_hashes))
         return engine_worker_pb2.BlockLookupResult(num_leading=found)
+
+    async def PullBlocks(
+        self, request: engine_worker_pb2.PullRequest, context: grpc.aio.ServicerContext
+    ) -> engine_worker_pb2.PullResult:
+        return await self._ready_worker().kv_transfer.inbox.pull(request)
+
+    async def ExportBlocks(
+        self, request: engine_worker_pb2.ExportRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_worker_pb2.BlockRecord]:
+        """A leased request's blocks, each read and packed off the event loop."""
+        records = self._ready_worker().handover_exports.records(
+            request.lease_id, request.num_blocks
+        )
+        while True:
+            try:
+                record = await asyncio.to_thread(next, records, None)
+            except LeaseEnded:
+                await context.abort(grpc.StatusCode.NOT_FOUND, "no lease holds these blocks")
+            if record is None:
+                return
+            yield engine_worker_pb2.BlockRecord(record=record)
 
     async def PrepareFormat(
         self, request: common_pb2.ResponseFormat, context: grpc.aio.ServicerContext

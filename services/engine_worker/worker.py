@@ -16,6 +16,7 @@ from services.engine_worker.backends import BACKENDS, resolve_backend
 from services.engine_worker.capacity import check_memory_fits
 from services.engine_worker.grammar import GrammarCompiler
 from services.engine_worker.kv_cache import KVCacheShape
+from services.engine_worker.kv_tiers.handover import Exports
 from services.engine_worker.kv_tiers.transfer import BlockTransfer
 from services.engine_worker.manifest import artifact_digests, combined_digest, describe
 from services.engine_worker.preparation import ready_runner
@@ -81,6 +82,7 @@ class Worker:
         self.kv_transfer = BlockTransfer.open(
             config.kv_tiers, combined_digest(digests), formats.kv_cache, self.runner.kv_pool
         )
+        self.handover_exports = Exports(self.requests, self.runner.kv_pool, config.cache.block_size)
         phases = self.preparation.phases
         fixtures_started = time.perf_counter()
         self._check_fixtures()
@@ -117,8 +119,7 @@ class Worker:
 
     def _check_memory_fits(self, formats: StepFormats) -> None:
         """Weights (packed ones come from a float32 copy, the peak), the KV budget and what a
-        step needs besides (the runner says): checked before any is allocated, not found short
-        while others serve."""
+        step needs besides: checked before any is allocated, not found short while others serve."""
         arch, config = self.architecture, formats.runner_config(self.config)
         step = importlib.import_module(BACKENDS[self.backend]).Runner.step_memory_bytes
         check_memory_fits(
@@ -233,8 +234,7 @@ class Worker:
             return StepResult(plan.step_id, (), tuple(failure_of(r, error) for r in request_ids))
 
     def _execute(self, plan: StepPlan) -> StepResult:
-        for request_id in plan.finished_request_ids:
-            self.requests.pop(request_id, None)
+        self.handover_exports.forget(plan.finished_request_ids)  # a lease's end among them
         self.kv_transfer.start_step(plan.block_writes)  # before this step may reuse them
         self.runner.copy_blocks(plan.block_copies)  # before anything writes to them
         scheduled: list[tuple[RequestState, int]] = []

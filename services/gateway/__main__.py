@@ -59,6 +59,7 @@ def gateway_policy(args: argparse.Namespace, link: RedisLink | None) -> GatewayP
         limits=RequestLimits(args.max_request_bytes, args.max_prompt_tokens, args.max_total_tokens),
         stall_timeout_s=args.stall_timeout_s,
         trace_content=args.trace_content,
+        handover_min_tokens=args.handover_min_tokens,
     )
 
 

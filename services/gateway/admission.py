@@ -12,29 +12,27 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
-
 from services.gateway.call_context import time_remaining
 from services.gateway.catalog import ModelCatalog
 from services.gateway.generate_call import Checked, GenerateCall
+from services.gateway.handover import (
+    decode_sampling,
+    prefill_sampling,
+    split_roles,
+    splittable,
+    worth_splitting,
+)
+from services.gateway.placement import submit
 from services.gateway.policy import GatewayPolicy
 from services.gateway.rate_limits import Grant
-from services.gateway.request_record import (
-    ActiveRequest,
-    Admitted,
-    attempt_id,
-    member_suffix,
-    upstream_request_id,
-)
+from services.gateway.request_record import ActiveRequest, Admitted
 from services.gateway.request_sampling import for_completion, num_completions, resolve_sampling
-from services.gateway.router import Routed
+from services.gateway.router import Routed, RouteDecision
 from services.gateway.stop_strings import check_stop_strings
 from services.gateway.tokenizer_link import TokenizerLink
 from services.gateway.tools import constrain_to_calls, tool_use
-from shared import grpc_errors
-from shared.codec import sampling_to_pb
 from shared.errors import KvmeshError, Reason
-from shared.pb.kvmesh.v1 import inference_pb2, scheduler_pb2
+from shared.pb.kvmesh.v1 import scheduler_pb2
 from shared.service import ServiceRuntime
 
 
@@ -109,13 +107,21 @@ class Admission:
             )
         try:
             with telemetry.phase("route") as span:
-                route = await self.policy.router.route(
-                    checked.candidates, token_ids, checked.tenant.cache_salt
-                )
+                route, prefill_only = await self._route(call, checked, token_ids)
                 span.set_attributes(route.span_attributes())
             if remaining is not None:
                 remaining -= time.monotonic() - call.received
-            admitted = await self._submit(call, checked, Routed(route), token_ids, grant, remaining)
+            sent = prefill_sampling(sampling) if prefill_only else None
+            admitted = await submit(
+                call,
+                checked,
+                Routed(route),
+                token_ids,
+                grant,
+                remaining,
+                prefill_only=prefill_only,
+                sent=sent,
+            )
         except BaseException:
             self.release(grant, 0)
             raise
@@ -134,79 +140,19 @@ class Admission:
         )
         return admitted
 
-    async def _submit(
-        self,
-        call: GenerateCall,
-        checked: Checked,
-        routed: Routed,
-        token_ids: list[int],
-        grant: Grant | None,
-        remaining: float | None,
-        attempts: list[inference_pb2.Attempt] | None = None,
-        index: int = 0,
-    ) -> Admitted:
-        """Sends the request (its completion `index`) to its scheduler and waits for the
-        scheduler to accept it."""
-        backend = routed.route.backend
-        attempts = attempts or []
-        attempt = len(attempts) + 1
-        n = num_completions(call.request.n)
-        member = member_suffix(index, n)
-        client_named = bool(call.request.request_id)
-        upstream_id = upstream_request_id(
-            call.request_id, checked.tenant, client_named, attempt, member
-        )
-        # The n completions share the prompt's blocks where they run on one scheduler.
-        group = upstream_request_id(call.request_id, checked.tenant, client_named) if n > 1 else ""
-        sampling = checked.sampling  # this completion's own (its seed)
-        sampling_pb = sampling_to_pb(sampling)  # encoded once: sent here, recorded at the end
-        submit = backend.stub.Submit(
-            scheduler_pb2.SubmitRequest(
-                request_id=upstream_id,
-                token_ids=token_ids,
-                sampling=sampling_pb,
-                priority=call.request.priority,
-                cache_salt=checked.tenant.cache_salt,
-                tenant=checked.tenant.name,
-                tenant_weight=checked.tenant.weight,
-                group_id=group,
-            ),
-            timeout=remaining,
-            metadata=call.telemetry.metadata(),
-        )
-        try:
-            first = await submit.read()
-            if first is grpc.aio.EOF or first.WhichOneof("event") != "accepted":
-                raise KvmeshError(Reason.INTERNAL, "the scheduler did not accept the request")
-        except grpc.RpcError as error:
-            routed.ended()
-            raise grpc_errors.from_rpc_error(error) from None
-        except BaseException:
-            submit.cancel()  # the client left before acceptance: do not leave it queued
-            routed.ended()
-            raise
-        routed.accepted()
-        return Admitted(
-            routed,
-            checked.tenant,
-            grant,
-            sampling,
-            sampling_pb,
-            token_ids,
-            submit,
-            first.accepted.queue_position,
-            upstream_id,
-            backend.model or checked.model,
-            [
-                *attempts,
-                inference_pb2.Attempt(
-                    attempt_id=attempt_id(call.request_id, attempt, member),
-                    scheduler=backend.address,
-                ),
-            ],
-            list(call.request.stop),
-            index,
-        )
+    async def _route(
+        self, call: GenerateCall, checked: Checked, token_ids: list[int]
+    ) -> tuple[RouteDecision, bool]:
+        """Where the request goes, and whether that is a prefill pair (the decode pair it would
+        have gone to has enough of the prompt to compute: handed over after the first token)."""
+        router, salt = self.policy.router, checked.tenant.cache_salt
+        prefill, decoding = split_roles(checked.candidates)
+        route = await router.route(decoding, token_ids, salt)
+        if not prefill or not splittable(call.request, checked.sampling):
+            return route, False
+        if not worth_splitting(route, self.policy.handover_min_tokens):
+            return route, False
+        return await router.route(prefill, token_ids, salt), True
 
     async def admit_siblings(self, call: GenerateCall, first: Admitted) -> list[Admitted]:
         """Completions 1 to n - 1 of an admitted request, on its scheduler (where they fork
@@ -220,9 +166,7 @@ class Admission:
                 checked = Checked(first.tenant, [first.backend], first.model, sampling)
                 routed, tokens = Routed(first.routed.route), first.token_ids
                 members.append(
-                    await self._submit(
-                        call, checked, routed, tokens, first.grant, remaining, index=index
-                    )
+                    await submit(call, checked, routed, tokens, first.grant, remaining, index=index)
                 )
         except BaseException:
             for member in members:
@@ -236,10 +180,7 @@ class Admission:
         """The request again, same tokens and sampling, on another ready scheduler of the same
         model version, within the request's deadline; KvmeshError when none can take it."""
         failed.attempts[-1].error_reason = error.reason.value
-        remaining = call.context.time_remaining()  # the client's deadline, as of now
-        if call.request.timeout_ms:
-            left = call.request.timeout_ms / 1e3 - (time.monotonic() - call.received)
-            remaining = left if remaining is None else min(remaining, left)
+        remaining = _remaining_s(call)
         if remaining is not None and remaining <= 0:
             raise error
         pinned = f"{failed.model.name}@{failed.model.version}"
@@ -256,7 +197,7 @@ class Admission:
                 others, failed.token_ids, failed.tenant.cache_salt
             )
             span.set_attributes(route.span_attributes())
-        return await self._submit(
+        return await submit(
             call,
             checked,
             Routed(route),
@@ -267,6 +208,41 @@ class Admission:
             failed.index,
         )
 
+    async def hand_over(
+        self,
+        call: GenerateCall,
+        prefilled: Admitted,
+        ticket: scheduler_pb2.HandoverTicket,
+        first_ids: list[int],
+    ) -> Admitted:
+        """A prefilled request to a pair that decodes (same model version), with its first
+        tokens and the ticket its blocks are pulled with; KvmeshError when none takes it."""
+        remaining = _remaining_s(call)
+        if remaining is not None and remaining <= 0:
+            raise KvmeshError(Reason.DEADLINE_EXCEEDED, "the deadline passed at the handover")
+        pinned = f"{prefilled.model.name}@{prefilled.model.version}"
+        _, decoding = split_roles(self.catalog.schedulers(pinned, split=False))
+        token_ids = prefilled.token_ids + first_ids
+        checked = Checked(prefilled.tenant, decoding, prefilled.model, prefilled.sampling)
+        with call.telemetry.phase("route") as span:
+            route = await self.policy.router.route(decoding, token_ids, prefilled.tenant.cache_salt)
+            span.set_attributes(route.span_attributes())
+        moved = await submit(
+            call,
+            checked,
+            Routed(route),
+            token_ids,
+            prefilled.grant,
+            remaining,
+            prefilled.attempts,
+            prefilled.index,
+            ticket=ticket,
+            sent=decode_sampling(prefilled.sampling, len(first_ids)),
+        )
+        if moved.handover is not None:
+            moved.handover.prefill_scheduler = prefilled.backend.address
+        return moved
+
     def release(self, grant: Grant | None, tokens_used: int) -> None:
         """Return the tenant's charge in the background: a stream's cleanup never waits on
         Redis, and a cancelled stream still releases."""
@@ -275,3 +251,12 @@ class Admission:
         task = asyncio.create_task(self.policy.rate_limiter.release(grant, tokens_used))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+
+
+def _remaining_s(call: GenerateCall) -> float | None:
+    """The client's deadline from now, or the request's own timeout if sooner."""
+    remaining = call.context.time_remaining()
+    if call.request.timeout_ms:
+        left = call.request.timeout_ms / 1e3 - (time.monotonic() - call.received)
+        remaining = left if remaining is None else min(remaining, left)
+    return remaining

@@ -36,7 +36,7 @@ from services.gateway.text_stream import TextStream
 from services.gateway.tokenizer_link import TokenizerLink
 from shared.errors import KvmeshError
 from shared.logs import bind_request
-from shared.pb.kvmesh.v1 import inference_pb2
+from shared.pb.kvmesh.v1 import inference_pb2, scheduler_pb2
 from shared.service import ServiceRuntime
 
 log = logging.getLogger("kvmesh.gateway")
@@ -151,9 +151,19 @@ class GenerateHandler:
         """The relay's events; a retryable failure before the first token places the
         completion once more, on another scheduler, and relays that attempt instead."""
         placed, text, progress = completion.placed, completion.text, completion.progress
+
+        async def hand_over(
+            prefilled: Admitted, ticket: scheduler_pb2.HandoverTicket, first_ids: list[int]
+        ) -> Admitted:
+            moved = await self.admission.hand_over(call, prefilled, ticket, first_ids)
+            placed.append(moved)  # cancelled, and counted, as the current placement
+            if active := self.active.get(active_key):
+                active[completion.index] = ActiveRequest(moved.backend, moved.upstream_id)
+            return moved
+
         while True:
             admitted = placed[-1]
-            relay = Relay(list(call.request.stop), admitted, text, progress, call.tools)
+            relay = Relay(list(call.request.stop), admitted, text, progress, call.tools, hand_over)
             relay.may_fail_over = len(admitted.attempts) < MAX_ATTEMPTS
             try:
                 async for event in relay.events():

@@ -19,3 +19,5 @@ class GatewayPolicy:
     limits: RequestLimits = field(default_factory=RequestLimits)
     stall_timeout_s: float = 30.0  # a client that takes no event this long is cancelled
     trace_content: bool = False  # prompt and completion text in spans (off: never)
+    # With prefill and decode pairs: fewer tokens to compute than this skip the prefill pair.
+    handover_min_tokens: int = 256

@@ -3,14 +3,16 @@
 The scheduler's per-step tokens go through the request's Detokenize stream (never half a UTF-8
 character), then through the stop-string matcher, which may end the request early: cancelling
 the Submit call aborts it upstream and frees its blocks. Every path ends with a usage event and
-exactly one terminal event.
+exactly one terminal event. A request split between a prefill and a decode pair is relayed
+from one then the other: the prefill pair's `finished` carries a handover ticket, and the relay
+goes on reading the decode pair's stream (handover.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -31,6 +33,8 @@ from shared.outputs import FinishReason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, scheduler_pb2
 
 log = logging.getLogger("kvmesh.gateway.relay")
+# Places a prefilled request on a decode pair: (prefilled, ticket, its first tokens) -> that.
+HandOver = Callable[[Admitted, scheduler_pb2.HandoverTicket, list[int]], Awaitable[Admitted]]
 Event = inference_pb2.GenerateEvent
 # Failures another scheduler may not have: its worker or it died, or it is draining.
 FAILOVER_REASONS = (Reason.WORKER_LOST, Reason.MODEL_NOT_READY, Reason.UNREACHABLE)
@@ -52,8 +56,11 @@ class Relay:
         text: TextStream,
         progress: Progress,
         tools: ToolUse | None = None,
+        hand_over: HandOver | None = None,
     ) -> None:
         self.admitted = admitted
+        self.hand_over = hand_over
+        self.first_ids: list[int] = []  # sampled by a prefill pair, sent on to the decode pair
         self.text = text
         self.progress = progress
         self.stops = StopStringMatcher(stops)
@@ -64,11 +71,13 @@ class Relay:
         self.may_fail_over = False  # set by the handler while another attempt is allowed
 
     async def events(self) -> AsyncIterator[Event]:
-        submit = self.admitted.submit
         try:
             while not self.ended:
-                event = await submit.read()
+                event = await self.admitted.submit.read()
                 kind = "eof" if event is grpc.aio.EOF else event.WhichOneof("event")
+                if kind == "finished" and event.finished.HasField("handover") and self.hand_over:
+                    await self._hand_over(self.hand_over, event.finished.handover)
+                    continue
                 if kind == "tokens":
                     handled = self.on_tokens(event.tokens)
                 elif kind == "finished":
@@ -88,6 +97,16 @@ class Relay:
             async for out in self.on_broken(failure):
                 yield out
 
+    async def _hand_over(self, hand_over: HandOver, ticket: scheduler_pb2.HandoverTicket) -> None:
+        """On to the decode pair; the prefill pair's stream closes either way, which ends its
+        lease (the decode pair pulled the blocks before accepting, or never will)."""
+        prefilled = self.admitted
+        try:
+            self.admitted = await hand_over(prefilled, ticket, self.first_ids)
+        finally:
+            prefilled.submit.cancel()
+            prefilled.routed.ended()
+
     def _fail_over_if_allowed(self, error: KvmeshError) -> None:
         """Never after the first token: the client would see tokens twice, or other ones."""
         if (
@@ -102,7 +121,9 @@ class Relay:
     async def on_tokens(self, tokens: scheduler_pb2.SubmitTokens) -> AsyncIterator[Event]:
         ids, progress = list(tokens.token_ids), self.progress
         progress.completion_tokens += len(ids)
-        if tokens.HasField("first"):
+        if self.admitted.prefill_only:
+            self.first_ids += ids
+        if tokens.HasField("first") and progress.first_timings is None:
             progress.first_timings = tokens.first
             progress.cached_tokens = tokens.first.cached_tokens
         self.admitted.routed.started()

@@ -63,6 +63,8 @@ class Admitted:
     attempts: list[inference_pb2.Attempt]
     stop: list[str]  # the stop strings the gateway matches
     index: int = 0  # which of the request's n completions
+    prefill_only: bool = False  # on a prefill pair: handed over to a decode pair after it
+    handover: inference_pb2.Handover | None = None  # on a decode pair: where its prompt ran
 
     @property
     def backend(self) -> SchedulerBackend:
@@ -152,6 +154,8 @@ def completed_event(
                 tokenizer_digest=model.tokenizer_digest,
                 stop=admitted.stop,
                 prepared_id=model.prepared_id,
+                worker=finished.worker if finished is not None else "",
+                handover=admitted.handover,
             ),
         )
     )

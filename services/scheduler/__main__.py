@@ -13,6 +13,7 @@ from services.scheduler.redis_publisher import RedisPublisher
 from services.scheduler.server import SchedulerService
 from shared.flag_env import env_default, env_int
 from shared.flags import add_scheduler_flags, scheduler_config
+from shared.handover_flags import add_handover_flags, handover_config
 from shared.logs import configure_logging
 from shared.pb.kvmesh.v1 import scheduler_pb2_grpc
 from shared.service import ServiceRuntime, add_common_flags, start_observability
@@ -28,6 +29,7 @@ async def serve(args: argparse.Namespace) -> None:
         enable_prefix_caching=not args.no_prefix_caching,
         worker_address=args.worker,
         max_waiting=args.max_waiting,
+        handover=handover_config(args, args.worker),
     )
     runtime.add_servicer(scheduler_pb2_grpc.add_SchedulerServicer_to_server, service)
     REGISTRY.register(SchedulerMetrics(asyncio.get_running_loop(), service.reporter.report))
@@ -70,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: --host:--port)",
     )
     add_scheduler_flags(parser)
+    add_handover_flags(parser)
     return parser
 
 

@@ -44,6 +44,10 @@ class Request:
     num_tier_blocks: int = 0  # leading full blocks its worker's KV tiers held on arrival
     num_loaded_tokens: int = 0  # prompt tokens loaded from a KV tier at admission
     loading: bool = False  # its planned load has not come back yet (the step runs it)
+    # Prefill/decode split: a prefill-only request's blocks are held under a lease once it has
+    # its first token; a handed-over one loads its prompt blocks pulled from the prefill worker.
+    prefill_only: bool = False
+    handed_over: bool = False
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # speculative tokens proposed for it, and accepted
     num_accepted_drafts: int = 0

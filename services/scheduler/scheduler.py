@@ -3,12 +3,9 @@
 Each step: running requests first (decodes and unfinished prefill chunks, in priority order),
 then waiting ones while budget, sequence slots and KV blocks last. When blocks run out the
 lowest-priority, newest running request is preempted: its blocks are freed and it is recomputed
-later (its cached full blocks usually make that cheap).
-
-Within a priority, tenants share the batch and the pool by weight (fair_share.py): which
-waiting request is admitted next, which running one gives up its slot or its blocks. The n
-completions of one request compute their prompt once and fork (groups.py). A decoding request
-may verify draft tokens beside its next one (speculation.py).
+later (its cached full blocks usually make that cheap). Tenants share the batch and the pool by
+weight (fair_share.py); n completions fork one prompt (groups.py); drafts are verified beside a
+decode (speculation.py). A prefill-only request's blocks outlive it under a lease (`leases`).
 """
 
 from __future__ import annotations
@@ -58,6 +55,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._step_ids = itertools.count()
         self._freed_since_last_plan: list[str] = []
+        self.leases: dict[str, Request] = {}  # prefilled, blocks held for a decode pair's pull
         self.num_preemptions = 0
         self.num_finished = 0  # completed or aborted
 
@@ -76,17 +74,9 @@ class Scheduler:
         if request_id in self.requests:
             raise KvmeshError(Reason.INVALID_ARGUMENT, f"request id {request_id!r} is in use")
         check_prompt_fits(len(prompt_token_ids), self.max_model_len, self.config)
-        request = Request(
-            request_id,
-            list(prompt_token_ids),
-            sampling,
-            next(self._arrivals),
-            priority,
-            cache_salt,
-            tenant,
-            tenant_weight if tenant_weight > 0 else 1.0,
-            group_id,
-        )
+        weight = tenant_weight if tenant_weight > 0 else 1.0
+        fields = (next(self._arrivals), priority, cache_salt, tenant, weight, group_id)
+        request = Request(request_id, list(prompt_token_ids), sampling, *fields)
         request.num_cached_on_arrival = self.block_manager.cached_prefix_tokens(request)
         request.num_tier_blocks = num_tier_blocks
         self.requests[request_id] = request
@@ -101,9 +91,14 @@ class Scheduler:
             return None
         return self._finish(request, FinishReason.FINISH_REASON_ABORT, ())
 
+    def release_lease(self, request_id: str) -> None:
+        """A prefilled request's blocks go back (handed over, or its lease expired)."""
+        if (request := self.leases.pop(request_id, None)) is not None:
+            self.block_manager.free(request)
+            self._freed_since_last_plan.append(request_id)
+
     def has_unfinished(self) -> bool:
-        """Requests to run, or full blocks still to write down to the KV tiers (an idle
-        worker has no next step to carry them: the next plan is theirs alone)."""
+        """Requests to run, or blocks to write down to the KV tiers (then a plan of their own)."""
         return bool(self.waiting or self.running or self.block_manager.has_writes)
 
     def load(self) -> SchedulerLoad:
@@ -209,8 +204,7 @@ class Scheduler:
         bisect.insort(self.running, request, key=lambda r: r.sort_key)
 
     def _preempt(self, victim: Request, among: Sequence[Request]) -> None:
-        """The victim and its group's members `among` the running requests not yet scheduled
-        this step (a scheduled one keeps its plan)."""
+        """The victim, and its group's members among the running not yet scheduled this step."""
         group = set(self.groups.running_siblings(victim)) if victim.group_id else set()
         for request in [victim, *(r for r in among if r in group)]:
             self._preempt_one(request)
@@ -238,6 +232,8 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             if self.tier_loads.fell_short(request, short_loads.get(request_id), self.block_manager):
+                if failed := self.tier_loads.handover_failure(request):
+                    outputs.append(self._fail(failed))
                 continue  # it computed nothing: on from what did load
             token = sampled.get(request_id)
             # Computed: the tokens before the drafts, and the drafts the worker accepted.
@@ -266,8 +262,7 @@ class Scheduler:
         return outputs
 
     def _fail(self, failure: FailedRequest) -> RequestOutput:
-        """The worker could not compute it: it ends now, and none of its blocks stays in the
-        prefix cache (what the failed pass wrote there may be garbage)."""
+        """It ends now, none of its blocks cached (what a failed pass wrote may be garbage)."""
         request = self.requests[failure.request_id]
         self._end(request, drop_cached=True)
         return RequestOutput(
@@ -281,20 +276,24 @@ class Scheduler:
         new_token_ids: tuple[int, ...],
         logprobs: tuple = (),
     ) -> RequestOutput:
-        self._end(request)
+        held = request.prefill_only and reason == FinishReason.FINISH_REASON_LENGTH
+        self._end(request, hold=held)
         request.finish_reason = reason
         return request.final_output(new_token_ids, logprobs)
 
-    def _end(self, request: Request, drop_cached: bool = False) -> None:
-        """Out of its queue and the pool; the worker forgets it with the next plan."""
+    def _end(self, request: Request, drop_cached: bool = False, hold: bool = False) -> None:
+        """Out of its queue and the pool (unless held: a lease); then the worker forgets it."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.block_manager.free(request, drop_cached)
+        if hold:
+            self.leases[request.request_id] = request
+        else:
+            self.block_manager.free(request, drop_cached)
+            self._freed_since_last_plan.append(request.request_id)
         self.groups.remove(request)
         self.speculator.forget(request)
         self.num_finished += 1
         request.status = RequestStatus.FINISHED
         del self.requests[request.request_id]
-        self._freed_since_last_plan.append(request.request_id)

@@ -13,12 +13,13 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from services.scheduler.handover import Handover
 from services.scheduler.load_report import LoadReporter
 from services.scheduler.request_trace import CANCEL_TO_FREED, RequestTrace
 from services.scheduler.step_loop import StepLoop, Tracked
 from shared.block_hash import hash_full_blocks
 from shared.codec import sampling_from_pb
-from shared.config import SchedulerConfig
+from shared.config import HandoverConfig, SchedulerConfig
 from shared.errors import KvmeshError, Reason
 from shared.logs import bind_request
 from shared.outputs import FinishReason
@@ -41,20 +42,36 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         enable_prefix_caching: bool,
         worker_address: str,
         max_waiting: int,
+        handover: HandoverConfig | None = None,
     ) -> None:
         self.runtime = runtime
         self.max_waiting = max_waiting
         self.loop = StepLoop(config, enable_prefix_caching, worker_address, runtime.set_ready)
+        handover = handover or HandoverConfig(worker_advertise=worker_address)
+        self.handover = Handover(handover, self.loop)
+        self.loop.link.fail_handovers = self.handover.config.load_failure == "fail"
         self.reporter = LoadReporter(self.loop, max_waiting)
 
-    async def _tier_blocks(self, request: scheduler_pb2.SubmitRequest) -> int:
-        """Leading blocks of its prompt the worker's KV tiers hold (asked before it queues)."""
+    async def _tier_blocks(
+        self,
+        request: scheduler_pb2.SubmitRequest,
+        metadata: Sequence[tuple[str, str | bytes]] | None,
+        accepted: scheduler_pb2.SubmitAccepted,
+    ) -> int:
+        """Leading blocks of its prompt the worker can load (asked before it queues): pulled
+        from its prefill worker when handed over, else what the worker's KV tiers hold."""
         link, scheduler = self.loop.link, self.loop.scheduler
-        if scheduler is None or not link.tiers.enabled:
+        handed_over = request.HasField("handover")
+        if scheduler is None or not (link.tiers.enabled or handed_over):
             return 0
         salt = request.cache_salt
         hashes = hash_full_blocks(list(request.token_ids), scheduler.block_size, salt)
-        return await link.lookup_blocks(hashes)
+        if not handed_over:
+            return await link.lookup_blocks(hashes)
+        pulled = await self.handover.pull(request, hashes, metadata)
+        accepted.handover_blocks, accepted.handover_bytes = pulled.num_blocks, pulled.bytes
+        accepted.handover_seconds, accepted.handover_outcome = pulled.seconds, pulled.outcome
+        return int(pulled.num_blocks)
 
     def _admit(
         self,
@@ -89,7 +106,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             )
         if request.request_id in loop.tracked:
             raise KvmeshError(Reason.INVALID_ARGUMENT, f"{request.request_id!r} is in use")
-        scheduler.add_request(
+        added = scheduler.add_request(
             request.request_id,
             list(request.token_ids),
             sampling_from_pb(request.sampling),
@@ -100,6 +117,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             group_id=request.group_id,
             num_tier_blocks=tier_blocks,
         )
+        added.prefill_only, added.handed_over = request.prefill_only, request.HasField("handover")
         trace = RequestTrace(metadata, request.request_id, len(request.token_ids), request.tenant)
         tracked = Tracked(request.request_id, trace)
         if remaining is not None:
@@ -115,18 +133,28 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             remaining = context.time_remaining()
             await self.loop.link.prepare_format(request.sampling.response_format, remaining)
         metadata = context.invocation_metadata()
-        tier_blocks = await self._tier_blocks(request)
-        tracked, position = self._admit(request, context.time_remaining(), metadata, tier_blocks)
+        accepted = scheduler_pb2.SubmitAccepted()
+        tier_blocks = await self._tier_blocks(request, metadata, accepted)
+        tracked, accepted.queue_position = self._admit(
+            request, context.time_remaining(), metadata, tier_blocks
+        )
         self.loop.wake()
         with self.runtime.in_flight():
             try:
-                yield scheduler_pb2.SubmitEvent(
-                    accepted=scheduler_pb2.SubmitAccepted(queue_position=position)
-                )
+                yield scheduler_pb2.SubmitEvent(accepted=accepted)
                 while True:
                     event = await tracked.events.get()
+                    kind = event.WhichOneof("event")
+                    ticket = None
+                    if kind == "finished":
+                        event.finished.worker = self.handover.config.worker_advertise
+                        ticket = self.handover.ticket(request.request_id)
+                    if ticket is not None:
+                        event.finished.handover.CopyFrom(ticket)
                     yield event
-                    if event.WhichOneof("event") in ("finished", "failed"):
+                    if ticket is not None:  # its blocks wait for the decode pair's pull
+                        await self.handover.hold(request.request_id)
+                    if kind in ("finished", "failed"):
                         return
             finally:
                 if request.request_id in self.loop.tracked:  # the caller went away first
@@ -168,4 +196,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise KvmeshError(
                 Reason.MODEL_NOT_READY, "no engine-worker attached yet", retryable=True
             )
-        return self.loop.model
+        model = common_pb2.ModelInfo()
+        model.CopyFrom(self.loop.model)
+        model.serving_role = self.handover.config.role
+        return model

@@ -202,9 +202,12 @@ class StepLoop:
             },
         )
         tracked.trace.span.set_attribute("error.type", failure.error_type)
+        reason = Reason(failure.reason)
         error = KvmeshError(
-            Reason(failure.reason),
-            "the engine could not compute this request; it was stopped and its batch went on",
+            reason,
+            "its prefilled blocks did not load whole (--kv-load-failure fail)"
+            if reason is Reason.KV_HANDOVER_FAILED
+            else "the engine could not compute this request; it was stopped and its batch went on",
         )
         self._close(tracked, scheduler_pb2.SubmitEvent(failed=grpc_errors.to_pb(error)))
 

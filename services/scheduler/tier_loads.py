@@ -5,6 +5,9 @@ A request arrives knowing how many of its leading full blocks some tier holds (t
 asked before it queued). At admission the blocks past the pool's own prefix hit, up to that
 count, are loaded instead of computed, when there are enough of them to beat recomputing
 (`load_min_tokens`); at least one prompt token is always left to compute, for the logits.
+A handed-over request's blocks (pulled from its prefill worker) are always loaded: its prompt
+was computed once already, and a decode pair recomputes only what did not arrive, or fails the
+request under `--kv-load-failure fail`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager, PrefixMatch
 from services.scheduler.request import Request
-from shared.step import LoadFailure
+from shared.errors import Reason
+from shared.step import FailedRequest, LoadFailure
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,7 @@ class TierPolicy:
     tiers: tuple[str, ...] = ()
     write: str = "through"  # through: as blocks fill; back: as the pool evicts them
     load_min_tokens: int = 256
+    fail_handovers: bool = False  # --kv-load-failure fail: a short handover fails its request
 
     @property
     def enabled(self) -> bool:
@@ -51,11 +56,13 @@ class TierLoads:
 
     def plan(self, request: Request, prefix: PrefixMatch) -> tuple[int, ...]:
         """Hashes of the blocks to load after `prefix` (none for a fork: its sibling's)."""
-        if not self.policy.enabled or not prefix.from_cache or prefix.copy_from is not None:
+        enabled = self.policy.enabled or request.handed_over
+        if not enabled or not prefix.from_cache or prefix.copy_from is not None:
             return ()
         start = len(prefix.block_ids)
         stop = min(request.num_tier_blocks, (request.num_tokens - 1) // self.block_size)
-        if (stop - start) * self.block_size < max(1, self.policy.load_min_tokens):
+        min_tokens = 1 if request.handed_over else max(1, self.policy.load_min_tokens)
+        if (stop - start) * self.block_size < min_tokens:
             return ()
         return tuple(request.full_block_hashes(self.block_size)[start:stop])
 
@@ -82,3 +89,9 @@ class TierLoads:
         self.stats.recomputed_tokens += missing
         block_manager.cache_full_blocks(request)
         return True
+
+    def handover_failure(self, request: Request) -> FailedRequest | None:
+        """A handed-over request whose load fell short, under the fail policy."""
+        if not (request.handed_over and self.policy.fail_handovers):
+            return None
+        return FailedRequest(request.request_id, Reason.KV_HANDOVER_FAILED.value, "LoadFailure")

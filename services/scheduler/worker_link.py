@@ -49,6 +49,7 @@ class WorkerLink:
         self.lost = False
         self.tiers = NO_TIERS  # the attached worker's KV tiers (WorkerInfo)
         self.draining = False  # reachable but NOT_SERVING: finish what runs, take nothing new
+        self.fail_handovers = False  # --kv-load-failure fail (the scheduler plans with it)
 
     async def connect(self) -> common_pb2.ModelInfo:
         """Blocks until the worker serves; retries forever (a worker may take minutes to load)."""
@@ -61,7 +62,9 @@ class WorkerLink:
                 self._call = stub.Step()
                 self.lost = self.draining = False
                 kv = info.kv_tiers
-                self.tiers = TierPolicy(tuple(kv.tiers), kv.write or "through", kv.load_min_tokens)
+                self.tiers = TierPolicy(
+                    tuple(kv.tiers), kv.write or "through", kv.load_min_tokens, self.fail_handovers
+                )
                 self._watcher = asyncio.create_task(self._watch(self._channel))
                 log.info("worker attached", extra={"worker": self.address})
                 return info.model
@@ -100,6 +103,22 @@ class WorkerLink:
             log.info("kv tier lookup failed", extra={"error": str(error.code())})
             return 0
         return int(found.num_leading)
+
+    async def pull_blocks(
+        self, source: str, lease_id: str, block_hashes: list[int], timeout_s: float
+    ) -> engine_worker_pb2.PullResult:
+        """The worker pulls a handed-over request's blocks from `source`; what arrived."""
+        if self._channel is None or self.lost:
+            return engine_worker_pb2.PullResult(outcome="worker_lost")
+        stub = engine_worker_pb2_grpc.EngineWorkerStub(self._channel)
+        pull = engine_worker_pb2.PullRequest(
+            source_worker=source, lease_id=lease_id, block_hashes=block_hashes, timeout_s=timeout_s
+        )
+        try:  # the worker bounds the pull itself; this bound is for the worker going away
+            return await stub.PullBlocks(pull, timeout=timeout_s + 5)
+        except grpc.RpcError as error:
+            log.info("kv handover pull failed", extra={"error": str(error.code())})
+            return engine_worker_pb2.PullResult(outcome="error")
 
     @staticmethod
     async def _wait_serving(channel: grpc.aio.Channel) -> None:

@@ -2,21 +2,24 @@
 
 A step plan's writes are read out of the pool before the step runs (the step may reuse those
 blocks) and offered to the store's queue; a new request's planned load is copied into its pool
-blocks before the step computes the rest of its prompt. A load that stops short says where, so
-the scheduler recomputes from there.
+blocks before the step computes the rest of its prompt, from the handover inbox first (blocks
+pulled from a prefill worker), then the store. A load that stops short says where, so the
+scheduler recomputes from there.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from services.engine_worker.compile_cache import cache_root
-from services.engine_worker.kv_tiers.block_record import TierNamespace
+from services.engine_worker.kv_tiers.block_record import BadBlock, TierNamespace, unpack
+from services.engine_worker.kv_tiers.handover import HANDOVER_FAILURES, Inbox
 from services.engine_worker.kv_tiers.store import KVBlockStore
 from shared.config import KVTierConfig
 from shared.step import BlockWrite, LoadFailure, NewRequestPlan
@@ -43,6 +46,7 @@ class BlockTransfer:
         self.block_size = block_size
         self.step_loads: list[LoadRecord] = []  # this step's, until the next starts
         self.prefill_s_per_token: float | None = None  # measured on steps, see observe_step
+        self.inbox = Inbox()
 
     @classmethod
     def open(
@@ -114,12 +118,6 @@ class BlockTransfer:
         """Its planned blocks into its pool blocks; where it stopped, if it did."""
         if not new.load_hashes:
             return None
-        if self.store is None:  # a plan for tiers this worker lacks: all recomputed
-            return LoadFailure(
-                new.request_id,
-                new.num_computed_tokens - len(new.load_hashes) * self.block_size,
-                "unavailable",
-            )
         size, count = self.block_size, len(new.load_hashes)
         first = new.num_computed_tokens // size - count
         tokens = [new.token_ids[(first + i) * size : (first + i + 1) * size] for i in range(count)]
@@ -127,9 +125,7 @@ class BlockTransfer:
         reason: str | None = None
         written = 0
         try:
-            payloads, reason = self.store.load(
-                new.load_hashes, tokens, self.pool.block_payload_bytes
-            )
+            payloads, reason = self._load(new.load_hashes, tokens)
             for payload in payloads:
                 self.pool.write_block(new.block_ids[first + written], payload)
                 written += 1
@@ -142,3 +138,26 @@ class BlockTransfer:
         if reason is None:
             return None
         return LoadFailure(new.request_id, (first + written) * size, reason)
+
+    def _load(
+        self, block_hashes: Sequence[int], token_ids: Sequence[Sequence[int]]
+    ) -> tuple[list[memoryview], str | None]:
+        """Each block's K/V from the inbox, then the store, up to the first neither has whole."""
+        payload_bytes = self.pool.block_payload_bytes
+        payloads: list[memoryview] = []
+        for block_hash, tokens in zip(block_hashes, token_ids, strict=True):
+            record = self.inbox.take(block_hash)
+            if record is None:
+                break
+            try:
+                payloads.append(unpack(record, tokens, payload_bytes))
+            except BadBlock as bad:
+                HANDOVER_FAILURES.labels(bad.reason).inc()
+                return payloads, bad.reason
+        done = len(payloads)
+        if done == len(block_hashes):
+            return payloads, None
+        if self.store is None:  # blocks neither pulled nor in tiers this worker has
+            return payloads, "unavailable"
+        rest, reason = self.store.load(block_hashes[done:], token_ids[done:], payload_bytes)
+        return payloads + rest, reason

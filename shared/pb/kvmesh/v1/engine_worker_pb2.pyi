@@ -193,6 +193,44 @@ class BlockLookupResult(_message.Message):
     num_leading: int
     def __init__(self, num_leading: _Optional[int] = ...) -> None: ...
 
+class PullRequest(_message.Message):
+    __slots__ = ("source_worker", "lease_id", "block_hashes", "timeout_s")
+    SOURCE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    source_worker: str
+    lease_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    timeout_s: float
+    def __init__(self, source_worker: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class PullResult(_message.Message):
+    __slots__ = ("num_blocks", "bytes", "seconds", "outcome")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    bytes: int
+    seconds: float
+    outcome: str
+    def __init__(self, num_blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., outcome: _Optional[str] = ...) -> None: ...
+
+class ExportRequest(_message.Message):
+    __slots__ = ("lease_id", "num_blocks")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    num_blocks: int
+    def __init__(self, lease_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class BlockRecord(_message.Message):
+    __slots__ = ("record",)
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    record: bytes
+    def __init__(self, record: _Optional[bytes] = ...) -> None: ...
+
 class WarmupRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -61,6 +61,16 @@ class EngineWorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_common__pb2.ResponseFormat.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_engine__worker__pb2.PrepareFormatResponse.FromString,
                 _registered_method=True)
+        self.PullBlocks = channel.unary_unary(
+                '/kvmesh.v1.EngineWorker/PullBlocks',
+                request_serializer=kvmesh_dot_v1_dot_engine__worker__pb2.PullRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_engine__worker__pb2.PullResult.FromString,
+                _registered_method=True)
+        self.ExportBlocks = channel.unary_stream(
+                '/kvmesh.v1.EngineWorker/ExportBlocks',
+                request_serializer=kvmesh_dot_v1_dot_engine__worker__pb2.ExportRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_engine__worker__pb2.BlockRecord.FromString,
+                _registered_method=True)
 
 
 class EngineWorkerServicer:
@@ -104,6 +114,22 @@ class EngineWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullBlocks(self, request, context):
+        """Prefill/decode handover, decode side: pulls a request's prompt blocks from the prefill
+        worker that holds them under a lease, into memory, for the request's planned load.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportBlocks(self, request, context):
+        """Prefill/decode handover, prefill side: the leased request's full prompt blocks, in order,
+        each in the KV tier record format (tokens, K/V of every layer, CRC-32).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +157,16 @@ def add_EngineWorkerServicer_to_server(servicer, server):
                     servicer.PrepareFormat,
                     request_deserializer=kvmesh_dot_v1_dot_common__pb2.ResponseFormat.FromString,
                     response_serializer=kvmesh_dot_v1_dot_engine__worker__pb2.PrepareFormatResponse.SerializeToString,
+            ),
+            'PullBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullBlocks,
+                    request_deserializer=kvmesh_dot_v1_dot_engine__worker__pb2.PullRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_engine__worker__pb2.PullResult.SerializeToString,
+            ),
+            'ExportBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportBlocks,
+                    request_deserializer=kvmesh_dot_v1_dot_engine__worker__pb2.ExportRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_engine__worker__pb2.BlockRecord.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +305,60 @@ class EngineWorker:
             '/kvmesh.v1.EngineWorker/PrepareFormat',
             kvmesh_dot_v1_dot_common__pb2.ResponseFormat.SerializeToString,
             kvmesh_dot_v1_dot_engine__worker__pb2.PrepareFormatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.EngineWorker/PullBlocks',
+            kvmesh_dot_v1_dot_engine__worker__pb2.PullRequest.SerializeToString,
+            kvmesh_dot_v1_dot_engine__worker__pb2.PullResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.EngineWorker/ExportBlocks',
+            kvmesh_dot_v1_dot_engine__worker__pb2.ExportRequest.SerializeToString,
+            kvmesh_dot_v1_dot_engine__worker__pb2.BlockRecord.FromString,
             options,
             channel_credentials,
             insecure,

@@ -169,7 +169,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., loaded_tokens: _Optional[int] = ...) -> None: ...
 
 class ExecutionRecord(_message.Message):
-    __slots__ = ("model_name", "model_version", "artifact_digest", "backend", "dtype", "sampling", "seed", "scheduler", "routing", "tenant", "attempts", "runtime", "device", "threads", "tokenizer_digest", "stop", "prepared_id")
+    __slots__ = ("model_name", "model_version", "artifact_digest", "backend", "dtype", "sampling", "seed", "scheduler", "routing", "tenant", "attempts", "runtime", "device", "threads", "tokenizer_digest", "stop", "prepared_id", "worker", "handover")
     class RuntimeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,8 @@ class ExecutionRecord(_message.Message):
     TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     PREPARED_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_version: str
     artifact_digest: str
@@ -211,7 +213,25 @@ class ExecutionRecord(_message.Message):
     tokenizer_digest: str
     stop: _containers.RepeatedScalarFieldContainer[str]
     prepared_id: str
-    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., artifact_digest: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., scheduler: _Optional[str] = ..., routing: _Optional[_Union[RoutingDecision, _Mapping]] = ..., tenant: _Optional[str] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., runtime: _Optional[_Mapping[str, str]] = ..., device: _Optional[str] = ..., threads: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., prepared_id: _Optional[str] = ...) -> None: ...
+    worker: str
+    handover: Handover
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., artifact_digest: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., scheduler: _Optional[str] = ..., routing: _Optional[_Union[RoutingDecision, _Mapping]] = ..., tenant: _Optional[str] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., runtime: _Optional[_Mapping[str, str]] = ..., device: _Optional[str] = ..., threads: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., prepared_id: _Optional[str] = ..., worker: _Optional[str] = ..., handover: _Optional[_Union[Handover, _Mapping]] = ...) -> None: ...
+
+class Handover(_message.Message):
+    __slots__ = ("prefill_scheduler", "prefill_worker", "blocks", "bytes", "seconds", "outcome")
+    PREFILL_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    prefill_scheduler: str
+    prefill_worker: str
+    blocks: int
+    bytes: int
+    seconds: float
+    outcome: str
+    def __init__(self, prefill_scheduler: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., outcome: _Optional[str] = ...) -> None: ...
 
 class Attempt(_message.Message):
     __slots__ = ("attempt_id", "scheduler", "error_reason")

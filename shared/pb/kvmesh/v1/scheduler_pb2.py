@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shared.pb.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/scheduler.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xc2\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\x0c\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x15\n\rtenant_weight\x18\x07 \x01(\x01\x12\x10\n\x08group_id\x18\x08 \x01(\t\"\xc3\x01\n\x0bSubmitEvent\x12-\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x19.kvmesh.v1.SubmitAcceptedH\x00\x12)\n\x06tokens\x18\x02 \x01(\x0b\x32\x17.kvmesh.v1.SubmitTokensH\x00\x12-\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SubmitFinishedH\x00\x12\"\n\x06\x66\x61iled\x18\x04 \x01(\x0b\x32\x10.kvmesh.v1.ErrorH\x00\x42\x07\n\x05\x65vent\"(\n\x0eSubmitAccepted\x12\x16\n\x0equeue_position\x18\x01 \x01(\r\"z\n\x0cSubmitTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12+\n\x05\x66irst\x18\x03 \x01(\x0b\x32\x1c.kvmesh.v1.FirstTokenTimings\"g\n\x11\x46irstTokenTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x15\n\rloaded_tokens\x18\x04 \x01(\r\"\xdc\x01\n\x0eSubmitFinished\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\x12\x14\n\x0c\x64raft_tokens\x18\x06 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x07 \x01(\r\x12\x15\n\rloaded_tokens\x18\x08 \x01(\r\"+\n\x15SchedulerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\'\n\x16SchedulerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"+\n\x0bLoadRequest\x12\x1c\n\x14include_recent_frees\x18\x01 \x01(\x08\"9\n\x0c\x46reedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rfreed_unix_ns\x18\x02 \x01(\x03\"\x8e\x05\n\nLoadReport\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x06 \x01(\x04\x12\x1b\n\x13num_expired_waiting\x18\x07 \x01(\x04\x12\x1b\n\x13num_expired_running\x18\x08 \x01(\x04\x12\x13\n\x0bnum_aborted\x18\t \x01(\x04\x12\x11\n\tnum_steps\x18\n \x01(\x04\x12-\n\x0crecent_frees\x18\x0b \x03(\x0b\x32\x17.kvmesh.v1.FreedRequest\x12\x14\n\x0cworker_ready\x18\x0c \x01(\x08\x12\x19\n\x11worker_compute_ms\x18\r \x01(\x01\x12\x1a\n\x12num_waiting_tokens\x18\x0e \x01(\x04\x12\x1e\n\x16queue_time_estimate_ms\x18\x0f \x01(\x01\x12\x13\n\x0bmax_waiting\x18\x10 \x01(\r\x12\x17\n\x0fslot_releases_s\x18\x11 \x03(\x01\x12\x18\n\x10num_open_streams\x18\x12 \x01(\r\x12\x1d\n\x15num_blocks_referenced\x18\x13 \x01(\r\x12\x1b\n\x13prefix_query_tokens\x18\x14 \x01(\x04\x12\x18\n\x10prefix_evictions\x18\x15 \x01(\x04\x12\x1c\n\x14num_failed_execution\x18\x16 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x17 \x01(\x04\x12!\n\x19num_accepted_draft_tokens\x18\x18 \x01(\x04\"\x17\n\x15SchedulerModelRequest2\x95\x02\n\tScheduler\x12<\n\x06Submit\x12\x18.kvmesh.v1.SubmitRequest\x1a\x16.kvmesh.v1.SubmitEvent0\x01\x12L\n\x05\x41\x62ort\x12 .kvmesh.v1.SchedulerAbortRequest\x1a!.kvmesh.v1.SchedulerAbortResponse\x12\x38\n\x07GetLoad\x12\x16.kvmesh.v1.LoadRequest\x1a\x15.kvmesh.v1.LoadReport\x12\x42\n\x08GetModel\x12 .kvmesh.v1.SchedulerModelRequest\x1a\x14.kvmesh.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/scheduler.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\x85\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\x0c\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x15\n\rtenant_weight\x18\x07 \x01(\x01\x12\x10\n\x08group_id\x18\x08 \x01(\t\x12\x14\n\x0cprefill_only\x18\t \x01(\x08\x12+\n\x08handover\x18\n \x01(\x0b\x32\x19.kvmesh.v1.HandoverTicket\"W\n\x0eHandoverTicket\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\"\xc3\x01\n\x0bSubmitEvent\x12-\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x19.kvmesh.v1.SubmitAcceptedH\x00\x12)\n\x06tokens\x18\x02 \x01(\x0b\x32\x17.kvmesh.v1.SubmitTokensH\x00\x12-\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SubmitFinishedH\x00\x12\"\n\x06\x66\x61iled\x18\x04 \x01(\x0b\x32\x10.kvmesh.v1.ErrorH\x00\x42\x07\n\x05\x65vent\"\x8d\x01\n\x0eSubmitAccepted\x12\x16\n\x0equeue_position\x18\x01 \x01(\r\x12\x17\n\x0fhandover_blocks\x18\x02 \x01(\r\x12\x16\n\x0ehandover_bytes\x18\x03 \x01(\x04\x12\x18\n\x10handover_seconds\x18\x04 \x01(\x01\x12\x18\n\x10handover_outcome\x18\x05 \x01(\t\"z\n\x0cSubmitTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12+\n\x05\x66irst\x18\x03 \x01(\x0b\x32\x1c.kvmesh.v1.FirstTokenTimings\"g\n\x11\x46irstTokenTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x15\n\rloaded_tokens\x18\x04 \x01(\r\"\x99\x02\n\x0eSubmitFinished\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\x12\x14\n\x0c\x64raft_tokens\x18\x06 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x07 \x01(\r\x12\x15\n\rloaded_tokens\x18\x08 \x01(\r\x12\x0e\n\x06worker\x18\t \x01(\t\x12+\n\x08handover\x18\n \x01(\x0b\x32\x19.kvmesh.v1.HandoverTicket\"+\n\x15SchedulerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\'\n\x16SchedulerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"+\n\x0bLoadRequest\x12\x1c\n\x14include_recent_frees\x18\x01 \x01(\x08\"9\n\x0c\x46reedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rfreed_unix_ns\x18\x02 \x01(\x03\"\x8e\x05\n\nLoadReport\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x06 \x01(\x04\x12\x1b\n\x13num_expired_waiting\x18\x07 \x01(\x04\x12\x1b\n\x13num_expired_running\x18\x08 \x01(\x04\x12\x13\n\x0bnum_aborted\x18\t \x01(\x04\x12\x11\n\tnum_steps\x18\n \x01(\x04\x12-\n\x0crecent_frees\x18\x0b \x03(\x0b\x32\x17.kvmesh.v1.FreedRequest\x12\x14\n\x0cworker_ready\x18\x0c \x01(\x08\x12\x19\n\x11worker_compute_ms\x18\r \x01(\x01\x12\x1a\n\x12num_waiting_tokens\x18\x0e \x01(\x04\x12\x1e\n\x16queue_time_estimate_ms\x18\x0f \x01(\x01\x12\x13\n\x0bmax_waiting\x18\x10 \x01(\r\x12\x17\n\x0fslot_releases_s\x18\x11 \x03(\x01\x12\x18\n\x10num_open_streams\x18\x12 \x01(\r\x12\x1d\n\x15num_blocks_referenced\x18\x13 \x01(\r\x12\x1b\n\x13prefix_query_tokens\x18\x14 \x01(\x04\x12\x18\n\x10prefix_evictions\x18\x15 \x01(\x04\x12\x1c\n\x14num_failed_execution\x18\x16 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x17 \x01(\x04\x12!\n\x19num_accepted_draft_tokens\x18\x18 \x01(\x04\"\x17\n\x15SchedulerModelRequest2\x95\x02\n\tScheduler\x12<\n\x06Submit\x12\x18.kvmesh.v1.SubmitRequest\x1a\x16.kvmesh.v1.SubmitEvent0\x01\x12L\n\x05\x41\x62ort\x12 .kvmesh.v1.SchedulerAbortRequest\x1a!.kvmesh.v1.SchedulerAbortResponse\x12\x38\n\x07GetLoad\x12\x16.kvmesh.v1.LoadRequest\x1a\x15.kvmesh.v1.LoadReport\x12\x42\n\x08GetModel\x12 .kvmesh.v1.SchedulerModelRequest\x1a\x14.kvmesh.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,29 +33,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.scheduler_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITREQUEST']._serialized_start=65
-  _globals['_SUBMITREQUEST']._serialized_end=259
-  _globals['_SUBMITEVENT']._serialized_start=262
-  _globals['_SUBMITEVENT']._serialized_end=457
-  _globals['_SUBMITACCEPTED']._serialized_start=459
-  _globals['_SUBMITACCEPTED']._serialized_end=499
-  _globals['_SUBMITTOKENS']._serialized_start=501
-  _globals['_SUBMITTOKENS']._serialized_end=623
-  _globals['_FIRSTTOKENTIMINGS']._serialized_start=625
-  _globals['_FIRSTTOKENTIMINGS']._serialized_end=728
-  _globals['_SUBMITFINISHED']._serialized_start=731
-  _globals['_SUBMITFINISHED']._serialized_end=951
-  _globals['_SCHEDULERABORTREQUEST']._serialized_start=953
-  _globals['_SCHEDULERABORTREQUEST']._serialized_end=996
-  _globals['_SCHEDULERABORTRESPONSE']._serialized_start=998
-  _globals['_SCHEDULERABORTRESPONSE']._serialized_end=1037
-  _globals['_LOADREQUEST']._serialized_start=1039
-  _globals['_LOADREQUEST']._serialized_end=1082
-  _globals['_FREEDREQUEST']._serialized_start=1084
-  _globals['_FREEDREQUEST']._serialized_end=1141
-  _globals['_LOADREPORT']._serialized_start=1144
-  _globals['_LOADREPORT']._serialized_end=1798
-  _globals['_SCHEDULERMODELREQUEST']._serialized_start=1800
-  _globals['_SCHEDULERMODELREQUEST']._serialized_end=1823
-  _globals['_SCHEDULER']._serialized_start=1826
-  _globals['_SCHEDULER']._serialized_end=2103
+  _globals['_SUBMITREQUEST']._serialized_end=326
+  _globals['_HANDOVERTICKET']._serialized_start=328
+  _globals['_HANDOVERTICKET']._serialized_end=415
+  _globals['_SUBMITEVENT']._serialized_start=418
+  _globals['_SUBMITEVENT']._serialized_end=613
+  _globals['_SUBMITACCEPTED']._serialized_start=616
+  _globals['_SUBMITACCEPTED']._serialized_end=757
+  _globals['_SUBMITTOKENS']._serialized_start=759
+  _globals['_SUBMITTOKENS']._serialized_end=881
+  _globals['_FIRSTTOKENTIMINGS']._serialized_start=883
+  _globals['_FIRSTTOKENTIMINGS']._serialized_end=986
+  _globals['_SUBMITFINISHED']._serialized_start=989
+  _globals['_SUBMITFINISHED']._serialized_end=1270
+  _globals['_SCHEDULERABORTREQUEST']._serialized_start=1272
+  _globals['_SCHEDULERABORTREQUEST']._serialized_end=1315
+  _globals['_SCHEDULERABORTRESPONSE']._serialized_start=1317
+  _globals['_SCHEDULERABORTRESPONSE']._serialized_end=1356
+  _globals['_LOADREQUEST']._serialized_start=1358
+  _globals['_LOADREQUEST']._serialized_end=1401
+  _globals['_FREEDREQUEST']._serialized_start=1403
+  _globals['_FREEDREQUEST']._serialized_end=1460
+  _globals['_LOADREPORT']._serialized_start=1463
+  _globals['_LOADREPORT']._serialized_end=2117
+  _globals['_SCHEDULERMODELREQUEST']._serialized_start=2119
+  _globals['_SCHEDULERMODELREQUEST']._serialized_end=2142
+  _globals['_SCHEDULER']._serialized_start=2145
+  _globals['_SCHEDULER']._serialized_end=2422
 # @@protoc_insertion_point(module_scope)

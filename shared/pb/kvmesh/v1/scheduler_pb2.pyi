@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "priority", "cache_salt", "tenant", "tenant_weight", "group_id")
+    __slots__ = ("request_id", "token_ids", "sampling", "priority", "cache_salt", "tenant", "tenant_weight", "group_id", "prefill_only", "handover")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,8 @@ class SubmitRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -25,7 +27,21 @@ class SubmitRequest(_message.Message):
     tenant: str
     tenant_weight: float
     group_id: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[bytes] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., group_id: _Optional[str] = ...) -> None: ...
+    prefill_only: bool
+    handover: HandoverTicket
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[bytes] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., group_id: _Optional[str] = ..., prefill_only: _Optional[bool] = ..., handover: _Optional[_Union[HandoverTicket, _Mapping]] = ...) -> None: ...
+
+class HandoverTicket(_message.Message):
+    __slots__ = ("worker", "lease_id", "num_blocks", "lease_s")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    lease_id: str
+    num_blocks: int
+    lease_s: float
+    def __init__(self, worker: _Optional[str] = ..., lease_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class SubmitEvent(_message.Message):
     __slots__ = ("accepted", "tokens", "finished", "failed")
@@ -40,10 +56,18 @@ class SubmitEvent(_message.Message):
     def __init__(self, accepted: _Optional[_Union[SubmitAccepted, _Mapping]] = ..., tokens: _Optional[_Union[SubmitTokens, _Mapping]] = ..., finished: _Optional[_Union[SubmitFinished, _Mapping]] = ..., failed: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...
 
 class SubmitAccepted(_message.Message):
-    __slots__ = ("queue_position",)
+    __slots__ = ("queue_position", "handover_blocks", "handover_bytes", "handover_seconds", "handover_outcome")
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_OUTCOME_FIELD_NUMBER: _ClassVar[int]
     queue_position: int
-    def __init__(self, queue_position: _Optional[int] = ...) -> None: ...
+    handover_blocks: int
+    handover_bytes: int
+    handover_seconds: float
+    handover_outcome: str
+    def __init__(self, queue_position: _Optional[int] = ..., handover_blocks: _Optional[int] = ..., handover_bytes: _Optional[int] = ..., handover_seconds: _Optional[float] = ..., handover_outcome: _Optional[str] = ...) -> None: ...
 
 class SubmitTokens(_message.Message):
     __slots__ = ("token_ids", "logprobs", "first")
@@ -68,7 +92,7 @@ class FirstTokenTimings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., loaded_tokens: _Optional[int] = ...) -> None: ...
 
 class SubmitFinished(_message.Message):
-    __slots__ = ("finish_reason", "cached_tokens", "queue_ms", "prefill_ms", "decode_ms", "draft_tokens", "accepted_draft_tokens", "loaded_tokens")
+    __slots__ = ("finish_reason", "cached_tokens", "queue_ms", "prefill_ms", "decode_ms", "draft_tokens", "accepted_draft_tokens", "loaded_tokens", "worker", "handover")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +101,8 @@ class SubmitFinished(_message.Message):
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _common_pb2.FinishReason
     cached_tokens: int
     queue_ms: float
@@ -85,7 +111,9 @@ class SubmitFinished(_message.Message):
     draft_tokens: int
     accepted_draft_tokens: int
     loaded_tokens: int
-    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., loaded_tokens: _Optional[int] = ...) -> None: ...
+    worker: str
+    handover: HandoverTicket
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., loaded_tokens: _Optional[int] = ..., worker: _Optional[str] = ..., handover: _Optional[_Union[HandoverTicket, _Mapping]] = ...) -> None: ...
 
 class SchedulerAbortRequest(_message.Message):
     __slots__ = ("request_id",)
