@@ -41,7 +41,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
+	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml deploy/compose/split.yml
 	$(BIN)/mkdocs build --strict --site-dir $$(mktemp -d)  # a broken link or a page off the nav fails
 
 # The docs site (mkdocs-material, docs/ and mkdocs.yml) into site/; docs-serve: live on :8001.

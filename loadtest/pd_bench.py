@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8, help="steady decoding streams")
     parser.add_argument("--stream-tokens", type=int, default=128, help="each stream's answer")
     parser.add_argument("--long-tokens", type=int, default=3000)
-    parser.add_argument("--long-every-s", type=float, default=9.0)
+    parser.add_argument("--long-every-s", type=float, default=14.0)
     args = parser.parse_args()
     count = int(args.seconds / args.long_every_s) + 2
     base = document(args.long_tokens)

@@ -12,11 +12,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
+SPLIT = ROOT / "deploy" / "compose" / "split.yml"  # the prefill/decode split, over COMPOSE
 MESH_SERVICES = {"trace-collector", "tokenizer", "engine-worker", "scheduler", "gateway"}
 
 
-def compose() -> dict:
-    return yaml.safe_load(COMPOSE.read_text())
+def compose(path: Path = COMPOSE) -> dict:
+    return yaml.safe_load(path.read_text())
 
 
 def python_modules(command: list[str]) -> list[str]:
@@ -28,7 +29,7 @@ def test_compose_file_matches_the_compose_spec() -> None:
     checker = str(beside_python) if beside_python.exists() else shutil.which("check-jsonschema")
     assert checker, "check-jsonschema is not installed (pip install -e '.[test]')"
     result = subprocess.run(
-        [checker, "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+        [checker, "--builtin-schema", "vendor.compose-spec", str(COMPOSE), str(SPLIT)],
         capture_output=True,
         text=True,
         check=False,
@@ -55,3 +56,19 @@ def test_each_mesh_service_has_a_health_check_and_redis_is_the_official_image() 
         assert "shared.healthcheck" in services[name]["healthcheck"]["test"], name
         assert python_modules(services[name]["command"]) == [f"services.{name.replace('-', '_')}"]
     assert services["redis"]["image"].startswith("redis:")
+
+
+def test_the_split_override_adds_a_prefill_pair_the_gateway_and_decode_pair_know() -> None:
+    base, split = compose()["services"], compose(SPLIT)["services"]
+    assert set(split) - set(base) == {"engine-worker-prefill", "scheduler-prefill"}
+    for name in ("engine-worker-prefill", "scheduler-prefill"):
+        module = python_modules(split[name]["command"])[0]
+        assert importlib.util.find_spec(module) is not None
+        assert "shared.healthcheck" in split[name]["healthcheck"]["test"]
+    prefill = split["scheduler-prefill"]["environment"]
+    assert prefill["KVMESH_ROLE"] == "prefill" and split["scheduler"]["environment"] == {
+        "KVMESH_ROLE": "decode"
+    }
+    assert prefill["KVMESH_WORKER"] == prefill["KVMESH_WORKER_ADVERTISE"]
+    schedulers = split["gateway"]["environment"]["KVMESH_SCHEDULER"].split(",")
+    assert sorted(schedulers) == ["scheduler-prefill:50071", "scheduler:50071"]

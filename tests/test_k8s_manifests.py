@@ -24,7 +24,7 @@ from tests.k8s_render import render
 ROOT = Path(__file__).resolve().parents[1]
 OVERLAYS = ROOT / "deploy" / "k8s" / "overlays"
 KUBERNETES_VERSIONS = ("1.31.0", "1.37.0")  # the oldest and newest we claim
-OVERLAY_NAMES = ["dev", "prod", "prod-tls"]
+OVERLAY_NAMES = ["dev", "prod", "prod-tls", "disaggregated"]
 TLS_ENV = set(re.findall(r"KVMESH_TLS_[A-Z_]+", (ROOT / "shared" / "tls.py").read_text()))
 
 
@@ -132,14 +132,19 @@ def test_services_name_their_ports_and_the_gateway_finds_every_worker(overlay: s
         if obj["kind"] == "Service":
             for port in obj["spec"]["ports"]:
                 assert port["name"].split("-")[0] in ("grpc", "http", "tcp"), port
-    worker = by_name(overlay, "Service", "worker")
-    assert worker["spec"]["clusterIP"] == "None"  # headless: one DNS answer per pod
     gateway = by_name(overlay, "Deployment", "gateway")["spec"]["template"]["spec"]
     env = {e["name"]: e.get("value") for e in gateway["containers"][0]["env"]}
-    target = env["KVMESH_SCHEDULER"].rpartition("=dns:///")[2]
-    host, port = target.rsplit(":", 1)
-    assert host == f"worker.{worker['metadata']['namespace']}.svc.cluster.local"
-    assert int(port) == worker["spec"]["ports"][0]["port"]
+    found = set()
+    for spec in env["KVMESH_SCHEDULER"].split(","):  # each a headless Service of worker pods
+        host, port = spec.rpartition("=dns:///")[2].rsplit(":", 1)
+        name, namespace = host.removesuffix(".svc.cluster.local").split(".")
+        service = by_name(overlay, "Service", name)
+        assert service["spec"]["clusterIP"] == "None"  # headless: one DNS answer per pod
+        assert namespace == service["metadata"]["namespace"]
+        assert int(port) == service["spec"]["ports"][0]["port"]
+        found.add(name)
+    pools = {o["metadata"]["name"] for o in rendered(overlay) if o["kind"] == "Deployment"}
+    assert found == {name for name in pools if name.startswith("worker")}  # every pool found
 
 
 def test_the_model_repository_entry_matches_the_image_model(tmp_path: Path) -> None:
@@ -197,3 +202,24 @@ def test_worker_pods_start_from_what_the_prepare_job_stored() -> None:
     }
     assert claims[written["name"]] == pod_claims[read["name"]] == "prepared-models"
     assert read.get("readOnly") and not written.get("readOnly")
+
+
+def test_the_split_overlay_runs_a_prefill_and_a_decode_pool_each_scaled_on_its_own() -> None:
+    roles = {}
+    for name in ("worker", "worker-prefill"):
+        pod = by_name("disaggregated", "Deployment", name)["spec"]["template"]["spec"]
+        scheduler = next(c for c in pod["containers"] if c["name"] == "scheduler")
+        env = {e["name"]: e.get("value") for e in scheduler["env"]}
+        roles[name] = env["KVMESH_ROLE"]
+        if roles[name] == "prefill":  # what decode pods pull from: this pod's worker port
+            assert env["KVMESH_WORKER_ADVERTISE"] == "$(POD_IP):50061"
+    assert roles == {"worker": "decode", "worker-prefill": "prefill"}
+    scaled = {
+        o["spec"]["scaleTargetRef"]["name"]: o["spec"]["metrics"][0]["pods"]["metric"]["name"]
+        for o in rendered("disaggregated")
+        if o["kind"] == "HorizontalPodAutoscaler"
+    }
+    assert scaled == {
+        "worker-prefill": "kvmesh_queue_time_estimate_seconds",
+        "worker": "kvmesh_kv_cache_usage_ratio",
+    }

@@ -55,7 +55,7 @@ async def submit(
     group = upstream_request_id(call.request_id, checked.tenant, client_named) if n > 1 else ""
     sampling = checked.sampling  # this completion's own (its seed)
     sampling_pb = sampling_to_pb(sampling)  # encoded once: sent here, recorded at the end
-    submit = backend.stub.Submit(
+    upstream = backend.stub.Submit(
         scheduler_pb2.SubmitRequest(
             request_id=upstream_id,
             token_ids=token_ids,
@@ -72,14 +72,14 @@ async def submit(
         metadata=call.telemetry.metadata(),
     )
     try:
-        first = await submit.read()
+        first = await upstream.read()
         if first is grpc.aio.EOF or first.WhichOneof("event") != "accepted":
             raise KvmeshError(Reason.INTERNAL, "the scheduler did not accept the request")
     except grpc.RpcError as error:
         routed.ended()
         raise grpc_errors.from_rpc_error(error) from None
     except BaseException:
-        submit.cancel()  # the client left before acceptance: do not leave it queued
+        upstream.cancel()  # the client left before acceptance: do not leave it queued
         routed.ended()
         raise
     routed.accepted()
@@ -90,7 +90,7 @@ async def submit(
         sampling,
         sampling_pb,
         token_ids,
-        submit,
+        upstream,
         first.accepted.queue_position,
         upstream_id,
         backend.model or checked.model,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -19,6 +20,8 @@ from shared.pb.kvmesh.v1 import (
     inference_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
+    traces_pb2,
+    traces_pb2_grpc,
 )
 from tests.e2e.mesh_helpers import (
     assert_mesh_idle,
@@ -83,19 +86,34 @@ def mixed_answers(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory)
         return asyncio.run(both())
 
 
+@pytest.fixture(scope="module")
+def recomputing(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """A split mesh with the default policies."""
+    with Mesh(split_mesh(tiny_llama_dir, str(tmp_path_factory.mktemp("split")))) as mesh:
+        yield mesh
+
+
+@pytest.fixture(scope="module")
+def failing(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """A split mesh whose decode pair fails a short handover, and whose leases are short."""
+    args = ("--kv-load-failure", "fail", "--handover-lease-s", "1")
+    with Mesh(split_mesh(tiny_llama_dir, str(tmp_path_factory.mktemp("fail")), *args)) as mesh:
+        yield mesh
+
+
 async def test_a_long_prompt_is_prefilled_on_one_pair_and_decoded_on_the_other(
-    tiny_llama_dir: str, tmp_path, mixed_answers: dict
+    recomputing: Mesh, mixed_answers: dict
 ) -> None:
-    with Mesh(split_mesh(tiny_llama_dir, str(tmp_path / "logs"))) as mesh:
-        prefill, decode = mesh.scheduler_addresses
-        prefill_worker, decode_worker = mesh.worker_addresses
-        split = await generate(mesh.gateway_address, PROMPT)
-        short = await generate(mesh.gateway_address, SHORT)
-        await assert_mesh_idle(mesh)  # every lease ended, every block back
-        received = metric_value(
-            mesh.service("engine-worker-1").metrics_url or "",
-            'kvmesh_kv_handover_bytes_total{direction="received"}',
-        )
+    mesh = recomputing
+    prefill, decode = mesh.scheduler_addresses
+    prefill_worker, decode_worker = mesh.worker_addresses
+    split = await generate(mesh.gateway_address, PROMPT)
+    short = await generate(mesh.gateway_address, SHORT)
+    await assert_mesh_idle(mesh)  # every lease ended, every block back
+    received = metric_value(
+        mesh.service("engine-worker-1").metrics_url or "",
+        'kvmesh_kv_handover_bytes_total{direction="received"}',
+    )
     # Token for token what a mixed mesh gives. The logprobs agree to float rounding, not bit
     # for bit: the decode pair computes the prompt's tail and the first token in one prefill
     # pass, where a mixed pair decodes that token.
@@ -115,6 +133,33 @@ async def test_a_long_prompt_is_prefilled_on_one_pair_and_decoded_on_the_other(
     # Under the threshold: straight to the decode pair, no handover.
     assert short[-1].completed.execution.scheduler == decode
     assert not short[-1].completed.execution.HasField("handover")
+    # One trace: prefill on one worker, the handover, the rest on the other.
+    spans = await trace_spans(mesh.collector_address, split[0].accepted.request_id)
+    (pull,) = [span for span in spans if span.name == "kv_handover"]
+    assert pull.attributes["kvmesh.handover.prefill_worker"] == prefill_worker
+    assert pull.attributes["kvmesh.handover.outcome"] == "ok"
+    assert {s.attributes["kvmesh.worker"] for s in spans if s.name == "prefill"} == {
+        prefill_worker,
+        decode_worker,  # the decode pair's first step: the prompt's tail and the first token
+    }
+    assert sum(span.name == "scheduler.request" for span in spans) == 2
+
+
+async def trace_spans(collector: str, request_id: str) -> list[traces_pb2.SpanRecord]:
+    """The request's spans, once both pairs' schedulers and workers have sent theirs."""
+    deadline = time.monotonic() + 10
+    async with grpc.aio.insecure_channel(collector) as channel:
+        traces = traces_pb2_grpc.TracesStub(channel)
+        while True:
+            try:
+                trace = await traces.GetTrace(traces_pb2.GetTraceRequest(request_id=request_id))
+                names = [span.name for span in trace.spans]
+                if "kv_handover" in names and names.count("prefill") >= 2:
+                    return list(trace.spans)
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.NOT_FOUND
+            assert time.monotonic() < deadline, f"trace of {request_id} incomplete"
+            await asyncio.sleep(0.1)
 
 
 def submit(address: str, request: scheduler_pb2.SubmitRequest) -> grpc.aio.UnaryStreamCall:
@@ -140,60 +185,60 @@ async def prefilled(prefill: str, request_id: str) -> tuple[grpc.aio.UnaryStream
     return call, events
 
 
-async def test_an_unclaimed_lease_expires_and_frees_the_prefill_blocks(
-    tiny_llama_dir: str, tmp_path
-) -> None:
-    config = split_mesh(tiny_llama_dir, str(tmp_path / "logs"), "--handover-lease-s", "0.5")
-    with Mesh(config) as mesh:
-        prefill, _ = mesh.scheduler_addresses
-        call, events = await prefilled(prefill, "leased-1")
-        ticket = events[-1].finished.handover
-        started = time.monotonic()
-        assert await call.read() is grpc.aio.EOF  # the scheduler ends the stream itself
-        assert 0.3 < time.monotonic() - started < 5
-        async with grpc.aio.insecure_channel(ticket.worker) as channel:
-            export = engine_worker_pb2_grpc.EngineWorkerStub(channel).ExportBlocks(
-                engine_worker_pb2.ExportRequest(lease_id=ticket.lease_id, num_blocks=1)
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as gone:
-                async for _ in export:
-                    pass
-        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
-        scheduler_metrics = mesh.service("scheduler-0").metrics_url or ""
-        assert metric_value(scheduler_metrics, "kvmesh_kv_handover_leases_expired_total") == 1
-        await assert_mesh_idle(mesh)
+async def test_an_unclaimed_lease_expires_and_frees_the_prefill_blocks(failing: Mesh) -> None:
+    mesh = failing
+    prefill, _ = mesh.scheduler_addresses
+    call, events = await prefilled(prefill, "leased-1")
+    ticket = events[-1].finished.handover
+    started = time.monotonic()
+    assert await call.read() is grpc.aio.EOF  # the scheduler ends the stream itself
+    assert 0.5 < time.monotonic() - started < 10
+    async with grpc.aio.insecure_channel(ticket.worker) as channel:
+        export = engine_worker_pb2_grpc.EngineWorkerStub(channel).ExportBlocks(
+            engine_worker_pb2.ExportRequest(lease_id=ticket.lease_id, num_blocks=1)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            async for _ in export:
+                pass
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    scheduler_metrics = mesh.service("scheduler-0").metrics_url or ""
+    assert metric_value(scheduler_metrics, "kvmesh_kv_handover_leases_expired_total") == 1
+    await assert_mesh_idle(mesh)
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 async def test_a_handover_whose_blocks_never_arrive_follows_the_policy(
-    tiny_llama_dir: str, tmp_path, policy: str, mixed_answers: dict
+    recomputing: Mesh, failing: Mesh, policy: str, mixed_answers: dict
 ) -> None:
-    config = split_mesh(tiny_llama_dir, str(tmp_path / "logs"), "--kv-load-failure", policy)
-    with Mesh(config) as mesh:
-        decode = mesh.scheduler_addresses[1]
-        first = [*PROMPT, mixed_answers["long"][0][0]]
-        # A ticket naming a lease the prefill worker never held: nothing arrives.
-        lost = scheduler_pb2.HandoverTicket(
-            worker=mesh.worker_addresses[0], lease_id="never-leased", num_blocks=10
-        )
-        call = submit(
-            decode,
-            scheduler_pb2.SubmitRequest(
-                request_id="handed-1", token_ids=first, sampling=greedy(11), handover=lost
-            ),
-        )
-        if policy == "fail":
-            with pytest.raises(grpc.aio.AioRpcError) as failed:
-                await call.read()
-            error = rich_error(failed.value)
-            assert (error.code, error.reason) == (grpc.StatusCode.UNAVAILABLE, "KV_HANDOVER_FAILED")
-        else:
-            accepted = (await call.read()).accepted
-            assert (accepted.handover_blocks, accepted.handover_outcome) == (0, "lease_not_found")
-            tokens: list[int] = []
-            while (event := await call.read()).WhichOneof("event") == "tokens":
-                tokens += event.tokens.token_ids
-            assert event.WhichOneof("event") == "finished"
-            assert event.finished.loaded_tokens == 0  # all of it recomputed
-            assert tokens == [token for token, _ in mixed_answers["long"][1:]]
-        await assert_mesh_idle(mesh)
+    mesh = recomputing if policy == "recompute" else failing
+    decode = mesh.scheduler_addresses[1]
+    first = [*PROMPT, mixed_answers["long"][0][0]]
+    # A ticket naming a lease the prefill worker never held: nothing arrives.
+    lost = scheduler_pb2.HandoverTicket(
+        worker=mesh.worker_addresses[0], lease_id="never-leased", num_blocks=10
+    )
+    call = submit(
+        decode,
+        scheduler_pb2.SubmitRequest(
+            request_id=f"handed-{policy}",
+            token_ids=first,
+            sampling=greedy(11),
+            handover=lost,
+            cache_salt=b"policy",  # none of the mesh's cached blocks: all of it recomputed
+        ),
+    )
+    if policy == "fail":
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await call.read()
+        error = rich_error(failed.value)
+        assert (error.code, error.reason) == (grpc.StatusCode.UNAVAILABLE, "KV_HANDOVER_FAILED")
+    else:
+        accepted = (await call.read()).accepted
+        assert (accepted.handover_blocks, accepted.handover_outcome) == (0, "lease_not_found")
+        tokens: list[int] = []
+        while (event := await call.read()).WhichOneof("event") == "tokens":
+            tokens += event.tokens.token_ids
+        assert event.WhichOneof("event") == "finished"
+        assert event.finished.loaded_tokens == 0  # all of it recomputed
+        assert tokens == [token for token, _ in mixed_answers["long"][1:]]
+    await assert_mesh_idle(mesh)

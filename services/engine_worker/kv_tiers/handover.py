@@ -94,6 +94,10 @@ class Exports:
 
 
 class Inbox:
+    """Pulled blocks by chained hash, each taken once by its request's load. One never taken
+    (its request refused or cancelled before its first step, or a block the decode pool held
+    already) leaves as newer pulls push it out of the budget."""
+
     def __init__(self, budget_bytes: int = INBOX_BYTES) -> None:
         self._staged = HostTier(budget_bytes)
         self._channels: dict[str, grpc.aio.Channel] = {}
