@@ -212,11 +212,18 @@ def stream_to_terminal(
                 done = event.completed
                 reason = finish_reason_label(done.finish_reason)
                 sys.stdout.write("\n")
+                moved = done.execution.handover
+                handover = (
+                    f"; {moved.blocks} blocks handed over from {moved.prefill_worker} "
+                    f"({moved.outcome})"
+                    if done.execution.HasField("handover")
+                    else ""
+                )
                 print(
                     f"[{reason}; "
                     f"{done.usage.prompt_tokens} prompt + {done.usage.completion_tokens} "
                     f"tokens; ttft {done.timings.ttft_ms:.0f} ms, "
-                    f"total {done.timings.total_ms:.0f} ms]",
+                    f"total {done.timings.total_ms:.0f} ms{handover}]",
                     file=sys.stderr,
                 )
             elif kind == "cancelled":

@@ -191,6 +191,20 @@ async def handovers_under_a_cut(cluster: SplitCluster, prompts: list[list[int]])
         cluster.restore()
 
 
+async def until_the_gateway_decodes_on(gateway: str, decode: str, timeout_s: float = 30) -> None:
+    """Short prompts (never split) land on the restarted decode pair once the gateway's health
+    watch has seen it again; until then the prefill pair serves them whole."""
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        while True:
+            events = await collect(stub, greedy([5, 6, 7]), timeout=30)
+            if events[-1].completed.execution.scheduler == decode:
+                return
+            assert time.monotonic() < deadline, "the gateway never saw the decode pair again"
+            await asyncio.sleep(0.2)
+
+
 async def computed_alone(address: str, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy tokens of each prompt on one scheduler, in a cache namespace of their own (no
     prefix of the mesh's requests touched)."""
@@ -236,6 +250,7 @@ async def test_split_across_hosts_and_a_cut_link_follows_the_policy(cluster: Spl
 
     cluster.start_decode_scheduler("fail")
     wait_serving(cluster.decode, 60)
+    await until_the_gateway_decodes_on(cluster.gateway, cluster.decode)
     failed = await handovers_under_a_cut(cluster, [[p[0] + 3, *p[1:]] for p in PROMPTS])
     for events in failed:
         assert events[-1].WhichOneof("event") == "failed", events[-1]

@@ -6,7 +6,8 @@
 # gpu-check-out/). GPU_CHECK_PARTS picks parts (default: all, in this order):
 #   install  wheels into /tmp/site; the random-weight default model (Q4_1 and F16)
 #   suite    tests/gpu with CUDA graphs on (kernels vs torch; cupy vs torch backend)
-#   mesh     `kvmesh up --backend cupy` streams an answer through the whole mesh, graphs on
+#   mesh     `kvmesh up --backend cupy` streams an answer through the whole mesh, graphs on;
+#            then split between a prefill and a decode pair (blocks pulled from a GPU pool)
 #   kernels  make bench-kernels
 #   bench    make bench-gpu: kvmesh cupy / torch / transformers / llama.cpp CUDA F16 and Q4_1
 # The llama.cpp CUDA build starts first, in the background, and is waited for by `bench`.
@@ -85,6 +86,9 @@ fi
 
 if has mesh; then
   timed mesh 120 $PYTHON -m kvmesh up --backend cupy --port 0 --http-port 0 \
+    --prompt "Explain in two sentences why the sky is blue."
+  timed split 150 $PYTHON -m kvmesh up --backend cupy --port 0 --http-port 0 \
+    --prefill-workers 1 --decode-workers 1 --handover-min-tokens 1 \
     --prompt "Explain in two sentences why the sky is blue."
   timed manifest 90 $PYTHON -m kvmesh manifest --backend cupy --dtype bfloat16
 fi
