@@ -66,6 +66,17 @@ class Host:
     def python(self, module: str, args: list[str], log_path: str) -> subprocess.Popen[bytes]:
         return self.spawn([sys.executable, "-m", module, *args], log_path)
 
+    def redis(self, log_path: str) -> subprocess.Popen[bytes]:
+        """redis-server on this host's address, port 6379."""
+        redis = shutil.which("redis-server")
+        assert redis, "redis-server is not installed"
+        return self.spawn(
+            # Not loopback: protected mode would refuse every other host without a password.
+            [redis, "--bind", self.address, "--port", "6379", "--save", "", "--appendonly",
+             "no", "--protected-mode", "no"],
+            log_path,
+        )  # fmt: skip
+
     def cut(self) -> None:
         _ip("link", "set", self.link, "down")
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -53,14 +52,7 @@ class Cluster:
 
     def start(self, model: str) -> None:
         hosts = self.network.hosts
-        redis = shutil.which("redis-server")
-        assert redis, "redis-server is not installed"
-        hosts["redis"].spawn(
-            # Not loopback: protected mode would refuse every other host without a password.
-            [redis, "--bind", hosts["redis"].address, "--port", "6379", "--save", "",
-             "--appendonly", "no", "--protected-mode", "no"],
-            self.log("redis"),
-        )  # fmt: skip
+        hosts["redis"].redis(self.log("redis"))
         common = ["--drain-seconds", "2"]
         for name in ("w1", "w2"):
             host = hosts[name]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -58,13 +57,7 @@ class SplitCluster:
 
     def start(self) -> None:
         hosts, common = self.network.hosts, ["--drain-seconds", "2"]
-        redis = shutil.which("redis-server")
-        assert redis, "redis-server is not installed"
-        hosts["redis"].spawn(
-            [redis, "--bind", hosts["redis"].address, "--port", "6379", "--save", "",
-             "--appendonly", "no", "--protected-mode", "no"],
-            self.log("redis"),
-        )  # fmt: skip
+        hosts["redis"].redis(self.log("redis"))
         worker = ["--model", self.model, "--threads", "1", "--kv-memory", "16MiB", *common]
         # The prefill worker listens on its host's address: the decode worker pulls from it.
         hosts["pf"].python(
@@ -116,11 +109,22 @@ class SplitCluster:
             self.log(f"scheduler-dc-{policy}"),
         )  # fmt: skip
 
-    def slow_then_cut(self) -> None:
-        """The prefill host's egress slowed to ~64 kB/s: a pull takes seconds."""
-        ip_in(self.network.hosts["pf"].namespace,
-              "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "512kbit",
-              "burst", "16kbit", "latency", "2s")  # fmt: skip
+    def slow_the_pulls(self) -> None:
+        """What the prefill host sends the decode host slowed to ~64 kB/s (a pull takes
+        seconds); all else, the gateway's streams to both included, as it was. Shaped on the
+        bridge's port to the decode host, matching the prefill host's address."""
+        port, prefill_host = self.network.hosts["dc"].link, self.network.hosts["pf"].address
+        for command in (
+            ["qdisc", "add", "dev", port, "root", "handle", "1:", "htb", "default", "10"],
+            ["class", "add", "dev", port, "parent", "1:", "classid", "1:10", "htb", "rate",
+             "10gbit"],
+            ["class", "add", "dev", port, "parent", "1:", "classid", "1:20", "htb", "rate",
+             "512kbit", "ceil", "512kbit"],
+            ["qdisc", "add", "dev", port, "parent", "1:20", "pfifo", "limit", "50"],
+            ["filter", "add", "dev", port, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+             "match", "ip", "src", f"{prefill_host}/32", "flowid", "1:20"],
+        ):  # fmt: skip
+            subprocess.run(["tc", *command], check=True, capture_output=True)
 
     def cut_between(self) -> None:
         """The decode host loses its route to the prefill host (the gateway keeps both)."""
@@ -130,11 +134,17 @@ class SplitCluster:
     def restore(self) -> None:
         hosts = self.network.hosts
         prefill_host = hosts["pf"].address
-        for namespace, command in (
-            (hosts["dc"].namespace, ["ip", "route", "del", "blackhole", prefill_host]),
-            (hosts["pf"].namespace, ["tc", "qdisc", "del", "dev", "eth0", "root"]),
-        ):
-            subprocess.run(["ip", "netns", "exec", namespace, *command], capture_output=True)
+        blackhole = ["ip", "route", "del", "blackhole", prefill_host]
+        subprocess.run(
+            ["ip", "netns", "exec", hosts["dc"].namespace, *blackhole],
+            check=False,
+            capture_output=True,
+        )
+        subprocess.run(
+            ["tc", "qdisc", "del", "dev", hosts["dc"].link, "root"],
+            check=False,
+            capture_output=True,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +176,7 @@ async def idle(address: str, timeout_s: float = 30) -> None:
 async def handovers_under_a_cut(cluster: SplitCluster, prompts: list[list[int]]) -> list:
     """The prompts at once; once each has its first token (their pulls under way, slowed),
     the link between the hosts is cut. Every request's events."""
-    cluster.slow_then_cut()
+    cluster.slow_the_pulls()
     try:
         async with grpc.aio.insecure_channel(cluster.gateway) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
