@@ -149,7 +149,7 @@ def main() -> None:
         split = run(True, args, texts, Path(scratch))
     print(f"{args.streams} decoding streams, a {args.long_tokens}-token prompt every "
           f"{args.long_every_s:.0f} s, {args.seconds:.0f} s; two workers, a core each")  # fmt: skip
-    print("| | two mixed pairs | prefill + decode pair | ratio |")
+    print("| | two mixed pairs | prefill + decode pair | split against mixed |")
     print("| --- | --- | --- | --- |")
     for key, label, unit, lower_better in (
         ("itl_p50", "decoding ITL p50", "ms", True),
@@ -159,9 +159,10 @@ def main() -> None:
         ("tok_s", "output tok/s", "", False),
     ):
         a, b = mixed[key], split[key]
-        ratio = a / b if lower_better else b / a
-        word = "x lower" if lower_better else "x"
-        print(f"| {label} | {a:.2f} {unit} | {b:.2f} {unit} | {ratio:.2f}{word} |")
+        better = b < a if lower_better else b > a
+        ratio = max(a, b) / min(a, b)
+        word = ("lower" if lower_better else "higher") if better else "worse"
+        print(f"| {label} | {a:.2f} {unit} | {b:.2f} {unit} | {ratio:.2f}x {word} |")
     print(f"long prompts served: {mixed['longs']} / {split['longs']}; failed requests: "
           f"{mixed['failed']} / {split['failed']}; handovers: {split['moved']}")  # fmt: skip
 
