@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.launcher import Mesh, MeshConfig
 from loadtest.kv_tiers_bench import document
@@ -88,19 +89,19 @@ async def drive(address: str, args: argparse.Namespace, texts: list[list[int]]) 
 
 
 def handover_figures(mesh: Mesh) -> str:
-    decode = next(s for s in mesh.services if s.name == "engine-worker-1")
-    metrics = urllib.request.urlopen(decode.metrics_url or "", timeout=5).read().decode()
-    values = {}
-    for line in metrics.splitlines():
-        for name in ("kvmesh_kv_handover_seconds_sum", "kvmesh_kv_handover_seconds_count",
-                     'kvmesh_kv_handover_bytes_total{direction="received"}'):  # fmt: skip
-            if line.startswith(name + " "):
-                values[name] = float(line.split()[1])
-    count = values.get("kvmesh_kv_handover_seconds_count", 0)
+    """What the decode worker's pulls moved, from its Prometheus endpoint."""
+    url = mesh.service("engine-worker-1").metrics_url or ""
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        samples = {
+            (sample.name, sample.labels.get("direction", "")): sample.value
+            for family in text_string_to_metric_families(reply.read().decode())
+            for sample in family.samples
+        }
+    count = samples.get(("kvmesh_kv_handover_seconds_count", ""), 0)
     if not count:
         return "no handover"
-    seconds = values["kvmesh_kv_handover_seconds_sum"] / count
-    megabytes = values['kvmesh_kv_handover_bytes_total{direction="received"}'] / count / 1e6
+    seconds = samples[("kvmesh_kv_handover_seconds_sum", "")] / count
+    megabytes = samples[("kvmesh_kv_handover_bytes_total", "received")] / count / 1e6
     return f"{count:.0f} handovers, {megabytes:.1f} MB and {seconds * 1e3:.0f} ms each"
 
 

@@ -42,8 +42,7 @@ class Handover:
     def ticket(self, request_id: str) -> scheduler_pb2.HandoverTicket | None:
         """Where a prefill-only request's blocks wait, once it ended holding them."""
         scheduler = self.loop.scheduler
-        request = scheduler.leases.get(request_id) if scheduler is not None else None
-        if request is None or scheduler is None:
+        if scheduler is None or (request := scheduler.leases.get(request_id)) is None:
             return None
         return scheduler_pb2.HandoverTicket(
             worker=self.config.worker_advertise,
