@@ -78,7 +78,7 @@ def add_up_parser(commands: argparse._SubParsersAction) -> None:
         help="rollout control (`kvmesh models deploy`); 0 picks a free one, -1: off",
     )
     add_worker_flags(up)  # forwarded to every engine-worker
-    add_scheduler_flags(up)  # forwarded to every scheduler
+    add_scheduler_flags(up, step_limits=False)  # forwarded to every scheduler
     add_handover_flags(up, per_pair=False)  # forwarded too; each pair's role is ours
     add_gateway_flags(up)  # forwarded to the gateway
     up.add_argument(

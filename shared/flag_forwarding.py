@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from shared.kv_tier_flags import kv_tier_flag_args
+from shared.step_limit_flags import step_limit_flag_args
 
 
 def worker_flag_args(args: argparse.Namespace) -> list[str]:
@@ -19,13 +20,10 @@ def worker_flag_args(args: argparse.Namespace) -> list[str]:
     forwarded += ["--prepared-dir", args.prepared_dir] if args.prepared_dir else []
     if args.max_model_len is not None:
         forwarded += ["--max-model-len", str(args.max_model_len)]
-    return forwarded + kv_tier_flag_args(args)
+    return forwarded + kv_tier_flag_args(args) + step_limit_flag_args(args)
 
 
 def scheduler_flag_args(args: argparse.Namespace) -> list[str]:
-    forwarded = ["--max-batched-tokens", str(args.max_batched_tokens)]
-    forwarded += ["--max-num-seqs", str(args.max_num_seqs), "--chunk-size", str(args.chunk_size)]
+    forwarded = [*step_limit_flag_args(args), "--chunk-size", str(args.chunk_size)]
     forwarded += ["--no-fair-prefill-first"] if args.no_fair_prefill_first else []
-    forwarded += ["--speculative", args.speculative]
-    forwarded += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
     return forwarded + (["--no-prefix-caching"] if args.no_prefix_caching else [])

@@ -7,19 +7,19 @@ in-process CLI takes both.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from shared.config import (
     KV_CACHE_DTYPES,
-    SPECULATIVE_METHODS,
     WEIGHT_FORMATS,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
-    SpeculativeConfig,
     parse_bytes,
 )
 from shared.flag_env import env_default, env_int
 from shared.kv_tier_flags import add_kv_tier_flags, kv_tier_config
+from shared.step_limit_flags import add_step_limit_flags, step_limit_config
 
 # Gateway routing policies (services/gateway/router.py implements them).
 ROUTING_POLICIES = ("cache-aware", "round-robin", "least-loaded")
@@ -105,22 +105,14 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         default=env_int("threads", None),
         help="torch CPU threads (default: torch's choice)",
     )
+    add_step_limit_flags(parser)
 
 
-def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
+def add_scheduler_flags(parser: argparse.ArgumentParser, step_limits: bool = True) -> None:
+    """step_limits False: a parser that already has them (add_worker_flags adds them too)."""
+    if step_limits:
+        add_step_limit_flags(parser)
     group = parser.add_argument_group("batching")
-    group.add_argument(
-        "--max-batched-tokens",
-        type=int,
-        default=env_int("max-batched-tokens", 2048),
-        help="token budget per step",
-    )
-    group.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=env_int("max-num-seqs", 128),
-        help="most requests running at once",
-    )
     group.add_argument(
         "--chunk-size",
         type=int,
@@ -138,19 +130,6 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=env_default("no-fair-prefill-first", "") not in ("", "0", "false"),
         help="run a below-share tenant's prefill beside the running decodes, not before them",
-    )
-    group.add_argument(
-        "--speculative",
-        choices=SPECULATIVE_METHODS,
-        default=env_default("speculative", "off"),
-        help="draft tokens from the request's own text, verified in the same step: ngram "
-        "(prompt lookup) or suffix (a suffix trie of the request and recent outputs)",
-    )
-    group.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=env_int("num-speculative-tokens", SpeculativeConfig.max_draft_tokens),
-        help="longest proposal; each request adapts its own length below it",
     )
 
 
@@ -250,16 +229,19 @@ def gateway_flag_args(args: argparse.Namespace) -> list[str]:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_worker_flags(parser)
-    add_scheduler_flags(parser)
+    add_scheduler_flags(parser, step_limits=False)
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
-    return SchedulerConfig(
-        max_num_batched_tokens=args.max_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
+    """From the step limits, plus the batching flags where the parser has them (a worker's
+    has only the limits, which is all its buffers depend on)."""
+    limits = step_limit_config(args)
+    if not hasattr(args, "chunk_size"):
+        return limits
+    return dataclasses.replace(
+        limits,
         prefill_chunk_size=args.chunk_size or None,
         fair_prefill_first=not args.no_fair_prefill_first,
-        speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens),
     )
 
 
@@ -282,8 +264,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             dtype=args.kv_cache_dtype,
             enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
         ),
-        scheduler=(
-            scheduler_config(args) if hasattr(args, "max_batched_tokens") else SchedulerConfig()
-        ),
+        scheduler=scheduler_config(args),
         kv_tiers=kv_tier_config(args),
     )

@@ -46,6 +46,9 @@ class ModelManifest:
     device: str = ""
     threads: int = 0  # torch intra-op threads
     tokenizer_digest: str = ""
+    # the largest step its buffers were sized for: tokens and sampled rows
+    max_step_tokens: int = 0
+    max_step_sampled_rows: int = 0
     # cupy: decode batch size -> "graph", or why its capture failed (it runs eagerly)
     cuda_graphs: dict[str, str] | None = None
     # a compiled step: the Inductor cache folder, graphs loaded from it and compiled (hits,
@@ -110,6 +113,8 @@ def describe(
         weights_resident_bytes=runner.weights_resident_bytes,
         compiled=getattr(runner, "compiled", None) is not None,
         cuda_graphs=getattr(runner, "cuda_graphs", None),
+        max_step_tokens=config.scheduler.max_num_batched_tokens,
+        max_step_sampled_rows=config.scheduler.max_sampled_rows,
         compile_cache=preparation.get("compile_cache"),
         preparation=preparation,
         backend=backend,

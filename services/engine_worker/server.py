@@ -85,6 +85,8 @@ def model_info(worker: Worker, served_name: str | None = None) -> common_pb2.Mod
         tokenizer_digest=manifest.tokenizer_digest,
         cuda_graphs=manifest.cuda_graphs or {},
         prepared_id=manifest.prepared_id,
+        max_step_tokens=manifest.max_step_tokens,
+        max_step_sampled_rows=manifest.max_step_sampled_rows,
     )
 
 

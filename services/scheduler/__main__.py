@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import logging
 
 from prometheus_client import REGISTRY
 
@@ -19,6 +19,7 @@ from shared.pb.kvmesh.v1 import scheduler_pb2_grpc
 from shared.service import ServiceRuntime, add_common_flags, start_observability
 
 SERVICE_NAME = "kvmesh.v1.Scheduler"
+log = logging.getLogger("kvmesh.scheduler")
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -34,15 +35,26 @@ async def serve(args: argparse.Namespace) -> None:
     runtime.add_servicer(scheduler_pb2_grpc.add_SchedulerServicer_to_server, service)
     REGISTRY.register(SchedulerMetrics(asyncio.get_running_loop(), service.reporter.report))
     await runtime.start()
-    tasks = [asyncio.create_task(service.loop.run())]
+    stepping = asyncio.create_task(service.loop.run())
+    refused: list[BaseException] = []
+
+    def stop_if_refused(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            refused.append(task.exception())  # type: ignore[arg-type]
+            runtime.stop()  # e.g. step limits its worker cannot hold: exit, do not sit unready
+
+    stepping.add_done_callback(stop_if_refused)
+    tasks = [stepping]
     if args.redis:
         publisher = RedisPublisher(args.redis, args.advertise or runtime.address, service.reporter)
         tasks.append(asyncio.create_task(publisher.run()))
     await runtime.serve_until_signalled(args.drain_seconds)
     for task in tasks:
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    await asyncio.gather(*tasks, return_exceptions=True)  # the refusal is in `refused`
+    if refused:
+        log.error("scheduler stopped: %s", refused[0])
+        raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from services.scheduler.queue_estimate import QueueTimeEstimator
 from services.scheduler.request_trace import RequestTrace, terminal_outcome, trace_plan
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.step_limits import check_step_limits
 from services.scheduler.worker_link import (
     WorkerDrained,
     WorkerLink,
@@ -93,6 +94,7 @@ class StepLoop:
         """Attach to the worker, run steps until it is lost, fail what was in flight, repeat."""
         while True:
             self.model = await self.link.connect()
+            check_step_limits(self.config, self.model, self.link.address)
             cache = CacheConfig(
                 block_size=self.model.kv_block_size,
                 enable_prefix_caching=self.enable_prefix_caching,

@@ -175,7 +175,7 @@ def test_without_a_fast_int4_kernel_packed_runs_int8_rows(
 def test_quantize_int4_is_a_flag_the_engine_takes() -> None:
     parser = argparse.ArgumentParser()
     add_worker_flags(parser)
-    add_scheduler_flags(parser)
+    add_scheduler_flags(parser, step_limits=False)
     config = engine_config(parser.parse_args(["--quantize", "int4"]))
     assert config.quantize == "int4" and config.weights == "auto"
     with pytest.raises(SystemExit):

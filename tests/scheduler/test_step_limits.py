@@ -1,0 +1,64 @@
+"""A scheduler and its engine-worker agree on the largest step before the first one: the
+worker states what its buffers hold, a scheduler that would plan more refuses with both values,
+and a launcher forwards the same limits to both."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.scheduler.step_limits import check_step_limits
+from shared.config import SchedulerConfig, SpeculativeConfig
+from shared.errors import KvmeshError, Reason
+from shared.flag_forwarding import scheduler_flag_args, worker_flag_args
+from shared.flags import add_scheduler_flags, add_worker_flags, engine_config, scheduler_config
+from shared.pb.kvmesh.v1 import common_pb2
+
+
+def worker_info(tokens: int, rows: int) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(max_step_tokens=tokens, max_step_sampled_rows=rows)
+
+
+def test_a_scheduler_within_the_workers_limits_starts() -> None:
+    check_step_limits(SchedulerConfig(max_num_batched_tokens=2048), worker_info(2048, 128), "w")
+    check_step_limits(SchedulerConfig(max_num_batched_tokens=512), worker_info(2048, 128), "w")
+
+
+def test_a_larger_token_budget_is_refused_naming_both_values() -> None:
+    with pytest.raises(KvmeshError) as refused:
+        check_step_limits(
+            SchedulerConfig(max_num_batched_tokens=4096), worker_info(2048, 128), "10.0.0.9:1"
+        )
+    assert refused.value.reason == Reason.INVALID_ARGUMENT
+    message = str(refused.value)
+    assert "--max-batched-tokens 4096" in message and "2048 tokens" in message
+    assert "10.0.0.9:1" in message
+
+
+def test_more_sampled_rows_than_the_worker_holds_are_refused() -> None:
+    speculating = SchedulerConfig(max_num_seqs=128, speculative=SpeculativeConfig("ngram"))
+    with pytest.raises(KvmeshError, match="512 sampled rows .* above the 128 rows"):
+        check_step_limits(speculating, worker_info(2048, 128), "w")
+
+
+def test_a_worker_that_states_no_limits_is_taken_at_its_word() -> None:
+    check_step_limits(SchedulerConfig(max_num_batched_tokens=1 << 20), worker_info(0, 0), "w")
+
+
+def test_the_worker_sizes_for_the_flags_a_launcher_forwards_to_both() -> None:
+    """`kvmesh up --max-batched-tokens 4096` reaches the worker's config, not a default."""
+    mesh = argparse.ArgumentParser()
+    add_worker_flags(mesh)
+    add_scheduler_flags(mesh, step_limits=False)
+    args = mesh.parse_args(["--max-batched-tokens", "4096", "--max-num-seqs", "16"])
+    worker = argparse.ArgumentParser()
+    add_worker_flags(worker)
+    scheduler = argparse.ArgumentParser()
+    add_scheduler_flags(scheduler)
+    worker_limits = engine_config(worker.parse_args(worker_flag_args(args))).scheduler
+    planned = scheduler_config(scheduler.parse_args(scheduler_flag_args(args)))
+    assert worker_limits.max_num_batched_tokens == planned.max_num_batched_tokens == 4096
+    assert worker_limits.max_sampled_rows == planned.max_sampled_rows == 16
+    info = worker_info(worker_limits.max_num_batched_tokens, worker_limits.max_sampled_rows)
+    check_step_limits(planned, info, "w")
