@@ -85,6 +85,7 @@ def _modules() -> dict[str, types.ModuleType]:
     cuda = types.ModuleType("cupy.cuda")
     cuda.Stream = device.Stream  # type: ignore[attr-defined]
     cuda.get_current_stream = device.get_current_stream  # type: ignore[attr-defined]
+    cuda.alloc_pinned_memory = device.alloc_pinned_memory  # type: ignore[attr-defined]
     cuda.Device = lambda index=0: types.SimpleNamespace(id=index)  # type: ignore[attr-defined]
     cuda.runtime = types.SimpleNamespace(  # type: ignore[attr-defined]
         getDeviceCount=lambda: 1,
@@ -93,7 +94,11 @@ def _modules() -> dict[str, types.ModuleType]:
             device.STATE.free_bytes,
         ),
         runtimeGetVersion=lambda: 13000,
-        getDeviceProperties=lambda index: {"name": b"CuPy stand-in (CPU)"},
+        # An H100's SM count: decode attention's grid and the workspace are sized by it.
+        getDeviceProperties=lambda index: {
+            "name": b"CuPy stand-in (CPU)",
+            "multiProcessorCount": 132,
+        },
     )
     cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 1)  # type: ignore[attr-defined]
     cuda.cublas = _refusing_cupy_cublas()  # type: ignore[attr-defined]

@@ -50,6 +50,10 @@ class DeviceState:
     allocated_bytes: int = 0  # live: an array's bytes come back when it is collected
     peak_bytes: int = 0
     launches: list[str] = field(default_factory=list)  # kernels and GEMMs, run or recorded
+    allocations: int = 0  # device arrays allocated
+    copies_to_device: int = 0
+    copies_to_host: int = 0
+    synchronizations: int = 0  # a stream's, or a blocking copy's
     capturing: Graph | None = None
     violations: list[str] = field(default_factory=list)
     cupy_cublas_calls: list[str] = field(default_factory=list)
@@ -113,6 +117,7 @@ def host_memory(pointer: int, nbytes: int) -> numpy.ndarray:
 def _allocate(host: numpy.ndarray) -> ndarray:
     refuse_in_capture("an allocation")
     state = STATE
+    state.allocations += 1
     state.allocated_bytes += host.nbytes
     state.peak_bytes = max(state.peak_bytes, state.allocated_bytes)
     weakref.finalize(host, _free, state, host.nbytes)
@@ -192,12 +197,22 @@ class ndarray:
             raise ValueError("the stand-in reshapes contiguous arrays only (a copy would launch)")
         return ndarray(reshaped)
 
-    def get(self, stream: Any = None) -> numpy.ndarray:
+    def get(
+        self, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True
+    ) -> numpy.ndarray:
         refuse_in_capture("a copy to the host")
-        return self._host.copy()
+        STATE.copies_to_host += 1
+        STATE.synchronizations += blocking
+        if out is None:
+            return self._host.copy()
+        if out.shape != self._host.shape or out.dtype != self._host.dtype:
+            raise ValueError(f"get: a {self._host.shape} {self.dtype} array into {out.shape}")
+        out[...] = self._host
+        return out
 
     def set(self, array: numpy.ndarray, stream: Any = None) -> None:
         refuse_in_capture("a copy from the host")
+        STATE.copies_to_device += 1
         if array.shape != self._host.shape or not self._host.flags.c_contiguous:
             raise ValueError(f"set: {array.shape} into a {self._host.shape} array")
         self._host[...] = array
@@ -227,6 +242,7 @@ def asarray(array: Any, dtype: Any = None) -> ndarray:
     if isinstance(array, ndarray):
         return array if dtype is None else array.view(dtype)
     refuse_in_capture("a copy from the host")
+    STATE.copies_to_device += 1
     return _allocate(numpy.array(array, dtype=dtype, copy=True))
 
 
@@ -237,8 +253,15 @@ def ascontiguousarray(array: ndarray) -> ndarray:
     return _allocate(numpy.ascontiguousarray(array._host))
 
 
-def asnumpy(array: ndarray, stream: Any = None) -> numpy.ndarray:
-    return array.get()
+def asnumpy(
+    array: ndarray, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True
+) -> numpy.ndarray:
+    return array.get(stream, order, out, blocking)
+
+
+def alloc_pinned_memory(nbytes: int) -> bytearray:
+    """Page-locked host memory: here plain host memory, counted as no device allocation."""
+    return bytearray(nbytes)
 
 
 class Stream:
@@ -259,6 +282,7 @@ class Stream:
 
     def synchronize(self) -> None:
         refuse_in_capture("a stream synchronisation")
+        STATE.synchronizations += 1
 
     def begin_capture(self, mode: Any = None) -> None:
         if STATE.capturing is not None:

@@ -38,12 +38,6 @@ def _suffix(name: str) -> str:
     return next(s for s in ("f32", "f16", "bf16") if f"_{s}" in name)
 
 
-def embedding(name: str, grid: Grid, args: tuple) -> None:
-    out, table, ids, hidden = args
-    tokens = grid[0]
-    out.reshape(-1, hidden)[:tokens] = table.reshape(-1, hidden)[ids[:tokens]]
-
-
 def add_rms_norm(name: str, grid: Grid, args: tuple) -> None:
     out, residual, delta, weight, rows, hidden, eps = args
     s = _suffix(name)
@@ -59,32 +53,65 @@ def add_rms_norm(name: str, grid: Grid, args: tuple) -> None:
     out.reshape(-1, hidden)[:count] = rounded(normed * to_float(weight[:hidden], s), s)
 
 
-def rotary(name: str, grid: Grid, args: tuple) -> None:
-    qkv, positions, cos, sin, row_stride, heads, head_dim = args
-    s, tokens, half = _suffix(name), grid[0], head_dim // 2
-    rows = qkv.reshape(-1, row_stride)[:tokens]
-    x = to_float(rows[:, : heads * head_dim], s).reshape(tokens, heads, head_dim)
-    c = cos.reshape(-1, half)[positions[:tokens]][:, None, :]
-    n = sin.reshape(-1, half)[positions[:tokens]][:, None, :]
+def embed_rms_norm(name: str, grid: Grid, args: tuple) -> None:
+    out, residual, table, ids, weight, hidden, eps = args
+    count = grid[0]
+    residual.reshape(-1, hidden)[:count] = table.reshape(-1, hidden)[ids[:count]]
+    add_rms_norm(name, grid, (out, residual, None, weight, None, hidden, eps))
+
+
+def _biased(values: numpy.ndarray, bias: numpy.ndarray | None, s: str) -> numpy.ndarray:
+    """float32 (..., columns) plus the bias, rounded to the storage type as a bias add stores
+    it; the values unchanged without a bias."""
+    x = to_float(values, s)
+    return x if bias is None else to_float(rounded(x + to_float(bias[: x.shape[-1]], s), s), s)
+
+
+def _rotated(x: numpy.ndarray, cos: numpy.ndarray, sin: numpy.ndarray) -> numpy.ndarray:
+    """x (T, heads, D) float32 turned by each row's angles (T, D / 2)."""
+    half = x.shape[-1] // 2
+    c, n = cos[:, None, :], sin[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
-    turned = numpy.concatenate([x1 * c - x2 * n, x2 * c + x1 * n], axis=-1)
-    rows[:, : heads * head_dim] = rounded(turned.reshape(tokens, -1), s)
+    return numpy.concatenate([x1 * c - x2 * n, x2 * c + x1 * n], axis=-1)
 
 
-def reshape_and_cache(name: str, grid: Grid, args: tuple) -> None:
-    key_cache, value_cache, qkv, slots, stride, key_at, value_at, kv_heads, dim, block = args
-    rows = qkv.reshape(-1, stride)[: grid[0]]
-    slots = slots[: grid[0]]
+def _write_kv(
+    caches: tuple[numpy.ndarray, numpy.ndarray],
+    slots: numpy.ndarray,
+    keys: numpy.ndarray,
+    values: numpy.ndarray,
+    block: int,
+) -> None:
+    """keys, values (T, kv_heads, D) in storage type to their slots (-1: nothing)."""
     keep = slots >= 0
     blocks, offsets = slots[keep] // block, slots[keep] % block
-    width = kv_heads * dim
-    for cache, start in ((key_cache, key_at), (value_cache, value_at)):
-        heads = rows[keep, start : start + width].reshape(-1, kv_heads, dim)
-        cache.reshape(-1, kv_heads, block, dim)[blocks, :, offsets] = heads
+    kv_heads, dim = keys.shape[1:]
+    for cache, new in zip(caches, (keys, values), strict=True):
+        cache.reshape(-1, kv_heads, block, dim)[blocks, :, offsets] = new[keep]
+
+
+def rotary_and_cache(name: str, grid: Grid, args: tuple) -> None:
+    (qkv, bias, positions, cos, sin, slots, keys, values, stride, heads, kv_heads, dim, block) = (
+        args
+    )
+    s, tokens, half = _suffix(name), grid[0], dim // 2
+    rows = qkv.reshape(-1, stride)[:tokens]
+    angles = positions[:tokens]
+    turned_heads = heads + kv_heads
+    width = turned_heads * dim
+    x = _biased(rows[:, :width], bias, s).reshape(tokens, turned_heads, dim)
+    c, n = cos.reshape(-1, half)[angles], sin.reshape(-1, half)[angles]
+    rows[:, :width] = rounded(_rotated(x, c, n).reshape(tokens, -1), s)
+    v_columns = slice(width, width + kv_heads * dim)
+    v_bias = None if bias is None else bias[v_columns]
+    rows[:, v_columns] = rounded(_biased(rows[:, v_columns], v_bias, s), s)
+    k = rows[:, heads * dim : width].reshape(tokens, kv_heads, dim)
+    v = rows[:, v_columns].reshape(tokens, kv_heads, dim)
+    _write_kv((keys, values), slots[:tokens], k, v, block)
 
 
 def _head_dim(name: str) -> int:
-    return int(re.search(r"_d(\d+)$", name).group(1))  # type: ignore[union-attr]
+    return int(re.search(r"_d(\d+)(_b\d+)?$", name).group(1))  # type: ignore[union-attr]
 
 
 def _keys_and_values(
@@ -108,13 +135,55 @@ def _keys_and_values(
     return k, v
 
 
+def decode_splits(context: int, grid_splits: int, block: int, min_partition: int) -> list:
+    """The kernel's split of one context: (first, end) positions of each split, none empty."""
+    blocks = -(-context // block)
+    per_split = -(-blocks // min(grid_splits, max(1, -(-context // min_partition))))
+    return [
+        (first * block, min((first + per_split) * block, context))
+        for first in range(0, blocks, per_split)
+    ]
+
+
+def online_softmax(
+    q: numpy.ndarray, k: numpy.ndarray, v: numpy.ndarray, chunk: int
+) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
+    """Attention of q (heads, D) over k, v (positions, heads, D) as the kernel computes it: a
+    running max, sum and unnormalized output, updated `chunk` positions at a time. Returns
+    (max, sum, out) per head."""
+    heads, dim = q.shape
+    top, total = numpy.full(heads, -numpy.inf, numpy.float32), numpy.zeros(heads, numpy.float32)
+    out = numpy.zeros((heads, dim), numpy.float32)
+    for start in range(0, k.shape[0], chunk):
+        scores = numpy.einsum("hd,thd->ht", q, k[start : start + chunk])
+        new_top = numpy.maximum(top, scores.max(axis=1))
+        keep = numpy.where(top == -numpy.inf, 0.0, numpy.exp(top - new_top))
+        weights = numpy.exp(scores - new_top[:, None])
+        total = total * keep + weights.sum(axis=1)
+        out = out * keep[:, None] + numpy.einsum("ht,thd->hd", weights, v[start : start + chunk])
+        top = new_top
+    return top, total, out
+
+
+def merge_splits(tops: numpy.ndarray, totals: numpy.ndarray, outs: numpy.ndarray) -> numpy.ndarray:
+    """Splits' (max, sum, unnormalized out), stacked on axis 0, as one normalized output."""
+    weights = numpy.exp(tops - tops.max(axis=0))
+    return (weights[..., None] * outs).sum(axis=0) / (weights * totals).sum(axis=0)[..., None]
+
+
 def paged_decode_attention(name: str, grid: Grid, args: tuple) -> None:
     (
+        out,
         p_out,
-        p_max,
-        p_sum,
+        p_stats,
+        tickets,
         qkv,
         stride,
+        bias,
+        cos,
+        sin,
+        positions,
+        slots,
         keys,
         values,
         tables,
@@ -122,41 +191,48 @@ def paged_decode_attention(name: str, grid: Grid, args: tuple) -> None:
         context_lens,
         heads,
         kv_heads,
-        block,
-        partition,
+        min_partition,
         scale,
     ) = args
     s, dim = _suffix(name), _head_dim(name)
-    splits, seqs = grid[0], grid[1]
-    p_out = p_out.reshape(seqs, heads, splits, dim)
-    p_max, p_sum = p_max.reshape(seqs, heads, splits), p_sum.reshape(seqs, heads, splits)
+    block = int(re.search(r"_b(\d+)$", name).group(1))  # type: ignore[union-attr]
+    max_splits, seqs = grid[0], grid[1]
+    rows = qkv.reshape(-1, stride)[:seqs]
+    q = to_float(rows[:, : heads * dim], s).reshape(seqs, heads, dim)
+    if cos is not None:  # fused: bias, rotary and the new K/V write happen here
+        half = dim // 2
+        turned = heads + kv_heads
+        x = _biased(rows[:, : turned * dim], bias, s).reshape(seqs, turned, dim)
+        angles = positions[:seqs]
+        x = to_float(
+            rounded(_rotated(x, cos.reshape(-1, half)[angles], sin.reshape(-1, half)[angles]), s), s
+        )
+        q = x[:, :heads]
+        v_columns = slice(turned * dim, (turned + kv_heads) * dim)
+        v_bias = None if bias is None else bias[v_columns]
+        v_new = rounded(_biased(rows[:, v_columns], v_bias, s), s).reshape(seqs, kv_heads, dim)
+        _write_kv((keys, values), slots[:seqs], rounded(x[:, heads:], s), v_new, block)
     tables = tables.reshape(-1, max_blocks)
+    p_out = p_out.reshape(seqs, heads, max_splits, dim)
+    p_stats = p_stats.reshape(seqs, heads, max_splits, 2)
+    target = out.reshape(-1, heads * dim)
     for seq in range(seqs):
         length = int(context_lens[seq])
-        q = to_float(qkv.reshape(-1, stride)[seq, : heads * dim], s).reshape(heads, dim) * scale
         k, v = _keys_and_values((keys, values), tables[seq], length, heads, kv_heads, block, dim, s)
-        scores = numpy.einsum("hd,thd->ht", q, k)
-        for split in range(splits):
-            start, end = split * partition, min((split + 1) * partition, length)
-            if start >= length:
-                p_out[seq, :, split], p_max[seq, :, split], p_sum[seq, :, split] = 0, -numpy.inf, 0
-                continue
-            part = scores[:, start:end]
-            top = part.max(axis=1)
-            weights = numpy.exp(part - top[:, None])
-            p_max[seq, :, split], p_sum[seq, :, split] = top, weights.sum(axis=1)
-            p_out[seq, :, split] = numpy.einsum("ht,thd->hd", weights, v[start:end])
-
-
-def paged_decode_reduce(name: str, grid: Grid, args: tuple) -> None:
-    out, p_out, p_max, p_sum, splits, dim = args
-    s = _suffix(name)
-    seqs, heads = grid
-    p_out = p_out.reshape(seqs, heads, splits, dim)
-    p_max, p_sum = p_max.reshape(seqs, heads, splits), p_sum.reshape(seqs, heads, splits)
-    weights = numpy.exp(p_max - p_max.max(axis=2, keepdims=True))
-    value = (weights[..., None] * p_out).sum(axis=2) / (weights * p_sum).sum(axis=2)[..., None]
-    out.reshape(-1, heads * dim)[:seqs] = rounded(value.reshape(seqs, heads * dim), s)
+        query = q[seq] * scale
+        parts = [
+            online_softmax(query, k[first:end], v[first:end], block)
+            for first, end in decode_splits(length, max_splits, block, min_partition)
+        ]
+        for split, (top, total, unnormalized) in enumerate(parts):
+            p_out[seq, :, split], p_stats[seq, :, split] = (
+                unnormalized,
+                numpy.stack([top, total], -1),
+            )
+        merged = merge_splits(*(numpy.stack(column) for column in zip(*parts, strict=True)))
+        target[seq] = rounded(merged.reshape(-1), s)
+    if tickets[: seqs * kv_heads].any():  # each merger resets its own before the next launch
+        raise ValueError("decode attention launched with a merge ticket left set")
 
 
 def paged_prefill_attention(name: str, grid: Grid, args: tuple) -> None:
@@ -220,12 +296,10 @@ def greedy_sample(name: str, grid: Grid, args: tuple) -> None:
 
 
 REFERENCES: dict[str, Callable[[str, Grid, tuple], None]] = {
-    "embedding": embedding,
     "add_rms_norm": add_rms_norm,
-    "rotary": rotary,
-    "reshape_and_cache": reshape_and_cache,
+    "embed_rms_norm": embed_rms_norm,
+    "rotary_and_cache": rotary_and_cache,
     "paged_decode_attention": paged_decode_attention,
-    "paged_decode_reduce": paged_decode_reduce,
     "paged_prefill_attention": paged_prefill_attention,
     "silu_and_mul": silu_and_mul,
     "bias_add": bias_add,
@@ -235,7 +309,7 @@ REFERENCES: dict[str, Callable[[str, Grid, tuple], None]] = {
 
 def reference(function: str) -> Callable[[str, Grid, tuple], None]:
     """The reference of a kernel's instantiation, e.g. add_rms_norm_bf16."""
-    base = re.sub(r"(_(f32|f16|bf16))?(_d\d+)?$", "", function)
+    base = re.sub(r"(_(f32|f16|bf16))?(_d\d+)?(_b\d+)?$", "", function)
     if base not in REFERENCES:
         raise AttributeError(f"no kernel named {function!r}")
     return REFERENCES[base]

@@ -28,9 +28,10 @@ from tests.model_fixtures import save_random_checkpoint
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 BATCHING = SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=4, prefill_chunk_size=16)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-# A decode step's launches per layer: 2 norms, 4 GEMMs, rotary, the KV write, attention and
-# its merge, the SwiGLU product; plus the embedding, the final norm and the LM head.
-LAUNCHES_PER_LAYER, LAUNCHES_OUTSIDE_LAYERS = 11, 3
+# A decode step's launches per layer: 2 norms (the first layer's with the embedding), 4 GEMMs,
+# attention (with the rotary, the KV write and its own merge), the SwiGLU product; plus the
+# final norm, the LM head and the greedy argmax.
+LAUNCHES_PER_LAYER, LAUNCHES_OUTSIDE_LAYERS = 8, 3
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +176,58 @@ def test_a_decode_graph_holds_only_kernels_and_gemms_within_the_launch_budget(
         assert not [n for n in names if n.startswith("cupy:")], size  # no CuPy array kernels
         assert names.count("gemm") == 4 * layers + 1, size
         assert len(names) <= LAUNCHES_PER_LAYER * layers + LAUNCHES_OUTSIDE_LAYERS, (size, names)
+        assert not [n for n in names if n.startswith("rotary_and_cache")], size  # fused
+        assert names[-1] == "greedy_sample", size  # the argmax inside the graph
     assert not standin.violations
+
+
+def test_a_steady_decode_step_is_one_copy_in_one_replay_one_copy_out(checkpoints, standin) -> None:
+    ours = engine(checkpoints["llama"], "cupy")
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    for prompt in prompts(4):
+        ours.add_request(prompt, params)
+    for _ in range(3):  # the prompts, admitted over three steps
+        ours.step()
+    measured = 0
+    while ours.has_unfinished():
+        before = dataclasses.replace(standin, launches=list(standin.launches))
+        outputs = ours.step()
+        if len(outputs) < 4:
+            break  # the last steps, as requests finish, are no longer a steady batch
+        assert standin.launches[len(before.launches) :] == ["graph"]  # nothing outside it
+        assert standin.copies_to_device - before.copies_to_device == 1
+        assert standin.copies_to_host - before.copies_to_host == 1
+        assert standin.synchronizations - before.synchronizations == 1
+        assert standin.allocations == before.allocations
+        assert all(o.logprobs and o.logprobs[-1].logprob <= 0.0 for o in outputs)
+        measured += 1
+    assert measured >= 5
+
+
+def test_a_larger_step_budget_reaches_the_worker_and_runs(checkpoints, standin) -> None:
+    """A step of ~3,600 tokens, past the 2,048 default: the worker's buffers are sized from
+    the flags its own parser takes (as `kvmesh up` forwards them), and it says so."""
+    from services.engine_worker.__main__ import build_parser
+    from shared.flags import engine_config
+
+    argv = ["--model", checkpoints["llama"], "--backend", "cupy", "--kv-memory", "16MiB"]
+    config = engine_config(build_parser().parse_args([*argv, "--max-batched-tokens", "4096"]))
+    assert config.scheduler.max_num_batched_tokens == 4096
+    big = dataclasses.replace(config.scheduler, prefill_chunk_size=None, max_num_seqs=4)
+    ours = Engine(dataclasses.replace(config, scheduler=big))
+    assert ours.worker.manifest.max_step_tokens == 4096
+    rng = random.Random(5)
+    long_prompts = [[rng.randrange(3, 500) for _ in range(900)] for _ in range(4)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    expected = tokens(
+        engine(
+            checkpoints["llama"],
+            "torch",
+            scheduler=big,
+            cache=CacheConfig(kv_memory_bytes=16 << 20),
+        ).generate(long_prompts, params)
+    )
+    assert tokens(ours.generate(long_prompts, params)) == expected
 
 
 def test_a_failed_capture_runs_eagerly_and_the_manifest_says_why(

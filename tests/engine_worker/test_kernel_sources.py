@@ -1,5 +1,5 @@
-"""Every CUDA kernel compiles for sm_90 (Hopper) with nvcc, on machines without a GPU too, and
-without register spills; a broken source fails the check."""
+"""Every CUDA kernel compiles for sm_90 (Hopper) with nvcc, on machines without a GPU too,
+without register spills and within its register budget; a broken source fails the check."""
 
 from __future__ import annotations
 
@@ -18,13 +18,11 @@ pytestmark = pytest.mark.skipif(nvcc() is None, reason="nvcc (CUDA toolkit) is n
 
 OPS = [
     "bias_add",
-    "embedding",
     "greedy_sample",
     "paged_decode_attention",
     "paged_prefill_attention",
-    "reshape_and_cache",
     "rms_norm",
-    "rotary",
+    "rotary_and_cache",
     "silu_and_mul",
 ]
 
@@ -41,6 +39,7 @@ def test_kernel_compiles_for_sm90_without_spills(source: Path) -> None:
     assert report.returncode == 0, report.output
     assert "ptxas info" in report.output  # ptxas really ran (-v)
     assert report.spilled_bytes == 0, report.output
+    assert report.registers and max(report.registers.values()) <= report.budget, report.registers
     assert report.problem is None
 
 
@@ -68,6 +67,17 @@ def test_a_spilling_kernel_fails_the_check(tmp_path: Path) -> None:
     report = compile_cubin(source, "sm_90")
     assert report.returncode == 0 and report.spilled_bytes > 0
     assert report.problem is not None and "spills" in report.problem
+
+
+def test_a_kernel_over_its_register_budget_fails_the_check(tmp_path: Path) -> None:
+    """Without launch bounds ptxas keeps the 96 accumulators in registers: no spill, yet far
+    past the 64 registers a row-wise kernel may use."""
+    source = tmp_path / "greedy_registers.cu"
+    source.write_text(SPILLING.replace("__launch_bounds__(1024, 2) ", ""))
+    report = compile_cubin(source, "sm_90")
+    assert report.returncode == 0 and report.spilled_bytes == 0
+    assert max(report.registers.values()) > report.budget
+    assert report.problem is not None and "budget" in report.problem
 
 
 def test_a_log_without_the_ptxas_report_fails_the_check(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ the three storage types (tolerances in reference.py)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import cupy
 import numpy
@@ -14,20 +15,18 @@ import torch.nn.functional as F
 from services.engine_worker.artifacts.rope import RopeSpec
 from services.engine_worker.cupy_backend.cublas_gemm import CublasGemm
 from services.engine_worker.cupy_backend.kernels.bias_add import bias_add
-from services.engine_worker.cupy_backend.kernels.embedding import embedding
 from services.engine_worker.cupy_backend.kernels.greedy_sample import greedy_sample
 from services.engine_worker.cupy_backend.kernels.library import DTypeSpec
 from services.engine_worker.cupy_backend.kernels.paged_decode_attention import (
     DecodeScratch,
-    num_splits,
+    FusedWrite,
     paged_decode_attention,
 )
 from services.engine_worker.cupy_backend.kernels.paged_prefill_attention import (
     paged_prefill_attention,
 )
-from services.engine_worker.cupy_backend.kernels.reshape_and_cache import reshape_and_cache
-from services.engine_worker.cupy_backend.kernels.rms_norm import add_rms_norm
-from services.engine_worker.cupy_backend.kernels.rotary import rotary
+from services.engine_worker.cupy_backend.kernels.rms_norm import add_rms_norm, embed_rms_norm
+from services.engine_worker.cupy_backend.kernels.rotary_and_cache import rotary_and_cache
 from services.engine_worker.cupy_backend.kernels.silu_and_mul import silu_and_mul
 from tests.gpu.reference import SPECS, assert_close, get, put, put_int, rounded
 
@@ -38,12 +37,15 @@ by_name = pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 
 @by_name
 @pytest.mark.parametrize("hidden", [64, 576, 4096])
-def test_embedding(spec: DTypeSpec, hidden: int) -> None:
-    table = torch.randn(1000, hidden)
+def test_embed_rms_norm_gathers_then_normalizes(spec: DTypeSpec, hidden: int) -> None:
+    table, weight = torch.randn(1000, hidden), torch.rand(hidden)
     ids = torch.randint(0, 1000, (37,))
-    out = cupy.empty((37, hidden), spec.storage)
-    embedding(out, put(table, spec), put_int(ids), spec)
-    assert torch.equal(get(out, spec), rounded(table, spec)[ids])
+    residual, out = cupy.empty((37, hidden), spec.storage), cupy.empty((37, hidden), spec.storage)
+    embed_rms_norm(out, residual, put(table, spec), put_int(ids), put(weight, spec), 1e-5, spec)
+    rows = rounded(table, spec)[ids]
+    assert torch.equal(get(residual, spec), rows)
+    normed = rounded(rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + 1e-5), spec)
+    assert_close(get(out, spec), normed * rounded(weight, spec), spec)
 
 
 @by_name
@@ -75,38 +77,29 @@ def test_add_rms_norm_with_and_without_the_residual_add(spec: DTypeSpec, hidden:
     assert torch.equal(untouched[0], rounded(residual, spec)[0])
 
 
-@by_name
-@pytest.mark.parametrize(("num_heads", "kv_heads", "head_dim"), HEAD_SHAPES)
-@pytest.mark.parametrize("rope_type", ["default", "llama3"])
-def test_rotary_rotates_q_and_k_only(
-    spec: DTypeSpec, num_heads: int, kv_heads: int, head_dim: int, rope_type: str
-) -> None:
-    rope = RopeSpec(theta=500000.0, rope_type=rope_type, factor=8.0)
-    tokens, width = 11, (num_heads + 2 * kv_heads) * head_dim
-    qkv = torch.randn(tokens, width)
-    positions = torch.randint(0, 4096, (tokens,))
-    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * rope.inv_freq(head_dim)[None, :]
-    qkv_d = put(qkv, spec)
-    rotary(
-        qkv_d,
-        put_int(positions),
-        cupy.asarray(freqs.cos().numpy()),
-        cupy.asarray(freqs.sin().numpy()),
-        num_heads + kv_heads,
-        head_dim,
-        spec,
-    )
-    cos, sin = rope.cos_sin(head_dim, 4096, torch.float32)
+def rope_tables(rope: RopeSpec, head_dim: int, positions: int = 4096) -> tuple[Any, Any]:
+    freqs = torch.arange(positions, dtype=torch.float32)[:, None] * rope.inv_freq(head_dim)[None]
+    return cupy.asarray(freqs.cos().numpy()), cupy.asarray(freqs.sin().numpy())
+
+
+def rotated_reference(
+    qkv: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor, rope: RopeSpec,
+    heads: int, kv_heads: int, head_dim: int, spec: DTypeSpec,
+) -> torch.Tensor:  # fmt: skip
+    """Each fused row as bias add, rotary and their stores in T leave it."""
     x = rounded(qkv, spec)
-    rotated_heads = x[:, : (num_heads + kv_heads) * head_dim].view(tokens, -1, head_dim)
+    if bias is not None:
+        x = rounded(x + rounded(bias, spec), spec)
+    tokens, turned = x.shape[0], (heads + kv_heads) * head_dim
+    cos, sin = rope.cos_sin(head_dim, 4096, torch.float32)
+    rotated = x[:, :turned].view(tokens, -1, head_dim)
     half = head_dim // 2
-    turned = torch.cat((-rotated_heads[..., half:], rotated_heads[..., :half]), dim=-1)
-    expected = rotated_heads * cos[positions, None] + turned * sin[positions, None]
-    actual = get(qkv_d, spec)
-    assert_close(actual[:, : expected.numel() // tokens], expected.reshape(tokens, -1), spec)
-    assert torch.equal(
-        actual[:, (num_heads + kv_heads) * head_dim :], x[:, (num_heads + kv_heads) * head_dim :]
+    other = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
+    out = x.clone()
+    out[:, :turned] = (rotated * cos[positions, None] + other * sin[positions, None]).reshape(
+        tokens, -1
     )
+    return out
 
 
 def paged_cache(num_blocks: int, kv_heads: int, block: int, head_dim: int, spec: DTypeSpec):
@@ -116,35 +109,41 @@ def paged_cache(num_blocks: int, kv_heads: int, block: int, head_dim: int, spec:
 
 
 @by_name
-@pytest.mark.parametrize("block", [16, 32])
-def test_reshape_and_cache_writes_each_slot_and_skips_padding(spec: DTypeSpec, block: int) -> None:
-    num_heads, kv_heads, head_dim, tokens = 9, 3, 64, 20
+@pytest.mark.parametrize(("num_heads", "kv_heads", "head_dim"), HEAD_SHAPES)
+@pytest.mark.parametrize("rope_type", ["default", "llama3"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rotary_and_cache_rotates_q_and_k_and_writes_each_slot(
+    spec: DTypeSpec, num_heads: int, kv_heads: int, head_dim: int, rope_type: str, with_bias: bool
+) -> None:
+    rope = RopeSpec(theta=500000.0, rope_type=rope_type, factor=8.0)
+    block, tokens, width = 16, 11, (num_heads + 2 * kv_heads) * head_dim
+    qkv, bias = torch.randn(tokens, width), torch.randn(width) if with_bias else None
+    positions = torch.randint(0, 4096, (tokens,))
     keys, values, key_d, value_d = paged_cache(8, kv_heads, block, head_dim, spec)
-    qkv = torch.randn(tokens, (num_heads + 2 * kv_heads) * head_dim)
     slots = torch.randperm(8 * block)[:tokens]
     slots[3] = -1  # a padded row
-    reshape_and_cache(
+    qkv_d = put(qkv, spec)
+    rotary_and_cache(
+        qkv_d,
+        None if bias is None else put(bias, spec),
+        put_int(positions),
+        *rope_tables(rope, head_dim),
+        put_int(slots, numpy.int64),
         key_d,
         value_d,
-        put(qkv, spec),
-        put_int(slots, numpy.int64),
-        num_heads * head_dim,
-        kv_heads,
-        head_dim,
+        num_heads,
         spec,
     )
-    x = rounded(qkv, spec)
+    expected = rotated_reference(qkv, bias, positions, rope, num_heads, kv_heads, head_dim, spec)
+    actual = get(qkv_d, spec)
+    assert_close(actual, expected, spec)
     expected_k, expected_v = rounded(keys, spec), rounded(values, spec)
     for row, slot in enumerate(slots.tolist()):
-        if slot < 0:
-            continue
-        k = x[row, num_heads * head_dim : (num_heads + kv_heads) * head_dim].view(
-            kv_heads, head_dim
-        )
-        v = x[row, (num_heads + kv_heads) * head_dim :].view(kv_heads, head_dim)
-        expected_k[slot // block, :, slot % block] = k
-        expected_v[slot // block, :, slot % block] = v
-    assert torch.equal(get(key_d, spec), expected_k)
+        if slot >= 0:
+            k_and_v = actual[row, num_heads * head_dim :].view(2, kv_heads, head_dim)
+            expected_k[slot // block, :, slot % block] = k_and_v[0]
+            expected_v[slot // block, :, slot % block] = k_and_v[1]
+    assert torch.equal(get(key_d, spec), expected_k)  # what the row holds, bit for bit
     assert torch.equal(get(value_d, spec), expected_v)
 
 
@@ -203,10 +202,13 @@ def reference_attention(
 @by_name
 @pytest.mark.parametrize(("num_heads", "kv_heads", "head_dim"), HEAD_SHAPES)
 @pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("grid_splits", [1, 5, 64])
 def test_paged_decode_attention(
-    spec: DTypeSpec, num_heads: int, kv_heads: int, head_dim: int, block: int
+    spec: DTypeSpec, num_heads: int, kv_heads: int, head_dim: int, block: int, grid_splits: int
 ) -> None:
-    contexts = [1, 17, 512, 513, 3000]  # one block, a partial block, split edges, many splits
+    """One block, a partial block, split edges and many splits; launched twice, so a merge
+    ticket left set would show in the second run."""
+    contexts = [1, 17, 256, 257, 3000, 9000]
     blocks_needed = [math.ceil(c / block) for c in contexts]
     num_blocks = sum(blocks_needed) + 3
     keys, values, key_d, value_d = paged_cache(num_blocks, kv_heads, block, head_dim, spec)
@@ -222,27 +224,66 @@ def test_paged_decode_attention(
     qkv = torch.randn(len(contexts), (num_heads + 2 * kv_heads) * head_dim)
     scale = head_dim**-0.5
     out = cupy.empty((len(contexts), num_heads * head_dim), spec.storage)
-    scratch = DecodeScratch.allocate(len(contexts), num_heads, num_splits(max(contexts)), head_dim)
-    paged_decode_attention(
-        out,
-        put(qkv, spec),
-        key_d,
-        value_d,
-        cupy.asarray(table),
-        put_int(contexts),
-        num_heads,
-        scale,
-        scratch,
-        spec,
-    )
+    scratch = DecodeScratch.allocate(len(contexts), num_heads, kv_heads, grid_splits, head_dim)
     q = rounded(qkv, spec)[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
     k_ref, v_ref = rounded(keys, spec), rounded(values, spec)
-    actual = get(out, spec).view(-1, num_heads, head_dim)
-    for row, context in enumerate(contexts):
-        expected = reference_attention(
-            q[row : row + 1], k_ref, v_ref, tables[row], context, [context - 1], scale
-        )
-        assert_close(actual[row : row + 1], expected, spec)
+    for _ in range(2):
+        paged_decode_attention(
+            out, put(qkv, spec), key_d, value_d, cupy.asarray(table), put_int(contexts),
+            num_heads, scale, scratch, spec,
+        )  # fmt: skip
+        actual = get(out, spec).view(-1, num_heads, head_dim)
+        for row, context in enumerate(contexts):
+            expected = reference_attention(
+                q[row : row + 1], k_ref, v_ref, tables[row], context, [context - 1], scale
+            )
+            assert_close(actual[row : row + 1], expected, spec)
+    assert not cupy.asnumpy(scratch.tickets).any()
+
+
+@by_name
+@pytest.mark.parametrize(("num_heads", "kv_heads", "head_dim"), HEAD_SHAPES[:2])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_decode_attention_rotates_writes_the_new_token_and_attends_to_it(
+    spec: DTypeSpec, num_heads: int, kv_heads: int, head_dim: int, with_bias: bool
+) -> None:
+    """A decode-only step: Q and K unrotated in the rows, the new K/V not yet cached. Same
+    output and cache as rotary_and_cache, then attention; a slot of -1 writes nothing."""
+    block, contexts = 16, [1, 40, 700, 2100]
+    width = math.ceil(max(contexts) / block)
+    table = numpy.arange(len(contexts) * width, dtype=numpy.int32).reshape(len(contexts), width)
+    slots = [
+        int(table[r, (c - 1) // block]) * block + (c - 1) % block for r, c in enumerate(contexts)
+    ]
+    slots[0] = -1
+    rope = RopeSpec(theta=10000.0)
+    qkv = torch.randn(len(contexts), (num_heads + 2 * kv_heads) * head_dim)
+    bias = torch.randn(qkv.shape[1]) if with_bias else None
+    keys, values, _, _ = paged_cache(len(contexts) * width, kv_heads, block, head_dim, spec)
+    positions = put_int([c - 1 for c in contexts])
+
+    def run(fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key_d, value_d, rows = put(keys, spec), put(values, spec), put(qkv, spec)
+        bias_d = None if bias is None else put(bias, spec)
+        cos, sin = rope_tables(rope, head_dim)
+        out = cupy.empty((len(contexts), num_heads * head_dim), spec.storage)
+        scratch = DecodeScratch.allocate(len(contexts), num_heads, kv_heads, 8, head_dim)
+        common = (cupy.asarray(table), put_int(contexts), num_heads, head_dim**-0.5, scratch, spec)
+        slots_d = put_int(slots, numpy.int64)
+        if fused:
+            write = FusedWrite(bias_d, positions, cos, sin, slots_d)
+            paged_decode_attention(out, rows, key_d, value_d, *common, write)
+        else:
+            rotary_and_cache(
+                rows, bias_d, positions, cos, sin, slots_d, key_d, value_d, num_heads, spec
+            )
+            paged_decode_attention(out, rows, key_d, value_d, *common)
+        return get(out, spec), get(key_d, spec), get(value_d, spec)
+
+    fused, unfused = run(True), run(False)
+    assert_close(fused[0], unfused[0], spec)
+    assert torch.equal(fused[1], unfused[1]) and torch.equal(fused[2], unfused[2])
+    assert torch.equal(fused[1][0], rounded(keys, spec)[0])  # slot -1: block 0 untouched
 
 
 @by_name

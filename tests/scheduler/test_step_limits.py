@@ -38,7 +38,7 @@ def test_a_larger_token_budget_is_refused_naming_both_values() -> None:
 
 def test_more_sampled_rows_than_the_worker_holds_are_refused() -> None:
     speculating = SchedulerConfig(max_num_seqs=128, speculative=SpeculativeConfig("ngram"))
-    with pytest.raises(KvmeshError, match="512 sampled rows .* above the 128 rows"):
+    with pytest.raises(KvmeshError, match=r"512 sampled rows .* above the 128 rows"):
         check_step_limits(speculating, worker_info(2048, 128), "w")
 
 

@@ -22,19 +22,17 @@ from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.cupy_backend.batch import GpuBatch
 from services.engine_worker.cupy_backend.cublas_gemm import CUDA_R_32F, CublasGemm
 from services.engine_worker.cupy_backend.kernels.bias_add import bias_add
-from services.engine_worker.cupy_backend.kernels.embedding import embedding
+from services.engine_worker.cupy_backend.kernels.greedy_sample import greedy_sample
 from services.engine_worker.cupy_backend.kernels.library import DTypeSpec
 from services.engine_worker.cupy_backend.kernels.paged_decode_attention import (
-    check_shape,
-    num_splits,
+    FusedWrite,
     paged_decode_attention,
 )
 from services.engine_worker.cupy_backend.kernels.paged_prefill_attention import (
     paged_prefill_attention,
 )
-from services.engine_worker.cupy_backend.kernels.reshape_and_cache import reshape_and_cache
-from services.engine_worker.cupy_backend.kernels.rms_norm import add_rms_norm
-from services.engine_worker.cupy_backend.kernels.rotary import rotary
+from services.engine_worker.cupy_backend.kernels.rms_norm import add_rms_norm, embed_rms_norm
+from services.engine_worker.cupy_backend.kernels.rotary_and_cache import rotary_and_cache
 from services.engine_worker.cupy_backend.kernels.silu_and_mul import silu_and_mul
 from services.engine_worker.cupy_backend.workspace import Workspace
 from services.engine_worker.kv_cache import KVCacheShape
@@ -138,11 +136,9 @@ class DeviceBatch:
     max_query_len: int
     sample_rows: Any
     num_decodes: int
-    decode_splits: int  # attention splits of the longest decode context
 
     @staticmethod
     def upload(batch: GpuBatch) -> DeviceBatch:
-        longest = int(batch.decode_context_lens.max()) if batch.num_decodes else 1
         return DeviceBatch(
             cupy.asarray(batch.input_ids),
             cupy.asarray(batch.positions),
@@ -155,7 +151,6 @@ class DeviceBatch:
             batch.max_query_len,
             cupy.asarray(batch.sample_rows),
             batch.num_decodes,
-            num_splits(longest),
         )
 
 
@@ -168,7 +163,6 @@ class CupyCausalLM:
         spec: DTypeSpec,
         gemm: CublasGemm,
     ) -> None:
-        check_shape(arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.arch = arch
         self.spec = spec
         self.gemm = gemm
@@ -182,43 +176,43 @@ class CupyCausalLM:
         self.scale = arch.head_dim**-0.5
 
     def forward(self, batch: DeviceBatch, cache: GpuKVCache, ws: Workspace) -> Any:
-        """Logits (S, vocab) float32, a view into the workspace (valid until the next call)."""
+        """Logits (S, vocab) float32, a view into the workspace (valid until the next call).
+
+        Launches per layer of a decode-only step: 2 norms, 4 GEMMs, attention (with the
+        rotary and the KV write), SwiGLU; and outside the layers, the final norm and the LM
+        head (the embedding is fused into the first norm). Steps with prefill rows add one
+        rotary + KV write per layer and prefill attention."""
         arch, w, spec, gemm = self.arch, self.weights, self.spec, self.gemm
         tokens = int(batch.input_ids.shape[0])
         samples = int(batch.sample_rows.shape[0])
         decodes = batch.num_decodes
-        scratch = ws.decode_scratch(decodes, batch.decode_splits)
+        decode_only = decodes == tokens
+        scratch = ws.decode_scratch(decodes)
         x, normed, qkv = ws.residual[:tokens], ws.normed[:tokens], ws.qkv[:tokens]
         attn, proj = ws.attn[:tokens], ws.proj[:tokens]
-        embedding(x, w.embed, batch.input_ids, spec)
         eps = arch.rms_norm_eps
+        embed_rms_norm(normed, x, w.embed, batch.input_ids, w.layers[0].input_norm, eps, spec)
         for index, layer in enumerate(w.layers):
-            # residual += the previous layer's MLP output; normed = its input norm.
-            delta = proj if index else None
-            add_rms_norm(normed, x, layer.input_norm, eps, spec, delta=delta)
+            if index:  # residual += the previous layer's MLP output; normed = its input norm.
+                add_rms_norm(normed, x, layer.input_norm, eps, spec, delta=proj)
             gemm(normed, layer.qkv, qkv, spec)
-            if layer.qkv_bias is not None:
-                bias_add(qkv, layer.qkv_bias, spec)
-            rotary(
-                qkv,
-                batch.positions,
-                self.cos,
-                self.sin,
-                arch.num_heads + arch.num_kv_heads,
-                arch.head_dim,
-                spec,
-            )
             key_cache, value_cache = cache.layer(index)
-            reshape_and_cache(
-                key_cache,
-                value_cache,
-                qkv,
-                batch.slots,
-                arch.q_size,
-                arch.num_kv_heads,
-                arch.head_dim,
-                spec,
-            )
+            fused = None
+            if decode_only:
+                fused = FusedWrite(layer.qkv_bias, batch.positions, self.cos, self.sin, batch.slots)
+            else:
+                rotary_and_cache(
+                    qkv,
+                    layer.qkv_bias,
+                    batch.positions,
+                    self.cos,
+                    self.sin,
+                    batch.slots,
+                    key_cache,
+                    value_cache,
+                    arch.num_heads,
+                    spec,
+                )
             if decodes:
                 paged_decode_attention(
                     attn[:decodes],
@@ -231,8 +225,9 @@ class CupyCausalLM:
                     self.scale,
                     scratch,
                     spec,
+                    fused,
                 )
-            if tokens > decodes:
+            if not decode_only:
                 paged_prefill_attention(
                     attn,
                     qkv,
@@ -258,4 +253,11 @@ class CupyCausalLM:
         add_rms_norm(final, x, w.final_norm, eps, spec, delta=proj, rows=batch.sample_rows)
         logits = ws.logits[:samples]
         gemm(final, w.lm_head, logits, spec, out_type=CUDA_R_32F)
+        return logits
+
+    def forward_and_argmax(self, batch: DeviceBatch, cache: GpuKVCache, ws: Workspace) -> Any:
+        """forward(), then every sampled row's argmax and its logprob into the workspace's
+        `sampled` buffer: greedy rows need nothing else from the GPU."""
+        logits = self.forward(batch, cache, ws)
+        greedy_sample(logits, *ws.sampled_views(int(logits.shape[0])))
         return logits

@@ -1,12 +1,12 @@
 """The cupy backend's step: host arrays -> GPU forward (a CUDA graph for decode-only steps)
 -> sampling.
 
-Sampling: rows that are plain greedy (temperature 0, no penalties, no response format, at
-most the chosen token's logprob) take the argmax kernel on the GPU, and only a token and a
-float per row come back. Every other row's logits are copied to the host and go through the
-shared torch sampler (sampler.py): its per-request seeded generators are what make a seeded
-request's tokens the same on every backend, and those rows are rare in serving (penalties,
-top-N logprobs, response formats) or cost one (vocab,) copy each.
+Sampling: every row's argmax and its logprob are computed on the GPU with the forward (inside
+the graph), and one copy brings them back; rows that are plain greedy (temperature 0, no
+penalties, no response format, at most the chosen token's logprob) need nothing else. Every
+other row's logits are copied to the host and go through the shared torch sampler
+(sampler.py): its per-request seeded generators are what make a seeded request's tokens the
+same on every backend, and those rows cost one (vocab,) copy each.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from services.engine_worker.artifacts.architecture import ModelArchitecture
 from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.cupy_backend.batch import GpuBatch, build_gpu_batch
 from services.engine_worker.cupy_backend.cublas_gemm import WORKSPACE_BYTES, CublasGemm
-from services.engine_worker.cupy_backend.graphs import DecodeGraphs, GraphInputs, buckets_up_to
-from services.engine_worker.cupy_backend.kernels.greedy_sample import greedy_sample
+from services.engine_worker.cupy_backend.graphs import DecodeGraphs, buckets_up_to
 from services.engine_worker.cupy_backend.kernels.library import DTYPES
+from services.engine_worker.cupy_backend.kernels.paged_decode_attention import check_shape
 from services.engine_worker.cupy_backend.model import CupyCausalLM, DeviceBatch, GpuKVCache
+from services.engine_worker.cupy_backend.packed_inputs import PackedInputs
 from services.engine_worker.cupy_backend.workspace import StepLimits, Workspace, workspace_bytes
 from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.sampler import sample
@@ -42,9 +43,16 @@ def cuda_graphs_enabled() -> bool:
     return os.environ.get("KVMESH_CUDA_GRAPHS", "1") != "0"
 
 
-def step_limits(config: EngineConfig, max_model_len: int) -> StepLimits:
+def sm_count() -> int:
+    """Streaming multiprocessors of the current GPU: decode attention's grid is sized by it."""
+    properties = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    return int(properties["multiProcessorCount"])
+
+
+def step_limits(config: EngineConfig) -> StepLimits:
+    """What the worker states and the scheduler plans within (services/scheduler/step_limits.py)."""
     limits = config.scheduler
-    return StepLimits.of(limits.max_num_batched_tokens, limits.max_sampled_rows, max_model_len)
+    return StepLimits(limits.max_num_batched_tokens, limits.max_sampled_rows, sm_count())
 
 
 def on_gpu_sampler(state: RequestState) -> bool:
@@ -68,17 +76,23 @@ class Runner:
         dtype: torch.dtype,
         config: EngineConfig,
     ) -> None:
+        check_shape(arch.num_heads, arch.num_kv_heads, arch.head_dim, kv_shape.block_size)
         self.spec = DTYPES[_DTYPE_NAMES[dtype]]
         self.arch = arch
         self.block_size = kv_shape.block_size
         self.weights_resident_bytes = weights.resident_bytes  # copied to the GPU as they are
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        limits = step_limits(config, max_model_len)
+        limits = step_limits(config)
         with self.stream:
             self.gemm = CublasGemm(self.stream)
             self.model = CupyCausalLM(arch, weights, max_model_len, self.spec, self.gemm)
             self.cache = GpuKVCache(kv_shape, self.spec, self.stream)
             self.workspace = Workspace(arch, self.spec, limits)
+        # Where the step's greedy tokens and logprobs land on the host (workspace.sampled).
+        self._pinned = cupy.cuda.alloc_pinned_memory(int(self.workspace.sampled.nbytes))
+        self.sampled_host = numpy.frombuffer(
+            self._pinned, numpy.int32, int(self.workspace.sampled.shape[0])
+        )
         self.buckets = buckets_up_to(limits.max_samples)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs_enabled():
@@ -93,8 +107,8 @@ class Runner:
     ) -> int:
         """What a runner allocates besides weights and KV pool, known before it loads: the
         workspace, cuBLAS's workspace, the graphs' input buffers and the RoPE tables."""
-        limits = step_limits(config, max_model_len)
-        graph_inputs = GraphInputs.num_bytes(
+        limits = step_limits(config)
+        graph_inputs = PackedInputs.num_bytes(
             buckets_up_to(limits.max_samples)[-1], -(-max_model_len // config.cache.block_size)
         )
         rope_tables = 2 * max_model_len * (arch.head_dim // 2) * 4
@@ -134,11 +148,17 @@ class Runner:
 
     def _eager(self, batch: GpuBatch) -> Any:
         with self.stream:
+            self.workspace.check_fits(batch.num_tokens, len(batch.sampling_states))
             device = DeviceBatch.upload(batch)
-            self.workspace.check_fits(
-                batch.num_tokens, len(batch.sampling_states), device.decode_splits
-            )
-            return self.model.forward(device, self.cache, self.workspace)
+            return self.model.forward_and_argmax(device, self.cache, self.workspace)
+
+    def _greedy_results(self, rows: int) -> tuple[list[int], list[float]]:
+        """The step's argmax tokens and logprobs: one copy to pinned memory, one wait."""
+        host = self.sampled_host
+        self.workspace.sampled.get(stream=self.stream, out=host, blocking=False)
+        self.stream.synchronize()
+        half = host.shape[0] // 2
+        return host[:rows].tolist(), host[half : half + rows].view(numpy.float32).tolist()
 
     def _sample(
         self, logits: Any, batch: GpuBatch, rng: torch.Generator
@@ -153,15 +173,9 @@ class Runner:
         results: list[SampledToken | FailedRequest | None] = [None] * len(states)
         with self.stream:
             if fast:
-                rows = cupy.asarray(numpy.asarray(fast, dtype=numpy.int32))
-                picked = cupy.ascontiguousarray(logits[rows])
-                tokens = cupy.empty(len(fast), numpy.int32)
-                logprobs = cupy.empty(len(fast), numpy.float32)
-                greedy_sample(picked, tokens, logprobs)
-                for row, token, logprob in zip(
-                    fast, tokens.get().tolist(), logprobs.get().tolist(), strict=True
-                ):
-                    state = states[row]
+                tokens, logprobs = self._greedy_results(len(states))
+                for row in fast:
+                    token, logprob, state = tokens[row], logprobs[row], states[row]
                     wants = state.sampling.logprobs is not None
                     results[row] = SampledToken(
                         state.request_id,
@@ -170,8 +184,8 @@ class Runner:
                     )
             if slow:
                 host = torch.from_numpy(cupy.asnumpy(logits[cupy.asarray(slow)]))
-                for row, token in zip(
+                for row, outcome in zip(
                     slow, sample(host, [states[r] for r in slow], rng), strict=True
                 ):
-                    results[row] = token
-        return [token for token in results if token is not None]
+                    results[row] = outcome
+        return [outcome for outcome in results if outcome is not None]

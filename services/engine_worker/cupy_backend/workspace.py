@@ -1,10 +1,10 @@
 """The one workspace of the cupy backend: every intermediate of a forward, allocated once.
 
-Sized for the largest step the scheduler may send (its token budget, its sampled rows, the
-longest context's attention splits), it serves every eager step and every captured decode
-graph: steps run one after another on one stream, so they never need two. Its size is known
-before anything is allocated (`workspace_bytes`), so the memory-fit check counts it with the
-weights and the KV pool.
+Sized for the largest step the scheduler may send (its token budget and sampled rows; decode
+attention's splits per row follow from the row count and the SM count, not the context), it
+serves every eager step and every captured decode graph: steps run one after another on one
+stream, so they never need two. Its size is known before anything is allocated
+(`workspace_bytes`), so the memory-fit check counts it with the weights and the KV pool.
 """
 
 from __future__ import annotations
@@ -18,22 +18,20 @@ from services.engine_worker.artifacts.architecture import ModelArchitecture
 from services.engine_worker.cupy_backend.kernels.library import DTypeSpec
 from services.engine_worker.cupy_backend.kernels.paged_decode_attention import (
     DecodeScratch,
-    num_splits,
+    grid_splits,
+    scratch_rows_by_splits,
 )
 
 
 @dataclass(frozen=True)
 class StepLimits:
     """The largest step: tokens (every one may be a decode row: a recomputed request's
-    tokens past its prompt are), sampled rows, and attention splits of the longest context."""
+    tokens past its prompt are) and sampled rows; and the GPU's SM count, which sizes decode
+    attention's grid."""
 
     max_tokens: int
     max_samples: int
-    max_splits: int
-
-    @staticmethod
-    def of(max_num_batched_tokens: int, max_sampled_rows: int, max_model_len: int) -> StepLimits:
-        return StepLimits(max_num_batched_tokens, max_sampled_rows, num_splits(max_model_len))
+    sm_count: int
 
 
 def _layout(
@@ -41,8 +39,8 @@ def _layout(
 ) -> dict[str, tuple[tuple[int, ...], Any]]:
     tokens, samples = limits.max_tokens, limits.max_samples
     # Decode attention's per-split partials, flat: a step takes the (rows, heads, splits)
-    # prefix it needs, so a short context launches one split, not the longest context's.
-    scratch = tokens * arch.num_heads * limits.max_splits
+    # prefix its row count needs.
+    pairs = scratch_rows_by_splits(tokens, arch.num_kv_heads, limits.sm_count)
     return {
         "residual": ((tokens, arch.hidden_size), spec.storage),
         "normed": ((tokens, arch.hidden_size), spec.storage),
@@ -53,9 +51,10 @@ def _layout(
         "act": ((tokens, arch.intermediate_size), spec.storage),
         "final": ((samples, arch.hidden_size), spec.storage),
         "logits": ((samples, arch.vocab_size), numpy.float32),
-        "scratch_out": ((scratch * arch.head_dim,), numpy.float32),
-        "scratch_max": ((scratch,), numpy.float32),
-        "scratch_sum": ((scratch,), numpy.float32),
+        "sampled": ((2 * samples,), numpy.int32),  # greedy tokens, then their logprobs' bits
+        "scratch_out": ((pairs * arch.num_heads * arch.head_dim,), numpy.float32),
+        "scratch_stats": ((pairs * arch.num_heads * 2,), numpy.float32),
+        "tickets": ((tokens * arch.num_kv_heads,), numpy.int32),
     }
 
 
@@ -71,35 +70,47 @@ class Workspace:
         import cupy
 
         self.limits = limits
-        buffers = {
-            name: cupy.empty(shape, dtype=dtype)
+        buffers = {  # merge tickets start at zero; each merge leaves its ticket at zero
+            name: (cupy.zeros if name == "tickets" else cupy.empty)(shape, dtype=dtype)
             for name, (shape, dtype) in _layout(arch, spec, limits).items()
         }
         self.residual, self.normed, self.qkv = (buffers[n] for n in ("residual", "normed", "qkv"))
         self.attn, self.proj = buffers["attn"], buffers["proj"]
         self.gate_up, self.act = buffers["gate_up"], buffers["act"]
         self.final, self.logits = buffers["final"], buffers["logits"]
-        self._scratch = (buffers["scratch_out"], buffers["scratch_max"], buffers["scratch_sum"])
-        self._heads, self._head_dim = arch.num_heads, arch.head_dim
+        self.sampled = buffers["sampled"]
+        self._scratch = (buffers["scratch_out"], buffers["scratch_stats"], buffers["tickets"])
+        self._heads, self._kv_heads, self._head_dim = (
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+        )
         self.num_bytes = sum(int(buffer.nbytes) for buffer in buffers.values())
 
-    def decode_scratch(self, rows: int, splits: int) -> DecodeScratch:
-        """Views of the partials' buffers shaped for `rows` decode rows and `splits` splits."""
-        out, maxima, sums = self._scratch
-        shape = (max(1, rows), self._heads, splits)
+    def decode_scratch(self, rows: int) -> DecodeScratch:
+        """Views of the partials' buffers for `rows` decode rows and their grid's splits."""
+        out, stats, tickets = self._scratch
+        rows = max(1, rows)
+        shape = (rows, self._heads, grid_splits(rows, self._kv_heads, self.limits.sm_count))
         size = shape[0] * shape[1] * shape[2]
         return DecodeScratch(
             out[: size * self._head_dim].reshape(*shape, self._head_dim),
-            maxima[:size].reshape(shape),
-            sums[:size].reshape(shape),
+            stats[: size * 2].reshape(*shape, 2),
+            tickets[: rows * self._kv_heads].reshape(rows, self._kv_heads),
         )
 
-    def check_fits(self, tokens: int, samples: int, splits: int) -> None:
-        """A step larger than the scheduler's limits is a bug upstream: refused, not run
-        over the end of a buffer."""
+    def sampled_views(self, rows: int) -> tuple[Any, Any]:
+        """Where greedy sampling writes `rows` tokens (int32) and logprobs (float32): both in
+        one buffer, so one copy brings a step's results to the host."""
+        half = self.sampled.shape[0] // 2
+        return self.sampled[:rows], self.sampled[half : half + rows].view(numpy.float32)
+
+    def check_fits(self, tokens: int, samples: int) -> None:
+        """A step larger than the limits the worker stated is a bug upstream: refused, not
+        run over the end of a buffer."""
         limits = self.limits
-        if tokens > limits.max_tokens or samples > limits.max_samples or splits > limits.max_splits:
+        if tokens > limits.max_tokens or samples > limits.max_samples:
             raise ValueError(
-                f"a step of {tokens} tokens, {samples} sampled rows and {splits} attention "
-                f"splits exceeds the workspace's limits {limits}"
+                f"a step of {tokens} tokens and {samples} sampled rows exceeds the "
+                f"workspace's limits {limits}"
             )

@@ -2,9 +2,9 @@
 
 `python -m services.engine_worker.cupy_backend.kernels.compile_check [--arch sm_90]` prints each
 file's ptxas report (registers, shared memory, spills per kernel) and exits non-zero on an error,
-a register spill, or a log without ptxas's report (then "0 spills" would be read from nothing);
-the test suite runs the same check. `--nvrtc` compiles the way CuPy does at run time instead,
-with ptxas's report asked for the same way.
+a register spill, a kernel over its register budget, or a log without ptxas's report (then "0
+spills" would be read from nothing); the test suite runs the same check. `--nvrtc` compiles the
+way CuPy does at run time instead, with ptxas's report asked for the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ from pathlib import Path
 from services.engine_worker.cupy_backend.kernels.library import KERNEL_DIR, sources
 
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+REGISTERS = re.compile(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", re.DOTALL)
+# Registers per thread each kernel may use. Decode attention keeps a running output per query
+# head of its GQA group (up to 8) in registers: 168 still fits three 128-thread CTAs an SM.
+# Every other kernel is a row-wise pass that wants full occupancy.
+REGISTER_BUDGETS = {"paged_decode_attention": 168, "paged_prefill_attention": 96}
+DEFAULT_REGISTER_BUDGET = 64
 PTXAS_VERBOSE = "--ptxas-options=-v"  # nvcc's -Xptxas -v, spelled as NVRTC takes it too
 
 
@@ -35,14 +41,26 @@ class CompileReport:
         return sum(int(a) + int(b) for a, b in SPILLS.findall(self.output))
 
     @property
+    def registers(self) -> dict[str, int]:
+        """Each kernel's registers per thread, from ptxas's report."""
+        return {name: int(count) for name, count in REGISTERS.findall(self.output)}
+
+    @property
+    def budget(self) -> int:
+        return REGISTER_BUDGETS.get(self.source.stem, DEFAULT_REGISTER_BUDGET)
+
+    @property
     def problem(self) -> str | None:
         """Why the kernel fails the check, or None when it passes."""
         if self.returncode != 0:
             return "did not compile"
-        if not SPILLS.search(self.output):
+        if not SPILLS.search(self.output) or not self.registers:
             return "no ptxas report in the log (was -v passed?)"
         if self.spilled_bytes:
             return f"spills {self.spilled_bytes} bytes of registers"
+        over = {name: n for name, n in self.registers.items() if n > self.budget}
+        if over:
+            return f"over its budget of {self.budget} registers: {over}"
         return None
 
 
@@ -96,7 +114,11 @@ def main() -> int:
         compile_one = compile_nvrtc if args.nvrtc else compile_cubin
         report = compile_one(source, args.arch)
         problem = report.problem
-        print(f"{source.name}: {problem or 'ok'}, spilled {report.spilled_bytes} bytes")
+        most = max(report.registers.values(), default=0)
+        print(
+            f"{source.name}: {problem or 'ok'}, spilled {report.spilled_bytes} bytes, "
+            f"at most {most} of {report.budget} registers"
+        )
         if problem is not None:
             failed += 1
             print(report.output, file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Launcher of paged_decode_attention.cu (split-K decode attention and its merge)."""
+"""Launcher of paged_decode_attention.cu (flash-decoding: splits decided per sequence on the
+device, merged by the last split to finish)."""
 
 from __future__ import annotations
 
@@ -7,43 +8,77 @@ from typing import Any
 
 import numpy
 
-from services.engine_worker.cupy_backend.kernels.library import DTypeSpec, kernel
+from services.engine_worker.cupy_backend.kernels.library import NULL, DTypeSpec, kernel
 
 THREADS = 128
 MAX_GROUP = 8  # query heads per KV head (kMaxGroup in the kernel)
 HEAD_DIMS = (32, 64, 128)
-PARTITION_SIZE = 512  # positions per split: long contexts spread over many blocks
+BLOCK_SIZES = (8, 16, 32)  # KV block sizes the kernel is compiled for
+# A split takes at least this many positions: a 1k context at batch 1 runs as 4 CTAs per KV
+# head, and a merge is paid only where the context is longer than one split.
+MIN_PARTITION = 256
+# The grid offers enough splits for this many CTAs per SM when every context is long.
+CTAS_PER_SM = 2
 
 
 @dataclass(frozen=True)
 class DecodeScratch:
-    """Per-split partial results, float32; sized for (seqs, heads, splits)."""
+    """Per-split partials (float32) and the merge tickets (int32, zero between launches) for
+    `rows` sequences of `heads` query heads and up to `splits` splits each."""
 
-    out: Any  # (seqs, heads, splits, D)
-    max: Any  # (seqs, heads, splits)
-    sum: Any  # (seqs, heads, splits)
+    out: Any  # (rows, heads, splits, D)
+    stats: Any  # (rows, heads, splits, 2): max and sum of exp(score - max)
+    tickets: Any  # (rows, kv_heads)
+
+    @property
+    def splits(self) -> int:
+        return int(self.out.shape[2])
 
     @staticmethod
-    def allocate(num_seqs: int, num_heads: int, num_splits: int, head_dim: int) -> DecodeScratch:
+    def allocate(rows: int, heads: int, kv_heads: int, splits: int, head_dim: int) -> DecodeScratch:
         import cupy
 
-        shape = (num_seqs, num_heads, num_splits)
         return DecodeScratch(
-            cupy.empty((*shape, head_dim), numpy.float32),
-            cupy.empty(shape, numpy.float32),
-            cupy.empty(shape, numpy.float32),
+            cupy.empty((rows, heads, splits, head_dim), numpy.float32),
+            cupy.empty((rows, heads, splits, 2), numpy.float32),
+            cupy.zeros((rows, kv_heads), numpy.int32),
         )
 
 
-def num_splits(max_context: int, partition_size: int = PARTITION_SIZE) -> int:
-    return max(1, -(-max_context // partition_size))
+@dataclass(frozen=True)
+class FusedWrite:
+    """A decode-only step's rotary and KV write, done by the attention kernel itself: the
+    QKV bias (or None), positions (int32), the RoPE tables and each row's slot (int64)."""
+
+    bias: Any | None
+    positions: Any
+    cos: Any
+    sin: Any
+    slots: Any
 
 
-def check_shape(num_heads: int, kv_heads: int, head_dim: int) -> None:
-    if num_heads % kv_heads or num_heads // kv_heads > MAX_GROUP or head_dim not in HEAD_DIMS:
+def grid_splits(rows: int, kv_heads: int, sm_count: int) -> int:
+    """Splits the grid offers each sequence: fewer as rows fill the GPU on their own. Fixed
+    for a batch size, so a captured graph's grid stays valid whatever the contexts."""
+    return max(1, -(-CTAS_PER_SM * sm_count // max(1, rows * kv_heads)))
+
+
+def scratch_rows_by_splits(max_rows: int, kv_heads: int, sm_count: int) -> int:
+    """The most (row, split) pairs any batch of up to `max_rows` rows uses."""
+    return max(rows * grid_splits(rows, kv_heads, sm_count) for rows in range(1, max_rows + 1))
+
+
+def check_shape(num_heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
+    if (
+        num_heads % kv_heads
+        or num_heads // kv_heads > MAX_GROUP
+        or head_dim not in HEAD_DIMS
+        or block_size not in BLOCK_SIZES
+    ):
         raise ValueError(
-            f"decode attention supports head_dim {HEAD_DIMS} and up to {MAX_GROUP} query heads "
-            f"per KV head; got head_dim {head_dim}, {num_heads} heads, {kv_heads} KV heads"
+            f"decode attention supports head_dim {HEAD_DIMS}, KV blocks of {BLOCK_SIZES} "
+            f"tokens and up to {MAX_GROUP} query heads per KV head; got head_dim {head_dim}, "
+            f"blocks of {block_size}, {num_heads} heads, {kv_heads} KV heads"
         )
 
 
@@ -58,28 +93,35 @@ def paged_decode_attention(
     scale: float,
     scratch: DecodeScratch,
     spec: DTypeSpec,
-    partition_size: int = PARTITION_SIZE,
+    fused: FusedWrite | None = None,
+    min_partition: int = MIN_PARTITION,
 ) -> None:
     """out (S, H * D) for the first S rows of qkv (one query each). Caches are
     (blocks, kv_heads, block, D); block_tables int32 (S, max_blocks); context_lens int32 (S,),
-    each >= 1. scratch must have room for S rows and enough splits for the longest context."""
+    each >= 1 and counting the new token. scratch: views for S rows; its split count is the
+    grid's. With `fused`, the rows' Q and K are still unrotated and the new K/V not written."""
     num_seqs, max_blocks = block_tables.shape
     _, kv_heads, block_size, head_dim = key_cache.shape
-    check_shape(num_heads, kv_heads, head_dim)
+    check_shape(num_heads, kv_heads, head_dim, block_size)
     if not num_seqs:
         return
-    splits = scratch.max.shape[2]
-    group = num_heads // kv_heads
-    shared = (group * head_dim + group * partition_size + 32) * 4
-    kernel("paged_decode_attention", f"paged_decode_attention_{spec.suffix}_d{head_dim}")(
-        (splits, num_seqs, kv_heads),
+    name = f"paged_decode_attention_{spec.suffix}_d{head_dim}_b{block_size}"
+    rope = fused or FusedWrite(None, NULL, NULL, NULL, NULL)
+    kernel("paged_decode_attention", name)(
+        (scratch.splits, num_seqs, kv_heads),
         (THREADS,),
         (
+            out,
             scratch.out,
-            scratch.max,
-            scratch.sum,
+            scratch.stats,
+            scratch.tickets,
             qkv,
             numpy.int32(qkv.shape[1]),
+            NULL if rope.bias is None else rope.bias,
+            rope.cos,
+            rope.sin,
+            rope.positions,
+            rope.slots,
             key_cache,
             value_cache,
             block_tables,
@@ -87,14 +129,7 @@ def paged_decode_attention(
             context_lens,
             numpy.int32(num_heads),
             numpy.int32(kv_heads),
-            numpy.int32(block_size),
-            numpy.int32(partition_size),
+            numpy.int32(min_partition),
             numpy.float32(scale),
         ),
-        shared_mem=shared,
-    )
-    kernel("paged_decode_attention", f"paged_decode_reduce_{spec.suffix}")(
-        (num_seqs, num_heads),
-        (head_dim,),
-        (out, scratch.out, scratch.max, scratch.sum, numpy.int32(splits), numpy.int32(head_dim)),
     )

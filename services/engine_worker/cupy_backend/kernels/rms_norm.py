@@ -9,6 +9,10 @@ import numpy
 from services.engine_worker.cupy_backend.kernels.library import NULL, DTypeSpec, kernel
 
 
+def _threads(hidden: int) -> tuple[int]:
+    return (min(1024, max(32, hidden // 32 * 32)),)
+
+
 def add_rms_norm(
     out: Any,
     residual: Any,
@@ -24,7 +28,7 @@ def add_rms_norm(
     if num_rows:
         kernel("rms_norm", f"add_rms_norm_{spec.suffix}")(
             (num_rows,),
-            (min(1024, max(32, hidden // 32 * 32)),),
+            _threads(hidden),
             (
                 out,
                 residual,
@@ -34,4 +38,17 @@ def add_rms_norm(
                 numpy.int32(hidden),
                 numpy.float32(eps),
             ),
+        )
+
+
+def embed_rms_norm(
+    out: Any, residual: Any, table: Any, ids: Any, weight: Any, eps: float, spec: DTypeSpec
+) -> None:
+    """residual (T, hidden) = table[ids]; out = rms_norm(residual) * weight. ids int32 (T,)."""
+    num_rows, hidden = out.shape
+    if num_rows:
+        kernel("rms_norm", f"embed_rms_norm_{spec.suffix}")(
+            (num_rows,),
+            _threads(hidden),
+            (out, residual, table, ids, weight, numpy.int32(hidden), numpy.float32(eps)),
         )

@@ -1,0 +1,118 @@
+"""A decode step's inputs in one copy: pinned host memory -> one device buffer -> the graph.
+
+Every decode bucket's graph reads its inputs from views at the start of one device buffer,
+laid out for that bucket's row count: ids, positions and context lengths (int32 each), slots
+(int64), block tables (int32, rows x max_blocks). A step writes its rows and the padding into
+the same layout in pinned host memory and sends the bucket's bytes in one asynchronous copy,
+ordered on the steps' stream before the graph's launch. Padding: slot -1 writes nothing,
+context 1 reads one position of block 0, and nobody samples those rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy
+import numpy
+
+from services.engine_worker.cupy_backend.batch import GpuBatch
+from services.engine_worker.cupy_backend.model import DeviceBatch
+
+_FIELDS = (  # name, dtype, values per row (0: the table's width)
+    ("input_ids", numpy.int32, 1),
+    ("positions", numpy.int32, 1),
+    ("context_lens", numpy.int32, 1),
+    ("slots", numpy.int64, 1),
+    ("block_tables", numpy.int32, 0),
+)
+_PADDING = {"input_ids": 0, "positions": 0, "context_lens": 1, "slots": -1}
+
+
+def _layout(rows: int, max_blocks: int) -> dict[str, tuple[int, int, Any]]:
+    """name -> (byte offset, values, dtype) for a batch of `rows` rows; 8-byte aligned."""
+    layout, offset = {}, 0
+    for name, dtype, per_row in _FIELDS:
+        count = rows * (per_row or max_blocks)
+        offset = -(-offset // 8) * 8
+        layout[name] = (offset, count, dtype)
+        offset += count * numpy.dtype(dtype).itemsize
+    return layout
+
+
+def _end(rows: int, max_blocks: int) -> int:
+    offset, count, dtype = _layout(rows, max_blocks)["block_tables"]
+    return offset + count * numpy.dtype(dtype).itemsize
+
+
+class PackedInputs:
+    """The pinned staging buffer and the device buffer every bucket's graph reads."""
+
+    def __init__(self, max_rows: int, max_blocks: int) -> None:
+        self.max_blocks = max_blocks
+        nbytes = _end(max_rows, max_blocks)
+        self._pinned = cupy.cuda.alloc_pinned_memory(nbytes)  # kept alive with the views
+        self.host = numpy.frombuffer(self._pinned, numpy.uint8, nbytes)
+        self.device = cupy.empty(nbytes, numpy.uint8)
+        self.sample_rows = cupy.arange(max_rows, dtype=numpy.int32)
+        self.no_prefill = (
+            cupy.zeros((0, 1), numpy.int32),
+            cupy.zeros(1, numpy.int32),
+            cupy.zeros(0, numpy.int32),
+        )
+
+    @staticmethod
+    def num_bytes(max_rows: int, max_blocks: int) -> int:
+        """Device bytes (the pinned host buffer is as large): inputs and sampled row ids."""
+        return _end(max_rows, max_blocks) + 4 * max_rows + 4
+
+    def _views(self, buffer: Any, rows: int) -> dict[str, Any]:
+        views = {}
+        for name, (offset, count, dtype) in _layout(rows, self.max_blocks).items():
+            view = buffer[offset : offset + count * numpy.dtype(dtype).itemsize].view(dtype)
+            views[name] = view.reshape(rows, self.max_blocks) if name == "block_tables" else view
+        return views
+
+    def batch(self, rows: int) -> DeviceBatch:
+        """A decode-only batch of `rows` rows over the device buffer (what a graph captures)."""
+        views = self._views(self.device, rows)
+        return DeviceBatch(
+            input_ids=views["input_ids"],
+            positions=views["positions"],
+            slots=views["slots"],
+            decode_block_tables=views["block_tables"],
+            decode_context_lens=views["context_lens"],
+            prefill_block_tables=self.no_prefill[0],
+            prefill_query_starts=self.no_prefill[1],
+            prefill_context_lens=self.no_prefill[2],
+            max_query_len=0,
+            sample_rows=self.sample_rows[:rows],
+            num_decodes=rows,
+        )
+
+    def clear(self, rows: int) -> None:
+        """Padding in every row of a `rows` batch (what its graph is captured over), copied
+        now. Each batch size has its own layout of the same buffer."""
+        views = self._views(self.host, rows)
+        for name, value in _PADDING.items():
+            views[name][:] = value
+        views["block_tables"][:] = 0
+        self.device[: _end(rows, self.max_blocks)].set(self.host[: _end(rows, self.max_blocks)])
+
+    def upload(self, batch: GpuBatch, rows: int, stream: Any) -> None:
+        """The step's rows, then padding up to `rows`, in one copy on `stream`."""
+        views = self._views(self.host, rows)
+        count, width = batch.num_decodes, batch.decode_block_tables.shape[1]
+        for name, source in (
+            ("input_ids", batch.input_ids),
+            ("positions", batch.positions),
+            ("context_lens", batch.decode_context_lens),
+            ("slots", batch.slots),
+        ):
+            views[name][:count] = source
+            views[name][count:] = _PADDING[name]
+        tables = views["block_tables"]
+        tables[:count, :width] = batch.decode_block_tables
+        tables[:count, width:] = 0
+        tables[count:] = 0
+        end = _end(rows, self.max_blocks)
+        self.device[:end].set(self.host[:end], stream=stream)
