@@ -77,7 +77,8 @@ def _modules() -> dict[str, types.ModuleType]:
     cupy = types.ModuleType("cupy")
     for name in (
         "ndarray", "empty", "zeros", "ones", "full", "arange", "asarray",
-        "ascontiguousarray", "asnumpy", "__version__",
+        "ascontiguousarray", "asnumpy", "__version__", "empty_like", "cos", "sin", "random",
+        "get_default_memory_pool",
     ):  # fmt: skip
         setattr(cupy, name, getattr(device, name))
     cupy.RawModule = RawModule  # type: ignore[attr-defined]
@@ -86,6 +87,8 @@ def _modules() -> dict[str, types.ModuleType]:
     cuda.Stream = device.Stream  # type: ignore[attr-defined]
     cuda.get_current_stream = device.get_current_stream  # type: ignore[attr-defined]
     cuda.alloc_pinned_memory = device.alloc_pinned_memory  # type: ignore[attr-defined]
+    cuda.Event = device.Event  # type: ignore[attr-defined]
+    cuda.get_elapsed_time = device.get_elapsed_time  # type: ignore[attr-defined]
     cuda.Device = lambda index=0: types.SimpleNamespace(id=index)  # type: ignore[attr-defined]
     cuda.runtime = types.SimpleNamespace(  # type: ignore[attr-defined]
         getDeviceCount=lambda: 1,

@@ -11,6 +11,7 @@ array kernels, or a call into CuPy's cuBLAS wrapper.
 from __future__ import annotations
 
 import bisect
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -191,6 +192,18 @@ class ndarray:
     def view(self, dtype: Any) -> ndarray:
         return ndarray(self._host.view(dtype))
 
+    def astype(self, dtype: Any) -> ndarray:
+        refuse_in_capture("CuPy's cast kernel")
+        return _allocate(self._host.astype(dtype))
+
+    def __mul__(self, other: float) -> ndarray:
+        refuse_in_capture("CuPy's multiply kernel")
+        return _allocate(self._host * other)
+
+    def __rshift__(self, other: int) -> ndarray:
+        refuse_in_capture("CuPy's shift kernel")
+        return _allocate(self._host >> other)
+
     def reshape(self, *shape: Any) -> ndarray:
         reshaped = self._host.reshape(*shape)
         if not numpy.shares_memory(reshaped, self._host):
@@ -259,6 +272,46 @@ def asnumpy(
     return array.get(stream, order, out, blocking)
 
 
+def empty_like(array: ndarray) -> ndarray:
+    return empty(array.shape, array.dtype)
+
+
+def cos(array: ndarray) -> ndarray:
+    return _allocate(numpy.cos(array._host))
+
+
+def sin(array: ndarray) -> ndarray:
+    return _allocate(numpy.sin(array._host))
+
+
+class _Random:
+    """cupy.random's few calls the benchmarks make, seeded: host numpy underneath."""
+
+    def __init__(self) -> None:
+        self._rng = numpy.random.default_rng(0)
+
+    def standard_normal(self, shape: Any, dtype: Any = numpy.float64) -> ndarray:
+        return _allocate(self._rng.standard_normal(shape).astype(dtype))
+
+    def random(self, shape: Any, dtype: Any = numpy.float64) -> ndarray:
+        return _allocate(self._rng.random(shape).astype(dtype))
+
+    def permutation(self, count: int) -> ndarray:
+        return _allocate(self._rng.permutation(count))
+
+
+random = _Random()
+
+
+class _MemoryPool:
+    def free_all_blocks(self) -> None:
+        """Nothing is pooled here."""
+
+
+def get_default_memory_pool() -> _MemoryPool:
+    return _MemoryPool()
+
+
 def alloc_pinned_memory(nbytes: int) -> bytearray:
     """Page-locked host memory: here plain host memory, counted as no device allocation."""
     return bytearray(nbytes)
@@ -302,6 +355,27 @@ class Stream:
 
 
 _current: list[Stream] = [Stream(null=True)]
+
+
+class Event:
+    """A CUDA event: here the host clock when it is recorded (work runs at launch)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.seconds: float | None = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        refuse_in_capture("an event record outside a graph's own nodes")
+        self.seconds = time.perf_counter()
+
+    def synchronize(self) -> None:
+        refuse_in_capture("an event synchronisation")
+
+
+def get_elapsed_time(start: Event, end: Event) -> float:
+    """Milliseconds between two recorded events, as cupy.cuda.get_elapsed_time."""
+    if start.seconds is None or end.seconds is None:
+        raise RuntimeError("cudaErrorInvalidResourceHandle: an event was never recorded")
+    return (end.seconds - start.seconds) * 1e3
 
 
 def get_current_stream() -> Stream:

@@ -27,6 +27,7 @@ from services.engine_worker.cupy_backend.kernels.library import DTYPES
 from services.engine_worker.cupy_backend.kernels.paged_decode_attention import check_shape
 from services.engine_worker.cupy_backend.model import CupyCausalLM, DeviceBatch, GpuKVCache
 from services.engine_worker.cupy_backend.packed_inputs import PackedInputs
+from services.engine_worker.cupy_backend.step_timing import StepTiming
 from services.engine_worker.cupy_backend.workspace import StepLimits, Workspace, workspace_bytes
 from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.sampler import sample
@@ -93,6 +94,7 @@ class Runner:
         self.sampled_host = numpy.frombuffer(
             self._pinned, numpy.int32, int(self.workspace.sampled.shape[0])
         )
+        self.timing: StepTiming | None = None  # bench-gpu sets one: GPU ms per step
         self.buckets = buckets_up_to(limits.max_samples)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs_enabled():
@@ -139,12 +141,21 @@ class Runner:
         self, scheduled: list[tuple[RequestState, int]], rng: torch.Generator
     ) -> tuple[tuple[RequestState, ...], list[SampledToken | FailedRequest]]:
         batch = build_gpu_batch(scheduled, self.block_size)
+        timing = self.timing
+        if timing is not None:
+            timing.start(self.stream)
         logits = None
         if self.graphs is not None and batch.decode_only:
             logits = self.graphs.run(batch)
+        replayed = logits is not None
         if logits is None:
             logits = self._eager(batch)
-        return unique_states(batch.sampling_states), self._sample(logits, batch, rng)
+        if timing is not None:
+            timing.stop(self.stream, replayed)
+        outcomes = self._sample(logits, batch, rng)  # waits for the step's results
+        if timing is not None:
+            timing.read()
+        return unique_states(batch.sampling_states), outcomes
 
     def _eager(self, batch: GpuBatch) -> Any:
         with self.stream:

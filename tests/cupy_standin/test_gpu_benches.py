@@ -1,0 +1,47 @@
+"""The GPU benchmarks rehearsed on the CPU stand-in for CuPy, so a GPU session spends its
+minutes measuring, not finding a typo: bench-kernels' step table and bandwidth figure, and
+bench-gpu's decode window with the GPU's and the host's milliseconds per step apart."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cupy_standin import device, installed
+from tests.model_fixtures import save_random_checkpoint
+
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture
+def standin() -> Iterator[device.DeviceState]:
+    with installed() as state:
+        yield state
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # residual adds of random weights overflow
+def test_bench_kernels_times_every_launch_of_a_step(standin) -> None:
+    from loadtest import kernel_bench
+    from services.engine_worker.cupy_backend.kernels.library import DTYPES
+
+    spec = DTYPES["bfloat16"]
+    timed = kernel_bench.step_kernels("smollm2-135m", 2, 40, spec, repeats=1)
+    launches = {"input_norm", "qkv_gemm", "attention", "o_gemm", "post_norm", "gate_up_gemm"}
+    assert launches | {"silu_and_mul", "down_gemm", "lm_head", "greedy_sample"} < set(timed)
+    assert all(value > 0 for value in timed.values())
+    micros, gb_s = kernel_bench.attention_bandwidth("smollm2-135m", 2, 300, spec, repeats=1)
+    assert micros > 0 and gb_s > 0
+
+
+def test_bench_gpu_reports_gpu_and_host_milliseconds_per_step(standin, tmp_path: Path) -> None:
+    from loadtest import gpu_bench
+
+    model = save_random_checkpoint(tmp_path, "llama", **SHAPE)
+    figures, engine = gpu_bench.kvmesh_decode("cupy", "float32", 2, 8, model, 8 << 20)
+    assert figures.tok_s > 0
+    assert figures.gpu_ms is not None and figures.gpu_ms > 0
+    assert figures.host_ms is not None and figures.host_ms > 0
+    timing = engine.worker.runner.timing
+    assert timing is not None and any(timing.replayed)  # decode steps replayed their graph
