@@ -138,22 +138,25 @@ test-gpu:
 test-gpu-standin: $(STAMP)
 	KVMESH_CUPY_STANDIN=1 $(BIN)/python -m pytest -q tests/gpu
 
-# The GPU check for a bare GPU machine with no registry (tests/gpu/check/run.sh, <= 8 min):
+# The GPU check for a bare GPU machine with no registry (tests/gpu/check/run.sh, <= 9 min):
 # wheels installed, the GPU suite with graphs on, the mesh on cupy, bench-kernels, bench-gpu
-# against llama.cpp's CUDA build; a one-page summary.md. gpu-check-prepare (here, with the
+# against llama.cpp's CUDA build on the default model's shapes and Llama-3.1-8B's; a one-page
+# summary.md. gpu-check-prepare (here, with the
 # registries) writes what it brings along into .gpu-check/ (< 64 MiB).
 gpu-check-prepare: $(STAMP)
 	$(BIN)/python -m tests.gpu.check.prepare
 gpu-check:
 	bash tests/gpu/check/run.sh
 
-# Paged decode attention's achieved bandwidth against the GPU's peak.
+# Each launch of a decode step in microseconds (both shapes), and decode attention's
+# achieved bandwidth against the GPU's peak.
 bench-kernels:
 	$(GPU_PYTHON) -m loadtest.kernel_bench
 
-# Decode tokens/s at batch 1/32/128: cupy backend, torch backend on the GPU, transformers.
+# Decode tokens/s at batch 1/32/128 and GPU / host ms per step: cupy backend, torch backend on
+# the GPU, transformers, llama.cpp; BENCH_GPU_ARGS='--shape llama3-8b' on Llama-3.1-8B's shapes.
 bench-gpu:
-	$(GPU_PYTHON) -m loadtest.gpu_bench
+	$(GPU_PYTHON) -m loadtest.gpu_bench $(BENCH_GPU_ARGS)
 
 # kvmesh (mesh and in-process) against transformers and llama.cpp's own `llama-server
 # --parallel N` (Q4_1 and F32) on the same model and workload, in one run; slow (half an hour).

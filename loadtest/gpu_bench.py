@@ -216,6 +216,11 @@ def main() -> None:
     )
     parser.add_argument("--tokenizer-from", help="--shape: the GGUF whose tokenizer to take")
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument(
+        "--llama-cpp-only",
+        action="store_true",
+        help="no torch backend or transformers beside llama.cpp (the GPU check's time)",
+    )
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args()
     peak = peak_bandwidth_gb_s()
@@ -243,7 +248,7 @@ def main() -> None:
         )
         del engine
         row: dict = {"batch": batch, "kvmesh_cupy": cupy.tok_s}
-        if default:  # the slower peers only where the small model keeps them short
+        if default and not args.llama_cpp_only:  # slow peers, only where the model is small
             torch_side, engine = kvmesh_decode(
                 "torch", args.dtype, batch, args.output_len, model, kv_bytes
             )

@@ -23,7 +23,6 @@ import cupy
 import numpy
 
 from services.engine_worker.cupy_backend.cublas_gemm import CUDA_R_32F, CublasGemm
-from services.engine_worker.cupy_backend.kernels.greedy_sample import greedy_sample
 from services.engine_worker.cupy_backend.kernels.library import DTYPES, DTypeSpec
 from services.engine_worker.cupy_backend.kernels.paged_decode_attention import (
     DecodeScratch,
@@ -32,6 +31,11 @@ from services.engine_worker.cupy_backend.kernels.paged_decode_attention import (
     paged_decode_attention,
 )
 from services.engine_worker.cupy_backend.kernels.rms_norm import add_rms_norm
+from services.engine_worker.cupy_backend.kernels.sample_tokens import (
+    ROW_FIELDS,
+    SamplingRows,
+    sample_tokens,
+)
 from services.engine_worker.cupy_backend.kernels.silu_and_mul import silu_and_mul
 
 BLOCK = 16
@@ -135,6 +139,14 @@ def step_kernels(name: str, batch: int, context: int, spec: DTypeSpec, repeats: 
     act = cupy.empty((batch, shape.ffn), spec.storage)
     logits = cupy.empty((batch, shape.vocab), numpy.float32)
     tokens, logprobs = cupy.empty(batch, numpy.int32), cupy.empty(batch, numpy.float32)
+    # top-p 0.9 at temperature 0.8: the kernel's longest path (bisection passes, the scan)
+    row_values = {"temperatures": 0.8, "top_ps": 0.9, "keys": 7}
+    sampled_rows = SamplingRows(
+        **{
+            name: cupy.full(batch, row_values.get(name, default), dtype)
+            for name, dtype, default in ROW_FIELDS
+        }
+    )
     inputs = attention_inputs(shape, batch, context, spec)
     angles = cupy.random.random((context + 1, shape.head_dim // 2), dtype=numpy.float32)
     fused = FusedWrite(
@@ -157,7 +169,7 @@ def step_kernels(name: str, batch: int, context: int, spec: DTypeSpec, repeats: 
     outside = {
         "final_norm": lambda: add_rms_norm(normed, x, weights["norm"], 1e-5, spec, delta=proj),
         "lm_head": lambda: gemm(normed, weights["lm_head"], logits, spec, out_type=CUDA_R_32F),
-        "greedy_sample": lambda: greedy_sample(logits, tokens, logprobs),
+        "sample_tokens": lambda: sample_tokens(logits, sampled_rows, tokens, logprobs),
     }
     timed = {k: time_us(f, repeats) for k, f in {**layer, **outside}.items()}
     gemm.close()

@@ -1,7 +1,9 @@
 """Sampling from logits: penalties, logit bias, temperature, min-p, top-k, top-p, seeds, logprobs.
 
-A seeded request draws each token from a generator seeded by (seed, output index), so its output
-does not depend on the batch around it, nor on preemption and recompute.
+A token is drawn by inverse CDF, in token order, with one uniform from a counter-based generator
+keyed by (key, index): a seeded request's key is its seed and the index its output position,
+so its output does not depend on the batch around it, nor on preemption and recompute, nor on
+the backend: the cupy backend's sampling kernel (sample_tokens.cu) draws the same way.
 """
 
 from __future__ import annotations
@@ -17,10 +19,35 @@ from shared.sampling import SamplingParams
 from shared.step import FailedRequest, SampledToken, TokenLogprobs
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive indices apart
+_MASK = (1 << 64) - 1
+ACCEPT_STREAM = 0x5851F42D4C957F2D  # a key's second stream: draft acceptance tests
 
 
-def token_generator(seed: int, output_index: int) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * _SEED_MIX + output_index) % (1 << 63))
+def counter_uniform(key: int, index: int) -> float:
+    """SplitMix64 of (key, index): 24 random bits as a float in [0, 1), as the GPU computes it."""
+    z = (key * _SEED_MIX + index + _SEED_MIX) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    z ^= z >> 31
+    return (z >> 40) / float(1 << 24)
+
+
+def sample_key(state: RequestState, rng: torch.Generator) -> tuple[int, int]:
+    """(key, index) of a row's draw: a seeded request's seed and output position; a fresh
+    random key from the step's generator otherwise."""
+    if state.sampling.seed is not None:
+        return state.sampling.seed & _MASK, len(state.token_ids) - state.prompt_len
+    return int(torch.randint(0, 1 << 62, (), generator=rng)), 0
+
+
+def inverse_cdf(weights: torch.Tensor, uniform: float) -> int:
+    """The first token whose cumulative weight, in token order, passes uniform x total."""
+    cumulative = torch.cumsum(weights.double(), dim=0)
+    target = torch.tensor([uniform * float(cumulative[-1])], dtype=torch.float64)
+    index = int(torch.searchsorted(cumulative, target, right=True))
+    if index >= weights.shape[0]:  # rounding at the very end: the last token that has weight
+        index = int(weights.nonzero().max())
+    return index
 
 
 def sample(
@@ -109,7 +136,7 @@ def _sample_row(logits: torch.Tensor, state: RequestState, rng: torch.Generator)
     logits, probs = processed(logits, state)
     if probs is None:
         return int(logits.argmax())
-    return int(torch.multinomial(probs, 1, generator=generator_of(state, rng)))
+    return inverse_cdf(probs, counter_uniform(*sample_key(state, rng)))
 
 
 def processed(
@@ -132,20 +159,16 @@ def processed(
         kth = torch.topk(probs, params.top_k).values[-1]
         probs = probs.masked_fill(probs < kth, 0.0)
     if params.top_p < 1.0:
+        # Keep a token while the mass of the tokens strictly more likely is within top_p:
+        # tied tokens at the cut are kept or dropped together, as the GPU's threshold does.
         sorted_probs, order = torch.sort(probs, descending=True)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        first_of_tie = torch.searchsorted(-sorted_probs, -sorted_probs, side="left")
         sorted_probs = sorted_probs.masked_fill(
-            mass_before > params.top_p * sorted_probs.sum(), 0.0
+            mass_before[first_of_tie] > params.top_p * sorted_probs.sum(), 0.0
         )
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return logits, probs
-
-
-def generator_of(state: RequestState, rng: torch.Generator) -> torch.Generator:
-    """A seeded request's generator for its next output token; the step's otherwise."""
-    if state.sampling.seed is None:
-        return rng
-    return token_generator(state.sampling.seed, len(state.token_ids) - state.prompt_len)
 
 
 def _apply_penalties(

@@ -19,7 +19,15 @@ from collections.abc import Sequence
 import torch
 
 from services.engine_worker.grammar import allowed_tokens
-from services.engine_worker.sampler import generator_of, logprobs_of, processed, sample
+from services.engine_worker.sampler import (
+    ACCEPT_STREAM,
+    counter_uniform,
+    inverse_cdf,
+    logprobs_of,
+    processed,
+    sample,
+    sample_key,
+)
 from services.engine_worker.step_failures import NonFiniteLogits, failure_of
 from services.engine_worker.step_inputs import RequestState
 from shared.step import FailedRequest, SampledToken, TokenLogprobs
@@ -76,15 +84,16 @@ def _verify(rows: torch.Tensor, state: RequestState, rng: torch.Generator) -> Sa
                 accepted.append(_accept(state, raw, choice, wants_logprobs))
                 continue
         else:
-            generator = generator_of(before, rng)
+            key, position = sample_key(before, rng)
             probs = probs / probs.sum()
             if draft is not None:
-                if float(torch.rand((), generator=generator)) < float(probs[draft]):
+                if counter_uniform(key ^ ACCEPT_STREAM, position) < float(probs[draft]):
                     accepted.append(_accept(state, raw, draft, wants_logprobs))
                     continue
                 probs = probs.clone()
-                probs[draft] = 0.0  # rejected: the rest of p, renormalized by multinomial
-            choice = int(torch.multinomial(probs, 1, generator=generator))
+                probs[draft] = 0.0  # rejected: the rest of p, renormalized by the draw
+            # A position with no draft draws as a request without speculation would.
+            choice = inverse_cdf(probs, counter_uniform(key, position))
         final = _accept(state, raw, choice, wants_logprobs)
         return SampledToken(
             state.request_id,

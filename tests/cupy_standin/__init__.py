@@ -97,10 +97,13 @@ def _modules() -> dict[str, types.ModuleType]:
             device.STATE.free_bytes,
         ),
         runtimeGetVersion=lambda: 13000,
-        # An H100's SM count: decode attention's grid and the workspace are sized by it.
+        # An H100's: its SM count sizes decode attention's grid and the workspace; the
+        # benchmarks read its peak bandwidth from the memory clock (kHz) and bus (bits).
         getDeviceProperties=lambda index: {
             "name": b"CuPy stand-in (CPU)",
             "multiProcessorCount": 132,
+            "memoryClockRate": 2619000,
+            "memoryBusWidth": 5120,
         },
     )
     cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 1)  # type: ignore[attr-defined]

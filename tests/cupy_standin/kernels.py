@@ -287,12 +287,40 @@ def bias_add(name: str, grid: Grid, args: tuple) -> None:
     target[...] = rounded(to_float(target, s) + to_float(bias[:columns], s), s)
 
 
-def greedy_sample(name: str, grid: Grid, args: tuple) -> None:
-    logits, vocab, tokens, logprobs = args
-    rows = logits.reshape(-1, vocab)[: grid[0]]
-    best = rows.max(axis=1)
-    tokens[: grid[0]] = rows.argmax(axis=1)  # the lowest id among equal maxima
-    logprobs[: grid[0]] = -numpy.log(numpy.exp(rows - best[:, None]).sum(axis=1))
+def _kept_threshold(w: numpy.ndarray, floor: float, top_k: int, top_p: float) -> float:
+    """The weight a token needs to be drawn from, after min-p (floor), top-k and top-p."""
+    kept = numpy.sort(w[w >= floor])[::-1]
+    if not kept.shape[0]:
+        return floor
+    if 0 < top_k < w.shape[0] and kept.shape[0] > top_k:
+        floor = max(floor, float(kept[top_k - 1]))  # the k-th largest, ties kept
+        kept = kept[kept >= floor]
+    if top_p < 1.0:
+        budget = top_p * kept.sum(dtype=numpy.float32)
+        values = numpy.unique(kept)  # ascending
+        above = numpy.asarray([kept[kept > v].sum(dtype=numpy.float32) for v in values])
+        floor = max(floor, float(values[numpy.argmax(above <= budget)]))
+    return floor
+
+
+def sample_tokens(name: str, grid: Grid, args: tuple) -> None:
+    from services.engine_worker.sampler import counter_uniform
+
+    logits, vocab, temperatures, top_ks, top_ps, min_ps, keys, indices, tokens, logprobs = args
+    for r, x in enumerate(logits.reshape(-1, vocab)[: grid[0]]):
+        top = x.max()
+        log_total = numpy.log(numpy.exp(x - top).sum(dtype=numpy.float32))
+        token = int(x.argmax())  # the lowest id among equal maxima
+        if temperatures[r] > 0.0:
+            w = numpy.exp((x - top) / numpy.float32(temperatures[r])).astype(numpy.float32)
+            floor = _kept_threshold(w, float(min_ps[r]), int(top_ks[r]), float(top_ps[r]))
+            kept = numpy.nonzero(w >= floor)[0]
+            cumulative = numpy.cumsum(numpy.where(w >= floor, w, 0.0), dtype=numpy.float64)
+            target = counter_uniform(int(keys[r]), int(indices[r])) * cumulative[-1]
+            if kept.shape[0]:  # none: a row of NaNs keeps its argmax
+                token = min(int(numpy.searchsorted(cumulative, target, side="right")), kept[-1])
+        tokens[r] = token
+        logprobs[r] = x[token] - top - log_total
 
 
 REFERENCES: dict[str, Callable[[str, Grid, tuple], None]] = {
@@ -303,7 +331,7 @@ REFERENCES: dict[str, Callable[[str, Grid, tuple], None]] = {
     "paged_prefill_attention": paged_prefill_attention,
     "silu_and_mul": silu_and_mul,
     "bias_add": bias_add,
-    "greedy_sample": greedy_sample,
+    "sample_tokens": sample_tokens,
 }
 
 

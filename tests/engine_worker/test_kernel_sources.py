@@ -18,11 +18,11 @@ pytestmark = pytest.mark.skipif(nvcc() is None, reason="nvcc (CUDA toolkit) is n
 
 OPS = [
     "bias_add",
-    "greedy_sample",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
     "rotary_and_cache",
+    "sample_tokens",
     "silu_and_mul",
 ]
 

@@ -119,6 +119,16 @@ def test_min_p_and_top_p_keep_only_the_head_of_the_distribution() -> None:
         assert draws <= {0, 1} and 0 in draws
 
 
+def test_top_p_keeps_or_drops_tied_tokens_together() -> None:
+    """Mass strictly above a token decides, as the GPU sampler's threshold: two tokens of 0.3
+    after one of 0.4 are both kept at top_p 0.5, whichever the sort puts first."""
+    logits = torch.log(torch.tensor([[0.3, 0.4, 0.3, 0.0001]]))
+    rng = torch.Generator().manual_seed(0)
+    state = RequestState("r", [0], [], 0, SamplingParams(temperature=1.0, top_p=0.5), 1)
+    draws = {sample(logits, [state], rng)[0].token_id for _ in range(300)}
+    assert draws == {0, 1, 2}
+
+
 def test_logit_bias_forces_or_bans_a_token_and_leaves_logprobs_alone(engine: Engine) -> None:
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
     free = engine.generate([PROMPT], greedy)[0]

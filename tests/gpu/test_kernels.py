@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from services.engine_worker.artifacts.rope import RopeSpec
 from services.engine_worker.cupy_backend.cublas_gemm import CublasGemm
 from services.engine_worker.cupy_backend.kernels.bias_add import bias_add
-from services.engine_worker.cupy_backend.kernels.greedy_sample import greedy_sample
 from services.engine_worker.cupy_backend.kernels.library import DTypeSpec
 from services.engine_worker.cupy_backend.kernels.paged_decode_attention import (
     DecodeScratch,
@@ -334,17 +333,3 @@ def test_paged_prefill_attention_over_cached_prefixes(
             q[rows], k_ref, v_ref, tables[row], contexts[row], positions, scale
         )
         assert_close(actual[rows], expected, spec)
-
-
-def test_greedy_sample_takes_the_lowest_id_among_ties_and_its_logprob() -> None:
-    logits = torch.randn(6, 49152) * 3
-    logits[2, 100] = logits[2, 40000] = 50.0  # a tie: the lower id wins, as torch.argmax
-    tokens, logprobs = cupy.empty(6, numpy.int32), cupy.empty(6, numpy.float32)
-    greedy_sample(cupy.asarray(logits.numpy()), tokens, logprobs)
-    expected = logits.argmax(-1)
-    assert cupy.asnumpy(tokens).tolist() == expected.tolist()
-    assert cupy.asnumpy(tokens)[2] == 100
-    reference = torch.log_softmax(logits, -1).gather(1, expected[:, None]).squeeze(1)
-    torch.testing.assert_close(
-        torch.from_numpy(cupy.asnumpy(logprobs)), reference, atol=1e-4, rtol=1e-4
-    )

@@ -2,7 +2,7 @@
 
 A decode step of B requests runs the graph of the smallest bucket >= B. Every bucket reads
 its inputs from one packed device buffer (packed_inputs.py) and writes the runner's one
-workspace, greedy tokens included: a steady step is one copy in, one graph launch, one copy
+workspace, sampled tokens included: a steady step is one copy in, one graph launch, one copy
 of the sampled tokens out and one synchronisation.
 
 Every bucket is captured when the runner loads, after one eager run of the same shapes so
@@ -17,6 +17,8 @@ import contextlib
 import logging
 import time
 from typing import Any
+
+import numpy
 
 from services.engine_worker.cupy_backend.batch import GpuBatch
 from services.engine_worker.cupy_backend.model import CupyCausalLM, GpuKVCache
@@ -68,11 +70,11 @@ class DecodeGraphs:
         stream = self.stream
         with stream:
             self.inputs.clear(size)  # padding rows in this bucket's layout
-            self.model.forward_and_argmax(batch, self.cache, self.workspace)  # loads, cuBLAS picks
+            self.model.forward_and_sample(batch, self.cache, self.workspace)  # loads, cuBLAS picks
             stream.synchronize()
             stream.begin_capture()
             try:
-                logits = self.model.forward_and_argmax(batch, self.cache, self.workspace)
+                logits = self.model.forward_and_sample(batch, self.cache, self.workspace)
             except Exception as error:  # whatever the forward did that a capture cannot hold
                 _end_abandoned(stream)
                 self._failed(size, error)
@@ -102,8 +104,8 @@ class DecodeGraphs:
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
 
-    def run(self, batch: GpuBatch) -> Any | None:
-        """The logits of a decode-only step through its bucket's graph (greedy tokens in the
+    def run(self, batch: GpuBatch, sampling: dict[str, numpy.ndarray]) -> Any | None:
+        """The logits of a decode-only step through its bucket's graph (sampled tokens in the
         workspace); None when no bucket is large enough or its capture failed (the caller runs
         it eagerly). The pinned inputs are free again once the step's results are read."""
         size = self.bucket(batch.num_decodes)
@@ -112,7 +114,7 @@ class DecodeGraphs:
             return None
         graph, logits = captured
         with self.stream:
-            self.inputs.upload(batch, size, self.stream)
+            self.inputs.upload(batch, sampling, size, self.stream)
             graph.launch(self.stream)
         return logits[: batch.num_decodes]
 

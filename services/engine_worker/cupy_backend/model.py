@@ -22,7 +22,6 @@ from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.cupy_backend.batch import GpuBatch
 from services.engine_worker.cupy_backend.cublas_gemm import CUDA_R_32F, CublasGemm
 from services.engine_worker.cupy_backend.kernels.bias_add import bias_add
-from services.engine_worker.cupy_backend.kernels.greedy_sample import greedy_sample
 from services.engine_worker.cupy_backend.kernels.library import DTypeSpec
 from services.engine_worker.cupy_backend.kernels.paged_decode_attention import (
     FusedWrite,
@@ -33,6 +32,7 @@ from services.engine_worker.cupy_backend.kernels.paged_prefill_attention import 
 )
 from services.engine_worker.cupy_backend.kernels.rms_norm import add_rms_norm, embed_rms_norm
 from services.engine_worker.cupy_backend.kernels.rotary_and_cache import rotary_and_cache
+from services.engine_worker.cupy_backend.kernels.sample_tokens import SamplingRows, sample_tokens
 from services.engine_worker.cupy_backend.kernels.silu_and_mul import silu_and_mul
 from services.engine_worker.cupy_backend.workspace import Workspace
 from services.engine_worker.kv_cache import KVCacheShape
@@ -136,9 +136,10 @@ class DeviceBatch:
     max_query_len: int
     sample_rows: Any
     num_decodes: int
+    sampling: SamplingRows  # each sampled row's parameters (device_sampling.py)
 
     @staticmethod
-    def upload(batch: GpuBatch) -> DeviceBatch:
+    def upload(batch: GpuBatch, sampling: dict[str, numpy.ndarray]) -> DeviceBatch:
         return DeviceBatch(
             cupy.asarray(batch.input_ids),
             cupy.asarray(batch.positions),
@@ -151,6 +152,7 @@ class DeviceBatch:
             batch.max_query_len,
             cupy.asarray(batch.sample_rows),
             batch.num_decodes,
+            SamplingRows(**{name: cupy.asarray(values) for name, values in sampling.items()}),
         )
 
 
@@ -180,8 +182,8 @@ class CupyCausalLM:
 
         Launches per layer of a decode-only step: 2 norms, 4 GEMMs, attention (with the
         rotary and the KV write), SwiGLU; and outside the layers, the final norm and the LM
-        head (the embedding is fused into the first norm). Steps with prefill rows add one
-        rotary + KV write per layer and prefill attention."""
+        head (the embedding is fused into the first norm); forward_and_sample adds the draw.
+        Steps with prefill rows add one rotary + KV write per layer and prefill attention."""
         arch, w, spec, gemm = self.arch, self.weights, self.spec, self.gemm
         tokens = int(batch.input_ids.shape[0])
         samples = int(batch.sample_rows.shape[0])
@@ -255,9 +257,9 @@ class CupyCausalLM:
         gemm(final, w.lm_head, logits, spec, out_type=CUDA_R_32F)
         return logits
 
-    def forward_and_argmax(self, batch: DeviceBatch, cache: GpuKVCache, ws: Workspace) -> Any:
-        """forward(), then every sampled row's argmax and its logprob into the workspace's
-        `sampled` buffer: greedy rows need nothing else from the GPU."""
+    def forward_and_sample(self, batch: DeviceBatch, cache: GpuKVCache, ws: Workspace) -> Any:
+        """forward(), then every sampled row's token and its logprob into the workspace's
+        `sampled` buffer (rows the host samples get an argmax, unused). Returns the logits."""
         logits = self.forward(batch, cache, ws)
-        greedy_sample(logits, *ws.sampled_views(int(logits.shape[0])))
+        sample_tokens(logits, batch.sampling, *ws.sampled_views(int(logits.shape[0])))
         return logits

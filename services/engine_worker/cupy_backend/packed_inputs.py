@@ -2,7 +2,8 @@
 
 Every decode bucket's graph reads its inputs from views at the start of one device buffer,
 laid out for that bucket's row count: ids, positions and context lengths (int32 each), slots
-(int64), block tables (int32, rows x max_blocks). A step writes its rows and the padding into
+(int64), each row's sampling parameters (sample_tokens.ROW_FIELDS), block tables (int32,
+rows x max_blocks). A step writes its rows and the padding into
 the same layout in pinned host memory and sends the bucket's bytes in one asynchronous copy,
 ordered on the steps' stream before the graph's launch. Padding: slot -1 writes nothing,
 context 1 reads one position of block 0, and nobody samples those rows.
@@ -16,6 +17,7 @@ import cupy
 import numpy
 
 from services.engine_worker.cupy_backend.batch import GpuBatch
+from services.engine_worker.cupy_backend.kernels.sample_tokens import ROW_FIELDS, SamplingRows
 from services.engine_worker.cupy_backend.model import DeviceBatch
 
 _FIELDS = (  # name, dtype, values per row (0: the table's width)
@@ -23,9 +25,16 @@ _FIELDS = (  # name, dtype, values per row (0: the table's width)
     ("positions", numpy.int32, 1),
     ("context_lens", numpy.int32, 1),
     ("slots", numpy.int64, 1),
+    *((name, dtype, 1) for name, dtype, _ in ROW_FIELDS),
     ("block_tables", numpy.int32, 0),
 )
-_PADDING = {"input_ids": 0, "positions": 0, "context_lens": 1, "slots": -1}
+_PADDING = {
+    "input_ids": 0,
+    "positions": 0,
+    "context_lens": 1,
+    "slots": -1,
+    **{name: value for name, _, value in ROW_FIELDS},
+}
 
 
 def _layout(rows: int, max_blocks: int) -> dict[str, tuple[int, int, Any]]:
@@ -87,6 +96,7 @@ class PackedInputs:
             max_query_len=0,
             sample_rows=self.sample_rows[:rows],
             num_decodes=rows,
+            sampling=SamplingRows(**{name: views[name] for name, _, _ in ROW_FIELDS}),
         )
 
     def clear(self, rows: int) -> None:
@@ -98,8 +108,11 @@ class PackedInputs:
         views["block_tables"][:] = 0
         self.device[: _end(rows, self.max_blocks)].set(self.host[: _end(rows, self.max_blocks)])
 
-    def upload(self, batch: GpuBatch, rows: int, stream: Any) -> None:
-        """The step's rows, then padding up to `rows`, in one copy on `stream`."""
+    def upload(
+        self, batch: GpuBatch, sampling: dict[str, numpy.ndarray], rows: int, stream: Any
+    ) -> None:
+        """The step's rows and their sampling parameters, then padding up to `rows`, in one
+        copy on `stream`."""
         views = self._views(self.host, rows)
         count, width = batch.num_decodes, batch.decode_block_tables.shape[1]
         for name, source in (
@@ -107,6 +120,7 @@ class PackedInputs:
             ("positions", batch.positions),
             ("context_lens", batch.decode_context_lens),
             ("slots", batch.slots),
+            *sampling.items(),
         ):
             views[name][:count] = source
             views[name][count:] = _PADDING[name]

@@ -1,16 +1,15 @@
 """The cupy backend's step: host arrays -> GPU forward (a CUDA graph for decode-only steps)
 -> sampling.
 
-Sampling: every row's argmax and its logprob are computed on the GPU with the forward (inside
-the graph), and one copy brings them back; rows that are plain greedy (temperature 0, no
-penalties, no response format, at most the chosen token's logprob) need nothing else. Every
-other row's logits are copied to the host and go through the shared torch sampler
-(sampler.py): its per-request seeded generators are what make a seeded request's tokens the
-same on every backend, and those rows cost one (vocab,) copy each.
+Sampling runs on the GPU with the forward (inside the graph): each row's token and its logprob,
+one copy back for the whole step. Rows with penalties, a logit bias, a response format or
+top-N logprobs (device_sampling.py) have their logits copied to the host and go through the
+shared torch sampler, one (vocab,) copy each.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -22,6 +21,7 @@ from services.engine_worker.artifacts.architecture import ModelArchitecture
 from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.cupy_backend.batch import GpuBatch, build_gpu_batch
 from services.engine_worker.cupy_backend.cublas_gemm import WORKSPACE_BYTES, CublasGemm
+from services.engine_worker.cupy_backend.device_sampling import on_gpu_sampler, row_parameters
 from services.engine_worker.cupy_backend.graphs import DecodeGraphs, buckets_up_to
 from services.engine_worker.cupy_backend.kernels.library import DTYPES
 from services.engine_worker.cupy_backend.kernels.paged_decode_attention import check_shape
@@ -31,6 +31,7 @@ from services.engine_worker.cupy_backend.step_timing import StepTiming
 from services.engine_worker.cupy_backend.workspace import StepLimits, Workspace, workspace_bytes
 from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.sampler import sample
+from services.engine_worker.step_failures import NonFiniteLogits, failure_of
 from services.engine_worker.step_inputs import RequestState, unique_states
 from services.engine_worker.verification import sample_and_verify
 from shared.config import EngineConfig
@@ -54,17 +55,6 @@ def step_limits(config: EngineConfig) -> StepLimits:
     """What the worker states and the scheduler plans within (services/scheduler/step_limits.py)."""
     limits = config.scheduler
     return StepLimits(limits.max_num_batched_tokens, limits.max_sampled_rows, sm_count())
-
-
-def on_gpu_sampler(state: RequestState) -> bool:
-    params = state.sampling
-    return (
-        params.greedy
-        and not params.has_penalties
-        and not params.logit_bias
-        and state.matcher is None
-        and not params.logprobs  # None or 0: the chosen token's logprob at most
-    )
 
 
 class Runner:
@@ -141,15 +131,16 @@ class Runner:
         self, scheduled: list[tuple[RequestState, int]], rng: torch.Generator
     ) -> tuple[tuple[RequestState, ...], list[SampledToken | FailedRequest]]:
         batch = build_gpu_batch(scheduled, self.block_size)
+        sampling = row_parameters(batch.sampling_states, rng)
         timing = self.timing
         if timing is not None:
             timing.start(self.stream)
         logits = None
         if self.graphs is not None and batch.decode_only:
-            logits = self.graphs.run(batch)
+            logits = self.graphs.run(batch, sampling)
         replayed = logits is not None
         if logits is None:
-            logits = self._eager(batch)
+            logits = self._eager(batch, sampling)
         if timing is not None:
             timing.stop(self.stream, replayed)
         outcomes = self._sample(logits, batch, rng)  # waits for the step's results
@@ -157,14 +148,14 @@ class Runner:
             timing.read()
         return unique_states(batch.sampling_states), outcomes
 
-    def _eager(self, batch: GpuBatch) -> Any:
+    def _eager(self, batch: GpuBatch, sampling: dict[str, numpy.ndarray]) -> Any:
         with self.stream:
             self.workspace.check_fits(batch.num_tokens, len(batch.sampling_states))
-            device = DeviceBatch.upload(batch)
-            return self.model.forward_and_argmax(device, self.cache, self.workspace)
+            device = DeviceBatch.upload(batch, sampling)
+            return self.model.forward_and_sample(device, self.cache, self.workspace)
 
-    def _greedy_results(self, rows: int) -> tuple[list[int], list[float]]:
-        """The step's argmax tokens and logprobs: one copy to pinned memory, one wait."""
+    def _sampled_results(self, rows: int) -> tuple[list[int], list[float]]:
+        """The step's sampled tokens and logprobs: one copy to pinned memory, one wait."""
         host = self.sampled_host
         self.workspace.sampled.get(stream=self.stream, out=host, blocking=False)
         self.stream.synchronize()
@@ -184,9 +175,13 @@ class Runner:
         results: list[SampledToken | FailedRequest | None] = [None] * len(states)
         with self.stream:
             if fast:
-                tokens, logprobs = self._greedy_results(len(states))
+                tokens, logprobs = self._sampled_results(len(states))
                 for row in fast:
                     token, logprob, state = tokens[row], logprobs[row], states[row]
+                    if not math.isfinite(logprob):  # the kernel's sign of a NaN or inf logit
+                        error = NonFiniteLogits("non-finite logits")
+                        results[row] = failure_of(state.request_id, error)
+                        continue
                     wants = state.sampling.logprobs is not None
                     results[row] = SampledToken(
                         state.request_id,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, on a bare GPU machine that reaches no package registry, in one run of at most
-# ~8 minutes: `make gpu-check`. It needs what `make gpu-check-prepare` put in .gpu-check/
+# ~9 minutes: `make gpu-check`. It needs what `make gpu-check-prepare` put in .gpu-check/
 # (wheels, llama.cpp's sources, the default model's skeleton, redis-server) and a Python with
 # torch, CuPy and transformers. Results, logs and summary.md go to $OUT (default
 # gpu-check-out/). GPU_CHECK_PARTS picks parts (default: all, in this order):
@@ -8,8 +8,9 @@
 #   suite    tests/gpu with CUDA graphs on (kernels vs torch; cupy vs torch backend)
 #   mesh     `kvmesh up --backend cupy` streams an answer through the whole mesh, graphs on;
 #            then split between a prefill and a decode pair (blocks pulled from a GPU pool)
-#   kernels  make bench-kernels
-#   bench    make bench-gpu: kvmesh cupy / torch / transformers / llama.cpp CUDA F16 and Q4_1
+#   kernels  make bench-kernels: each launch of a step, decode attention's bandwidth
+#   bench    make bench-gpu: kvmesh cupy against llama.cpp CUDA F16 and Q4_1, GPU and host
+#            ms per step; then the same on a random-weight F16 file in Llama-3.1-8B's shapes
 # The llama.cpp CUDA build starts first, in the background, and is waited for by `bench`.
 # KVMESH_CUPY_STANDIN=1 rehearses it on a CPU (the CPU stand-in for CuPy; no llama.cpp).
 set -uo pipefail
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/../../.."
 ROOT=$PWD
 BUNDLE=$ROOT/.gpu-check
 OUT=${OUT:-$ROOT/gpu-check-out}
-PARTS=${GPU_CHECK_PARTS:-install suite mesh kernels bench}
+PARTS=${GPU_CHECK_PARTS:-install suite mesh kernels bench bench8b}
 PYTHON=${GPU_PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/site}
 STARTED=$(date +%s)
@@ -72,33 +73,45 @@ fi
 $PYTHON -c "import sys, torch, cupy; print(sys.version.split()[0], torch.__version__, \
 cupy.__version__)" >> "$OUT/gpu.txt" 2>&1
 
-if has bench && [ "${KVMESH_CUPY_STANDIN:-0}" != 1 ]; then
+if (has bench || has bench8b) && [ "${KVMESH_CUPY_STANDIN:-0}" != 1 ]; then
   step "llama.cpp: CUDA build in the background"
   nice -n 10 $PYTHON -m loadtest.llama_cpp --cuda-arch "${CUDA_ARCH:-90}" \
     > "$OUT/llama-build.log" 2>&1 &
   LLAMA_BUILD=$!
 fi
 
+SHAPE_DIR=/tmp/kvmesh-shapes  # bench8b's random-weight file, written beside the suite
+if has bench8b && [ "${KVMESH_CUPY_STANDIN:-0}" != 1 ] && [ ! -f $SHAPE_DIR/llama3-8b.F16.gguf ]; then
+  step "llama3-8b shapes: writing the random-weight F16 file in the background"
+  mkdir -p $SHAPE_DIR
+  ( nice -n 10 $PYTHON -m loadtest.model_shapes llama3-8b "$Q4_MODEL" \
+      $SHAPE_DIR/llama3-8b.F16.gguf.partial \
+    && mv $SHAPE_DIR/llama3-8b.F16.gguf.partial $SHAPE_DIR/llama3-8b.F16.gguf ) \
+    > "$OUT/shape-write.log" 2>&1 &
+  SHAPE_WRITE=$!
+fi
+
 if has suite; then
-  timed suite "${SUITE_SECONDS:-270}" $PYTHON -m pytest -q -p no:cacheprovider tests/gpu --ignore=tests/gpu/check \
+  timed suite "${SUITE_SECONDS:-180}" $PYTHON -m pytest -q -p no:cacheprovider tests/gpu --ignore=tests/gpu/check \
     --junitxml "$OUT/suite.xml"
 fi
 
 if has mesh; then
-  timed mesh 120 $PYTHON -m kvmesh up --backend cupy --port 0 --http-port 0 \
+  timed mesh 90 $PYTHON -m kvmesh up --backend cupy --port 0 --http-port 0 \
     --prompt "Explain in two sentences why the sky is blue."
-  timed split 150 $PYTHON -m kvmesh up --backend cupy --port 0 --http-port 0 \
+  timed split 100 $PYTHON -m kvmesh up --backend cupy --port 0 --http-port 0 \
     --prefill-workers 1 --decode-workers 1 --handover-min-tokens 1 \
     --prompt "Explain in two sentences why the sky is blue."
-  timed manifest 90 $PYTHON -m kvmesh manifest --backend cupy --dtype bfloat16
+  timed manifest 60 $PYTHON -m kvmesh manifest --backend cupy --dtype bfloat16
 fi
 
 if has kernels && [ "${KVMESH_CUPY_STANDIN:-0}" != 1 ]; then
-  timed kernels 90 $PYTHON -m loadtest.kernel_bench --repeats 10
+  timed kernels 60 $PYTHON -m loadtest.kernel_bench --repeats 10
 fi
 
-if has bench; then
+if has bench || has bench8b; then
   llama=(--no-llama-cpp)
+  llama8b=(--no-llama-cpp)
   if [ -n "${LLAMA_BUILD:-}" ]; then
     step "llama.cpp: waiting for the build"
     begin=$(date +%s)
@@ -108,9 +121,22 @@ if has bench; then
     if [ "$rc" = 0 ]; then
       bin=$($PYTHON -m loadtest.llama_cpp --cuda-arch "${CUDA_ARCH:-90}" | tail -n 1)
       llama=(--llama-bin "$bin" --q4-model "$Q4_MODEL" --f16-model "$F16_MODEL")
+      llama8b=(--llama-bin "$bin")
     fi
   fi
-  timed bench 200 $PYTHON -m loadtest.gpu_bench --json "$OUT/bench-gpu.json" "${llama[@]}"
+fi
+if has bench; then
+  timed bench 150 $PYTHON -m loadtest.gpu_bench --llama-cpp-only \
+    --json "$OUT/bench-gpu.json" "${llama[@]}"
+fi
+if has bench8b && [ "${KVMESH_CUPY_STANDIN:-0}" != 1 ]; then  # 16 GB of weights: a GPU's
+  if [ -n "${SHAPE_WRITE:-}" ]; then
+    wait "$SHAPE_WRITE"
+    record shape-write "$?" 0
+  fi
+  timed bench8b 210 $PYTHON -m loadtest.gpu_bench --shape llama3-8b --output-len 64 \
+    --work-dir $SHAPE_DIR --tokenizer-from "$Q4_MODEL" \
+    --json "$OUT/bench-gpu-llama3-8b.json" "${llama8b[@]}"
 fi
 
 $PYTHON -m tests.gpu.check.summary "$OUT" > "$OUT/summary.md" 2>&1

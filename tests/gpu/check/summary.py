@@ -62,23 +62,43 @@ def mesh(out: Path) -> list[str]:
     ]
 
 
-def bench(out: Path) -> list[str]:
-    path = out / "bench-gpu.json"
-    if not path.exists():
-        return ["bench-gpu: no figures (see bench.log)"]
+# What the issue asks of kvmesh against llama.cpp F16, per shape and batch size.
+TARGETS = {"default": {1: 1.3, 32: 1.5, 128: 1.5}, "llama3-8b": {1: 1.0, 32: 1.3, 128: 1.3}}
+
+
+def _cell(name: str, value: object) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if name.endswith("_ms") else f"{value:.0f}"
+
+
+def bench_table(path: Path) -> list[str]:
     figures = json.loads(path.read_text())
+    shape = figures.get("shape", "default")
     rows = figures["rows"]
     names = [name for name in rows[0] if name != "batch"]
     lines = [
-        f"bench-gpu: {figures['device']}, {figures['dtype']}, {figures['prompt_len']}-token "
-        f"prompts, {figures['output_len']} decoded; decode tok/s",
-        "| batch | " + " | ".join(names) + " |",
-        "|---" * (len(names) + 1) + "|",
+        f"bench-gpu, {shape} shapes: {figures['device']}, {figures['dtype']}, "
+        f"{figures['prompt_len']}-token prompts, {figures['output_len']} decoded; decode tok/s, "
+        "the cupy backend's GPU and host ms per step, and its ratio to llama.cpp F16 (target)",
+        "| batch | " + " | ".join(names) + " | cupy / F16 (target) |",
+        "|---" * (len(names) + 2) + "|",
     ]
     for row in rows:
-        cells = [f"{row[name]:.0f}" if row[name] else "-" for name in names]
-        lines.append(f"| {row['batch']} | " + " | ".join(cells) + " |")
+        cells = [_cell(name, row[name]) for name in names]
+        peer, target = row.get("llama_cpp_F16"), TARGETS.get(shape, {}).get(row["batch"])
+        ratio = f"{row['kvmesh_cupy'] / peer:.2f}x" if peer else "-"
+        lines.append(
+            f"| {row['batch']} | " + " | ".join(cells) + f" | {ratio} ({target or '-'}x) |"
+        )
     return lines
+
+
+def bench(out: Path) -> list[str]:
+    paths = sorted(out.glob("bench-gpu*.json"))
+    if not paths:
+        return ["bench-gpu: no figures (see bench.log, bench8b.log)"]
+    return [line for path in paths for line in [*bench_table(path), ""]]
 
 
 def render(out: Path) -> str:

@@ -55,7 +55,10 @@ def test_the_summary_reads_a_check_folder(tmp_path: Path) -> None:
         "loading\n" + json.dumps({"cuda_graphs": {"1": "graph"}}, indent=2)
     )
     (tmp_path / "mesh.log").write_text("kvmesh: ready\nThe sky is blue because...\n")
-    rows = [{"batch": 1, "kvmesh_cupy": 1500.0, "llama_cpp_F16": 900.0, "llama_cpp_Q4_1": None}]
+    rows = [
+        {"batch": 1, "kvmesh_cupy": 1500.0, "llama_cpp_F16": 900.0, "llama_cpp_Q4_1": None,
+         "cupy_gpu_ms": 0.41234, "cupy_host_ms": 0.25}
+    ]  # fmt: skip
     (tmp_path / "bench-gpu.json").write_text(
         json.dumps(
             {"device": "H100", "dtype": "bfloat16", "prompt_len": 128, "output_len": 128,
@@ -68,4 +71,4 @@ def test_the_summary_reads_a_check_folder(tmp_path: Path) -> None:
     assert "2 tests, 1 failed" in page and "test_bad: assert 1 == 2" in page
     assert '{"1": "graph"}' in page
     assert "The sky is blue" in page
-    assert "| 1 | 1500 | 900 | - |" in page
+    assert "| 1 | 1500 | 900 | - | 0.412 | 0.250 | 1.67x (1.3x) |" in page

@@ -40,14 +40,16 @@ def sources() -> list[Path]:
 
 
 @functools.cache
-def module(name: str) -> Any:
-    """The compiled module of `<name>.cu` (NVRTC, for the current device; cached by CuPy)."""
+def module(name: str, defines: tuple[str, ...] = ()) -> Any:
+    """The compiled module of `<name>.cu` (NVRTC, for the current device; cached by CuPy).
+    `defines` ("NAME=VALUE") narrow a file that instantiates many shapes to one."""
     import cupy
 
     code = (KERNEL_DIR / f"{name}.cu").read_text()
-    return cupy.RawModule(code=code, options=NVRTC_OPTIONS)
+    options = NVRTC_OPTIONS + tuple(f"-D{define}" for define in defines)
+    return cupy.RawModule(code=code, options=options)
 
 
 @functools.cache
-def kernel(name: str, function: str) -> Any:
-    return module(name).get_function(function)
+def kernel(name: str, function: str, defines: tuple[str, ...] = ()) -> Any:
+    return module(name, defines).get_function(function)

@@ -284,12 +284,18 @@ __device__ void paged_decode_attention(
         sin_table, positions, slots, key_cache, value_cache, block_tables, max_blocks,      \
         context_lens, num_heads, kv_heads, min_partition, scale);                           \
   }
+// Every head size and block size (the compile check), or only KVMESH_HEAD_DIM and
+// KVMESH_BLOCK_SIZE when the launcher defines them: NVRTC then compiles 3 kernels, not 27.
+#if defined(KVMESH_HEAD_DIM) && defined(KVMESH_BLOCK_SIZE)
+#define DECODE(SUFFIX, T) DECODE_FOR(SUFFIX, T, KVMESH_HEAD_DIM, KVMESH_BLOCK_SIZE)
+#else
 #define DECODE_FOR_DIM(SUFFIX, T, D) \
   DECODE_FOR(SUFFIX, T, D, 8)        \
   DECODE_FOR(SUFFIX, T, D, 16)       \
   DECODE_FOR(SUFFIX, T, D, 32)
-#define DECODE(SUFFIX, T)      \
+#define DECODE(SUFFIX, T)       \
   DECODE_FOR_DIM(SUFFIX, T, 32) \
   DECODE_FOR_DIM(SUFFIX, T, 64) \
   DECODE_FOR_DIM(SUFFIX, T, 128)
+#endif
 KVMESH_INSTANTIATE(DECODE)

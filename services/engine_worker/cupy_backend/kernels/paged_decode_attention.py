@@ -107,7 +107,8 @@ def paged_decode_attention(
         return
     name = f"paged_decode_attention_{spec.suffix}_d{head_dim}_b{block_size}"
     rope = fused or FusedWrite(None, NULL, NULL, NULL, NULL)
-    kernel("paged_decode_attention", name)(
+    defines = (f"KVMESH_HEAD_DIM={head_dim}", f"KVMESH_BLOCK_SIZE={block_size}")
+    kernel("paged_decode_attention", name, defines)(
         (scratch.splits, num_seqs, kv_heads),
         (THREADS,),
         (

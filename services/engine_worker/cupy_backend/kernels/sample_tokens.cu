@@ -1,0 +1,174 @@
+// Sampling on the GPU, one row of fp32 logits per block (1024 threads): the argmax for a row
+// with temperature 0, else a draw from softmax(logits / T) after min-p, top-k and top-p, in that
+// order and with the shared torch sampler's semantics (services/engine_worker/sampler.py):
+//   w_i = exp((x_i - max) / T), so the most likely token has w = 1 and min-p keeps w_i >= min_p;
+//   top-k keeps w_i >= the k-th largest w (ties kept); top-p keeps the smallest set of the
+//   largest w whose mass, before each kept token, is at most top_p of the kept mass.
+// Thresholds are found by bisection on the float's bits (positive floats order as their bits):
+// no sort, one pass over the row per step. The draw is an inverse CDF in token order with one
+// uniform from a counter-based generator keyed by (key, index): a seeded request's (seed,
+// output index), so its token does not depend on the batch it sits in. Every row's chosen
+// token gets its log probability under the model's own distribution, x - logsumexp(x): NaN
+// when the row has a NaN or an infinity, which the runner fails the request for.
+#include "common.cuh"
+
+constexpr int kSampleThreads = 1024;
+
+// SplitMix64 of the key and index: 24 random bits as a float in [0, 1). Same in numpy
+// (services/engine_worker/sampler.py counter_uniform).
+__device__ __forceinline__ float counter_uniform(unsigned long long key, unsigned long long index) {
+  unsigned long long z = key * 0x9E3779B97F4A7C15ull + index + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
+}
+
+__device__ __forceinline__ float weight_of(float x, float row_max, float inv_t) {
+  return __expf((x - row_max) * inv_t);
+}
+
+// Sum over the kept weights (w >= floor) of those >= threshold (count_only: how many).
+__device__ float kept_mass(const float* row, int vocab, float row_max, float inv_t, float floor,
+                           float threshold, bool count_only, bool strictly_above,
+                           float* scratch) {
+  float local = 0.0f;
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const float w = weight_of(row[i], row_max, inv_t);
+    const bool counted = w >= floor && (strictly_above ? w > threshold : w >= threshold);
+    if (counted) local += count_only ? 1.0f : w;
+  }
+  return block_reduce<false>(local, scratch);
+}
+
+extern "C" __global__ void __launch_bounds__(kSampleThreads)
+    sample_tokens(const float* __restrict__ logits, int vocab,
+                  const float* __restrict__ temperatures, const int* __restrict__ top_ks,
+                  const float* __restrict__ top_ps, const float* __restrict__ min_ps,
+                  const unsigned long long* __restrict__ keys,
+                  const unsigned long long* __restrict__ indices, int* __restrict__ tokens,
+                  float* __restrict__ logprobs) {
+  __shared__ float best_values[32];
+  __shared__ int best_ids[32];
+  __shared__ float scratch[32];
+  __shared__ float prefix[kSampleThreads];
+  __shared__ int chosen;
+  const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const float* row = logits + static_cast<long long>(r) * vocab;
+
+  // The argmax (lowest id among equal maxima, as torch.argmax) and the log-sum-exp.
+  float best = -INFINITY;
+  int best_id = 0x7fffffff;
+  for (int i = tid; i < vocab; i += blockDim.x) {
+    if (row[i] > best) {
+      best = row[i];
+      best_id = i;
+    }
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+    const int other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
+    if (other > best || (other == best && other_id < best_id)) {
+      best = other;
+      best_id = other_id;
+    }
+  }
+  if (lane == 0) {
+    best_values[warp] = best;
+    best_ids[warp] = best_id;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    best = best_values[lane];
+    best_id = best_ids[lane];
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+      const int other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
+      if (other > best || (other == best && other_id < best_id)) {
+        best = other;
+        best_id = other_id;
+      }
+    }
+    if (lane == 0) {  // a row of NaNs has no maximum: token 0, and a NaN logprob says why
+      best_values[0] = best;
+      best_ids[0] = best_id < vocab ? best_id : 0;
+      chosen = best_ids[0];
+    }
+  }
+  __syncthreads();
+  const float row_max = best_values[0];
+  float local = 0.0f;
+  for (int i = tid; i < vocab; i += blockDim.x) local += __expf(row[i] - row_max);
+  const float log_total = logf(block_reduce<false>(local, scratch));
+
+  const float temperature = temperatures[r];
+  if (temperature > 0.0f) {
+    const float inv_t = 1.0f / temperature;
+    float floor = min_ps[r];  // 0: min-p off
+    const int top_k = top_ks[r];
+    if (top_k > 0 && top_k < vocab &&
+        kept_mass(row, vocab, row_max, inv_t, floor, floor, true, false, scratch) > top_k) {
+      // The largest threshold that still keeps k: the k-th largest weight.
+      unsigned lo = __float_as_uint(floor), hi = __float_as_uint(1.0f);
+      while (lo < hi) {
+        const unsigned mid = lo + (hi - lo + 1) / 2;
+        const float kept =
+            kept_mass(row, vocab, row_max, inv_t, floor, __uint_as_float(mid), true, false, scratch);
+        if (kept >= top_k) lo = mid; else hi = mid - 1;
+      }
+      floor = __uint_as_float(lo);
+    }
+    const float top_p = top_ps[r];
+    if (top_p < 1.0f) {
+      const float budget =
+          top_p * kept_mass(row, vocab, row_max, inv_t, floor, floor, false, false, scratch);
+      // The smallest threshold whose heavier tokens' mass is within the budget.
+      unsigned lo = __float_as_uint(floor), hi = __float_as_uint(1.0f);
+      while (lo < hi) {
+        const unsigned mid = lo + (hi - lo) / 2;
+        const float above =
+            kept_mass(row, vocab, row_max, inv_t, floor, __uint_as_float(mid), false, true, scratch);
+        if (above <= budget) hi = mid; else lo = mid + 1;
+      }
+      floor = __uint_as_float(lo);
+    }
+    // Inverse CDF in token order: each thread sums its contiguous chunk, a block-wide scan
+    // places the chunks, the chunk holding the target walks to its token.
+    const int chunk = (vocab + kSampleThreads - 1) / kSampleThreads;
+    const int first = tid * chunk, end = min(first + chunk, vocab);
+    float mine = 0.0f;
+    for (int i = first; i < end; ++i) {
+      const float w = weight_of(row[i], row_max, inv_t);
+      if (w >= floor) mine += w;
+    }
+    prefix[tid] = mine;
+    __syncthreads();
+    for (int offset = 1; offset < kSampleThreads; offset <<= 1) {  // inclusive scan
+      const float add = tid >= offset ? prefix[tid - offset] : 0.0f;
+      __syncthreads();
+      prefix[tid] += add;
+      __syncthreads();
+    }
+    const float total = prefix[kSampleThreads - 1];
+    const float target = counter_uniform(keys[r], indices[r]) * total;
+    const float before = tid ? prefix[tid - 1] : 0.0f;
+    if (mine > 0.0f && before <= target && (target < prefix[tid] || tid == kSampleThreads - 1 ||
+                                            prefix[tid] >= total)) {
+      float running = before;
+      int last_kept = -1;
+      for (int i = first; i < end; ++i) {
+        const float w = weight_of(row[i], row_max, inv_t);
+        if (w < floor) continue;
+        last_kept = i;
+        running += w;
+        if (target < running) break;
+      }
+      chosen = last_kept;  // rounding past the end takes the chunk's last kept token
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    tokens[r] = chosen;
+    logprobs[r] = row[chosen] - row_max - log_total;
+  }
+}

@@ -1,0 +1,58 @@
+"""Launcher of sample_tokens.cu, and each sampled row's parameters as the kernel reads them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy
+
+from services.engine_worker.cupy_backend.kernels.library import kernel
+
+THREADS = 1024
+
+# name, dtype, the value of a row the kernel only takes the argmax of
+ROW_FIELDS = (
+    ("temperatures", numpy.float32, 0.0),
+    ("top_ks", numpy.int32, 0),
+    ("top_ps", numpy.float32, 1.0),
+    ("min_ps", numpy.float32, 0.0),
+    ("keys", numpy.uint64, 0),
+    ("indices", numpy.uint64, 0),
+)
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """Per sampled row: temperature (0: argmax), top-k (0: off), top-p (1: off), min-p (0:
+    off), and the draw's counter key and index. Device arrays of S rows each."""
+
+    temperatures: Any
+    top_ks: Any
+    top_ps: Any
+    min_ps: Any
+    keys: Any
+    indices: Any
+
+
+def sample_tokens(logits: Any, rows: SamplingRows, tokens: Any, logprobs: Any) -> None:
+    """Per row of float32 logits (S, vocab): its token into tokens (int32) and the token's log
+    probability under the raw logits into logprobs (float32)."""
+    count, vocab = logits.shape
+    if count:
+        kernel("sample_tokens", "sample_tokens")(
+            (count,),
+            (THREADS,),
+            (
+                logits,
+                numpy.int32(vocab),
+                rows.temperatures,
+                rows.top_ks,
+                rows.top_ps,
+                rows.min_ps,
+                rows.keys,
+                rows.indices,
+                tokens,
+                logprobs,
+            ),
+        )
