@@ -164,7 +164,7 @@ def llama_cpp_decode_tok_s(
     figures = {}
     for kind, path in files.items():
         rows = llama_cpp.batched_bench(
-            bin_dir, str(path), list(BATCHES), PROMPT_LEN, output_len, os.cpu_count() or 1, 99
+            bin_dir, str(path), list(args.batches), PROMPT_LEN, output_len, os.cpu_count() or 1, 99
         )
         figures[kind] = {row.batch: row.decode_tok_s for row in rows}
     scratch.cleanup()
@@ -202,11 +202,14 @@ def _print_row(row: dict) -> None:
     print(f"batch {row['batch']:>4}: {peers} tok/s | {ratios}{step}", flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="default", choices=["default", *sorted(SHAPES)])
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--batches", type=lambda text: [int(b) for b in text.split(",")], default=list(BATCHES)
+    )
     parser.add_argument("--llama-bin", help="llama.cpp CUDA binaries (default: build them)")
     parser.add_argument("--cuda-arch", default="90", help="for the llama.cpp build")
     parser.add_argument("--q4-model", help="llama.cpp's Q4_1 file (default: the default model)")
@@ -222,7 +225,7 @@ def main() -> None:
         help="no torch backend or transformers beside llama.cpp (the GPU check's time)",
     )
     parser.add_argument("--json", help="write every figure here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     peak = peak_bandwidth_gb_s()
     default = args.shape == "default"
     model = None if default else shape_model(args)
@@ -240,7 +243,7 @@ def main() -> None:
     rows: list[dict] = []
     graphs: dict[str, str] | None = None
     num_parameters = 0
-    for batch in BATCHES:
+    for batch in args.batches:
         cupy, engine = kvmesh_decode("cupy", args.dtype, batch, args.output_len, model, kv_bytes)
         num_parameters, graphs = (
             engine.worker.manifest.num_parameters,

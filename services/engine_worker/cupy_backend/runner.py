@@ -79,7 +79,7 @@ class Runner:
             self.model = CupyCausalLM(arch, weights, max_model_len, self.spec, self.gemm)
             self.cache = GpuKVCache(kv_shape, self.spec, self.stream)
             self.workspace = Workspace(arch, self.spec, limits)
-        # Where the step's greedy tokens and logprobs land on the host (workspace.sampled).
+        # Where the step's sampled tokens and logprobs land on the host (workspace.sampled).
         self._pinned = cupy.cuda.alloc_pinned_memory(int(self.workspace.sampled.nbytes))
         self.sampled_host = numpy.frombuffer(
             self._pinned, numpy.int32, int(self.workspace.sampled.shape[0])

@@ -51,7 +51,7 @@ def _layout(
         "act": ((tokens, arch.intermediate_size), spec.storage),
         "final": ((samples, arch.hidden_size), spec.storage),
         "logits": ((samples, arch.vocab_size), numpy.float32),
-        "sampled": ((2 * samples,), numpy.int32),  # greedy tokens, then their logprobs' bits
+        "sampled": ((2 * samples,), numpy.int32),  # sampled tokens, then their logprobs
         "scratch_out": ((pairs * arch.num_heads * arch.head_dim,), numpy.float32),
         "scratch_stats": ((pairs * arch.num_heads * 2,), numpy.float32),
         "tickets": ((tokens * arch.num_kv_heads,), numpy.int32),
@@ -100,7 +100,7 @@ class Workspace:
         )
 
     def sampled_views(self, rows: int) -> tuple[Any, Any]:
-        """Where greedy sampling writes `rows` tokens (int32) and logprobs (float32): both in
+        """Where sampling writes `rows` tokens (int32) and logprobs (float32): both in
         one buffer, so one copy brings a step's results to the host."""
         half = self.sampled.shape[0] // 2
         return self.sampled[:rows], self.sampled[half : half + rows].view(numpy.float32)
