@@ -32,6 +32,7 @@ from services.engine_worker.cupy_backend.kernels.paged_decode_attention import (
 )
 from services.engine_worker.cupy_backend.kernels.rms_norm import add_rms_norm
 from services.engine_worker.cupy_backend.kernels.sample_tokens import (
+    MAX_TOP,
     ROW_FIELDS,
     SamplingRows,
     sample_tokens,
@@ -139,6 +140,8 @@ def step_kernels(name: str, batch: int, context: int, spec: DTypeSpec, repeats: 
     act = cupy.empty((batch, shape.ffn), spec.storage)
     logits = cupy.empty((batch, shape.vocab), numpy.float32)
     tokens, logprobs = cupy.empty(batch, numpy.int32), cupy.empty(batch, numpy.float32)
+    top_ids = cupy.empty((batch, MAX_TOP), numpy.int32)
+    top_logprobs = cupy.empty((batch, MAX_TOP), numpy.float32)
     # top-p 0.9 at temperature 0.8: the kernel's longest path (bisection passes, the scan)
     row_values = {"temperatures": 0.8, "top_ps": 0.9, "keys": 7}
     sampled_rows = SamplingRows(
@@ -169,7 +172,9 @@ def step_kernels(name: str, batch: int, context: int, spec: DTypeSpec, repeats: 
     outside = {
         "final_norm": lambda: add_rms_norm(normed, x, weights["norm"], 1e-5, spec, delta=proj),
         "lm_head": lambda: gemm(normed, weights["lm_head"], logits, spec, out_type=CUDA_R_32F),
-        "sample_tokens": lambda: sample_tokens(logits, sampled_rows, tokens, logprobs),
+        "sample_tokens": lambda: sample_tokens(
+            logits, sampled_rows, tokens, logprobs, top_ids, top_logprobs
+        ),
     }
     timed = {k: time_us(f, repeats) for k, f in {**layer, **outside}.items()}
     gemm.close()

@@ -206,7 +206,7 @@ class ndarray:
 
     def reshape(self, *shape: Any) -> ndarray:
         reshaped = self._host.reshape(*shape)
-        if not numpy.shares_memory(reshaped, self._host):
+        if reshaped.size and not numpy.shares_memory(reshaped, self._host):
             raise ValueError("the stand-in reshapes contiguous arrays only (a copy would launch)")
         return ndarray(reshaped)
 

@@ -306,7 +306,9 @@ def _kept_threshold(w: numpy.ndarray, floor: float, top_k: int, top_p: float) ->
 def sample_tokens(name: str, grid: Grid, args: tuple) -> None:
     from services.engine_worker.sampler import counter_uniform
 
-    logits, vocab, temperatures, top_ks, top_ps, min_ps, keys, indices, tokens, logprobs = args
+    (logits, vocab, temperatures, top_ks, top_ps, min_ps, keys, indices, top_ns, max_top, tokens,
+     logprobs, top_ids, top_logprobs) = args  # fmt: skip
+    top_ids, top_logprobs = top_ids.reshape(-1, max_top), top_logprobs.reshape(-1, max_top)
     for r, x in enumerate(logits.reshape(-1, vocab)[: grid[0]]):
         top = x.max()
         log_total = numpy.log(numpy.exp(x - top).sum(dtype=numpy.float32))
@@ -321,6 +323,9 @@ def sample_tokens(name: str, grid: Grid, args: tuple) -> None:
                 token = min(int(numpy.searchsorted(cumulative, target, side="right")), kept[-1])
         tokens[r] = token
         logprobs[r] = x[token] - top - log_total
+        ranked = numpy.lexsort((numpy.arange(vocab), -x))[: min(int(top_ns[r]), max_top)]
+        count = ranked.shape[0]  # larger values first, the lower id among equal ones
+        top_ids[r, :count], top_logprobs[r, :count] = ranked, x[ranked] - top - log_total
 
 
 REFERENCES: dict[str, Callable[[str, Grid, tuple], None]] = {

@@ -52,7 +52,9 @@ def expected_distribution(
 
 
 def draw(cupy: Any, rows: numpy.ndarray, **fields: numpy.ndarray) -> tuple[numpy.ndarray, ...]:
+    """tokens, logprobs, top ids, top logprobs of one launch over `rows`."""
     from services.engine_worker.cupy_backend.kernels.sample_tokens import (
+        MAX_TOP,
         ROW_FIELDS,
         SamplingRows,
         sample_tokens,
@@ -64,8 +66,12 @@ def draw(cupy: Any, rows: numpy.ndarray, **fields: numpy.ndarray) -> tuple[numpy
         for name, dtype, value in ROW_FIELDS
     }
     tokens, logprobs = cupy.empty(count, numpy.int32), cupy.empty(count, numpy.float32)
-    sample_tokens(cupy.asarray(rows), SamplingRows(**params), tokens, logprobs)
-    return tokens.get(), logprobs.get()
+    top_ids = cupy.zeros((count, MAX_TOP), numpy.int32)
+    top_logprobs = cupy.zeros((count, MAX_TOP), numpy.float32)
+    sample_tokens(
+        cupy.asarray(rows), SamplingRows(**params), tokens, logprobs, top_ids, top_logprobs
+    )
+    return tokens.get(), logprobs.get(), top_ids.get(), top_logprobs.get()
 
 
 FILTERS = {
@@ -82,7 +88,7 @@ def test_each_filter_draws_its_distribution(cupy: Any, name: str) -> None:
     f = FILTERS[name]
     logits = fixed_logits()
     expected = expected_distribution(logits, f["temperature"], f["top_k"], f["top_p"], f["min_p"])
-    tokens, logprobs = draw(
+    tokens, logprobs, _, _ = draw(
         cupy,
         numpy.tile(logits, (DRAWS, 1)),
         temperatures=numpy.float32(f["temperature"]),
@@ -108,7 +114,7 @@ def test_greedy_rows_take_the_lowest_id_among_ties(cupy: Any) -> None:
     logits = numpy.zeros((2, VOCAB), numpy.float32)
     logits[0, [3, 9]] = 5.0
     logits[1, 17] = 1.0
-    tokens, logprobs = draw(cupy, logits)
+    tokens, logprobs, _, _ = draw(cupy, logits)
     assert tokens.tolist() == [3, 17]
     assert logprobs[0] == pytest.approx(5.0 - numpy.log(2 * numpy.exp(5.0) + VOCAB - 2), 1e-5)
 
@@ -117,7 +123,7 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch(cupy: Any) -> None:
     """(key, index) alone decide the draw: not the row it sits in or its neighbours."""
     rng = numpy.random.default_rng(7)
     logits = fixed_logits()
-    alone, _ = draw(cupy, logits[None], temperatures=numpy.float32(1.0), keys=numpy.uint64(42),
+    alone, *_ = draw(cupy, logits[None], temperatures=numpy.float32(1.0), keys=numpy.uint64(42),
                     indices=numpy.uint64(5))  # fmt: skip
     for position in (0, 3, 6):
         batch = rng.standard_normal((7, VOCAB)).astype(numpy.float32)
@@ -126,7 +132,7 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch(cupy: Any) -> None:
         keys[position] = 42
         indices = rng.integers(0, 100, 7).astype(numpy.uint64)
         indices[position] = 5
-        tokens, _ = draw(cupy, batch, temperatures=numpy.float32(1.0), keys=keys, indices=indices)
+        tokens, *_ = draw(cupy, batch, temperatures=numpy.float32(1.0), keys=keys, indices=indices)
         assert tokens[position] == alone[0]
     host = inverse_cdf(torch.softmax(torch.from_numpy(logits), -1), counter_uniform(42, 5))
     assert host == alone[0]  # the torch sampler draws the same token for the same seed
@@ -135,7 +141,7 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch(cupy: Any) -> None:
 def test_the_counter_generator_matches_the_hosts_and_is_uniform(cupy: Any) -> None:
     """A very hot temperature over equal logits turns each draw into floor(u * vocab)."""
     count, vocab = 2000, 1024
-    tokens, _ = draw(
+    tokens, *_ = draw(
         cupy,
         numpy.zeros((count, vocab), numpy.float32),
         temperatures=numpy.float32(1.0),
@@ -145,3 +151,18 @@ def test_the_counter_generator_matches_the_hosts_and_is_uniform(cupy: Any) -> No
     uniforms = numpy.asarray([counter_uniform(99, i) for i in range(count)])
     assert (tokens == (uniforms * vocab).astype(int)).mean() > 0.999  # float rounding aside
     assert abs(uniforms.mean() - 0.5) < 0.02 and 0.28 < uniforms.std() < 0.30
+
+
+def test_top_logprobs_come_in_order_with_ties_by_lower_id(cupy: Any) -> None:
+    logits = fixed_logits()
+    rows = numpy.stack([logits, logits, numpy.full(VOCAB, numpy.nan, numpy.float32)])
+    top_ns = numpy.asarray([20, 3, 0], numpy.int32)
+    tokens, logprobs, top_ids, top_logprobs = draw(
+        cupy, rows, top_ns=top_ns, temperatures=numpy.asarray([0.0, 1.0, 0.0], numpy.float32)
+    )
+    log_softmax = logits - logits.max() - numpy.log(numpy.exp(logits - logits.max()).sum())
+    expected = numpy.lexsort((numpy.arange(VOCAB), -logits))[:20]
+    assert top_ids[0].tolist() == expected.tolist()
+    numpy.testing.assert_allclose(top_logprobs[0], log_softmax[expected], rtol=1e-5, atol=1e-5)
+    assert top_ids[1, :3].tolist() == expected[:3].tolist()  # a sampled row's alternatives too
+    assert tokens[0] == expected[0] and not numpy.isfinite(logprobs[2])  # NaN row: flagged

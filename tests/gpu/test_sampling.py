@@ -1,6 +1,7 @@
 """The GPU sampler on a GPU: the same tests as on the CPU stand-in
 (tests/cupy_standin/test_device_sampler.py), each filter's distribution, batch independence
-of a seeded row and the counter generator, against the real sample_tokens.cu."""
+of a seeded row, the counter generator and the top logprobs, against the real
+sample_tokens.cu."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tests.cupy_standin.test_device_sampler import (  # noqa: F401 (collected he
     test_each_filter_draws_its_distribution,
     test_greedy_rows_take_the_lowest_id_among_ties,
     test_the_counter_generator_matches_the_hosts_and_is_uniform,
+    test_top_logprobs_come_in_order_with_ties_by_lower_id,
 )
 
 

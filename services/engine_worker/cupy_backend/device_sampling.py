@@ -1,10 +1,10 @@
 """Which rows the GPU samples, and their parameters as host arrays for sample_tokens.cu.
 
 The GPU draws every row whose distribution is the logits alone: temperature, top-k, top-p and
-min-p, seeded or not, with the chosen token's logprob. Rows with penalties, a logit bias, a
-response format or top-N logprobs need the request's history, a grammar or a sort the kernel
-does not do: their logits go to the host and the shared torch sampler, which draws with the
-same counter-based generator, so a seeded request's tokens do not depend on where it sampled.
+min-p, seeded or not, with the chosen token's logprob and up to 20 top logprobs. Rows with
+penalties, a logit bias or a response format need the request's history or a grammar: their
+logits go to the host and the shared torch sampler, which draws with the same counter-based
+generator, so a seeded request's tokens do not depend on where it sampled.
 """
 
 from __future__ import annotations
@@ -21,12 +21,7 @@ from services.engine_worker.step_inputs import RequestState
 
 def on_gpu_sampler(state: RequestState) -> bool:
     params = state.sampling
-    return (
-        not params.has_penalties
-        and not params.logit_bias
-        and state.matcher is None
-        and not params.logprobs  # None or 0: the chosen token's logprob at most
-    )
+    return not params.has_penalties and not params.logit_bias and state.matcher is None
 
 
 def row_parameters(
@@ -37,7 +32,10 @@ def row_parameters(
     arrays = {name: numpy.full(len(states), value, dtype) for name, dtype, value in ROW_FIELDS}
     for row, state in enumerate(states):
         params = state.sampling
-        if params.greedy or not on_gpu_sampler(state):
+        if not on_gpu_sampler(state):
+            continue
+        arrays["top_ns"][row] = params.logprobs or 0
+        if params.greedy:
             continue
         arrays["temperatures"][row] = params.temperature
         arrays["top_ks"][row] = min(params.top_k or 0, numpy.iinfo(numpy.int32).max)

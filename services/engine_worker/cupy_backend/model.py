@@ -258,8 +258,9 @@ class CupyCausalLM:
         return logits
 
     def forward_and_sample(self, batch: DeviceBatch, cache: GpuKVCache, ws: Workspace) -> Any:
-        """forward(), then every sampled row's token and its logprob into the workspace's
-        `sampled` buffer (rows the host samples get an argmax, unused). Returns the logits."""
+        """forward(), then every sampled row's token, its logprob and the top logprobs it asks
+        for into the workspace's `sampled` buffer (rows the host samples get an argmax,
+        unused). Returns the logits."""
         logits = self.forward(batch, cache, ws)
         sample_tokens(logits, batch.sampling, *ws.sampled_views(int(logits.shape[0])))
         return logits

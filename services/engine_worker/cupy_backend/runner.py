@@ -28,7 +28,12 @@ from services.engine_worker.cupy_backend.kernels.paged_decode_attention import c
 from services.engine_worker.cupy_backend.model import CupyCausalLM, DeviceBatch, GpuKVCache
 from services.engine_worker.cupy_backend.packed_inputs import PackedInputs
 from services.engine_worker.cupy_backend.step_timing import StepTiming
-from services.engine_worker.cupy_backend.workspace import StepLimits, Workspace, workspace_bytes
+from services.engine_worker.cupy_backend.workspace import (
+    StepLimits,
+    Workspace,
+    sampled_layout,
+    workspace_bytes,
+)
 from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.sampler import sample
 from services.engine_worker.step_failures import NonFiniteLogits, failure_of
@@ -154,13 +159,16 @@ class Runner:
             device = DeviceBatch.upload(batch, sampling)
             return self.model.forward_and_sample(device, self.cache, self.workspace)
 
-    def _sampled_results(self, rows: int) -> tuple[list[int], list[float]]:
-        """The step's sampled tokens and logprobs: one copy to pinned memory, one wait."""
-        host = self.sampled_host
-        self.workspace.sampled.get(stream=self.stream, out=host, blocking=False)
+    def _sampled_results(self, rows: int, with_top: bool) -> tuple[Any, Any, Any, Any]:
+        """The step's sampled tokens, logprobs and top logprobs (sampled_layout's views of
+        pinned memory): one copy, one wait; the top ones only when a row asked for them."""
+        samples = self.workspace.limits.max_samples
+        words = self.sampled_host.shape[0] if with_top else 2 * samples
+        self.workspace.sampled[:words].get(
+            stream=self.stream, out=self.sampled_host[:words], blocking=False
+        )
         self.stream.synchronize()
-        half = host.shape[0] // 2
-        return host[:rows].tolist(), host[half : half + rows].view(numpy.float32).tolist()
+        return sampled_layout(self.sampled_host, samples, rows)
 
     def _sample(
         self, logits: Any, batch: GpuBatch, rng: torch.Generator
@@ -175,18 +183,27 @@ class Runner:
         results: list[SampledToken | FailedRequest | None] = [None] * len(states)
         with self.stream:
             if fast:
-                tokens, logprobs = self._sampled_results(len(states))
+                with_top = any(states[row].sampling.logprobs for row in fast)
+                tokens, logprobs, top_ids, top_logprobs = self._sampled_results(
+                    len(states), with_top
+                )
                 for row in fast:
-                    token, logprob, state = tokens[row], logprobs[row], states[row]
+                    token, logprob, state = int(tokens[row]), float(logprobs[row]), states[row]
                     if not math.isfinite(logprob):  # the kernel's sign of a NaN or inf logit
                         error = NonFiniteLogits("non-finite logits")
                         results[row] = failure_of(state.request_id, error)
                         continue
-                    wants = state.sampling.logprobs is not None
+                    wants = state.sampling.logprobs
+                    count = wants or 0
+                    top = zip(
+                        top_ids[row, :count].tolist(),
+                        top_logprobs[row, :count].tolist(),
+                        strict=True,
+                    )
                     results[row] = SampledToken(
                         state.request_id,
                         token,
-                        TokenLogprobs(token, logprob, ()) if wants else None,
+                        None if wants is None else TokenLogprobs(token, logprob, tuple(top)),
                     )
             if slow:
                 host = torch.from_numpy(cupy.asnumpy(logits[cupy.asarray(slow)]))

@@ -21,6 +21,7 @@ from services.engine_worker.cupy_backend.kernels.paged_decode_attention import (
     grid_splits,
     scratch_rows_by_splits,
 )
+from services.engine_worker.cupy_backend.kernels.sample_tokens import MAX_TOP
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class StepLimits:
     max_tokens: int
     max_samples: int
     sm_count: int
+
+
+def sampled_words(samples: int) -> int:
+    return samples * (2 + 2 * MAX_TOP)
 
 
 def _layout(
@@ -51,7 +56,8 @@ def _layout(
         "act": ((tokens, arch.intermediate_size), spec.storage),
         "final": ((samples, arch.hidden_size), spec.storage),
         "logits": ((samples, arch.vocab_size), numpy.float32),
-        "sampled": ((2 * samples,), numpy.int32),  # sampled tokens, then their logprobs
+        # Sampled tokens, their logprobs, then each row's top tokens and theirs (float32 bits).
+        "sampled": ((sampled_words(samples),), numpy.int32),
         "scratch_out": ((pairs * arch.num_heads * arch.head_dim,), numpy.float32),
         "scratch_stats": ((pairs * arch.num_heads * 2,), numpy.float32),
         "tickets": ((tokens * arch.num_kv_heads,), numpy.int32),
@@ -62,6 +68,20 @@ def workspace_bytes(arch: ModelArchitecture, spec: DTypeSpec, limits: StepLimits
     return sum(
         int(numpy.prod(shape)) * numpy.dtype(dtype).itemsize
         for shape, dtype in _layout(arch, spec, limits).values()
+    )
+
+
+def sampled_layout(buffer: Any, samples: int, rows: int) -> tuple[Any, Any, Any, Any]:
+    """Views of a `sampled` buffer (device or host) sized for `samples` rows."""
+    top_at = 2 * samples
+    tops = samples * MAX_TOP
+    return (
+        buffer[:rows],
+        buffer[samples : samples + rows].view(numpy.float32),
+        buffer[top_at : top_at + rows * MAX_TOP].reshape(rows, MAX_TOP),
+        buffer[top_at + tops : top_at + tops + rows * MAX_TOP]
+        .view(numpy.float32)
+        .reshape(rows, MAX_TOP),
     )
 
 
@@ -99,11 +119,11 @@ class Workspace:
             tickets[: rows * self._kv_heads].reshape(rows, self._kv_heads),
         )
 
-    def sampled_views(self, rows: int) -> tuple[Any, Any]:
-        """Where sampling writes `rows` tokens (int32) and logprobs (float32): both in
-        one buffer, so one copy brings a step's results to the host."""
-        half = self.sampled.shape[0] // 2
-        return self.sampled[:rows], self.sampled[half : half + rows].view(numpy.float32)
+    def sampled_views(self, rows: int) -> tuple[Any, Any, Any, Any]:
+        """Where sampling writes `rows` tokens (int32), logprobs (float32), top tokens and top
+        logprobs (rows, MAX_TOP): one buffer, so one copy brings a step's results back (its
+        first 2 x max_samples words when no row wants top logprobs)."""
+        return sampled_layout(self.sampled, self.limits.max_samples, rows)
 
     def check_fits(self, tokens: int, samples: int) -> None:
         """A step larger than the limits the worker stated is a bug upstream: refused, not

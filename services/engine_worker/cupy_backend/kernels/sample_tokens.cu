@@ -9,7 +9,9 @@
 // uniform from a counter-based generator keyed by (key, index): a seeded request's (seed,
 // output index), so its token does not depend on the batch it sits in. Every row's chosen
 // token gets its log probability under the model's own distribution, x - logsumexp(x): NaN
-// when the row has a NaN or an infinity, which the runner fails the request for.
+// when the row has a NaN or an infinity, which the runner fails the request for. A row that
+// asks for its top N alternatives (N <= max_top) gets them in order, by logprob then lower id,
+// one pass over the row each.
 #include "common.cuh"
 
 constexpr int kSampleThreads = 1024;
@@ -22,6 +24,47 @@ __device__ __forceinline__ float counter_uniform(unsigned long long key, unsigne
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   z ^= z >> 31;
   return static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
+}
+
+// The block's best (value, id) over the row's entries that rank after (after_value,
+// after_id): larger values first, the lower id first among equal ones. Every thread gets it.
+__device__ void best_after(const float* row, int vocab, float after_value, int after_id,
+                           float* best_values, int* best_ids, float* value, int* id) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float best = -INFINITY;
+  int best_id = 0x7fffffff;
+  for (int i = tid; i < vocab; i += blockDim.x) {
+    const float x = row[i];
+    const bool after = x < after_value || (x == after_value && i > after_id);
+    if (after && (x > best || best_id == 0x7fffffff)) {  // strided: ids only grow per thread
+      best = x;
+      best_id = i;
+    }
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+    const int other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
+    if (other > best || (other == best && other_id < best_id)) {
+      best = other;
+      best_id = other_id;
+    }
+  }
+  __syncthreads();  // the previous call's result is read by every thread before this write
+  if (lane == 0) {
+    best_values[warp] = best;
+    best_ids[warp] = best_id;
+  }
+  __syncthreads();
+  best = best_values[0];
+  best_id = best_ids[0];
+  for (int w = 1; w < (int)(blockDim.x >> 5); ++w) {
+    if (best_values[w] > best || (best_values[w] == best && best_ids[w] < best_id)) {
+      best = best_values[w];
+      best_id = best_ids[w];
+    }
+  }
+  *value = best;
+  *id = best_id;
 }
 
 __device__ __forceinline__ float weight_of(float x, float row_max, float inv_t) {
@@ -46,8 +89,10 @@ extern "C" __global__ void __launch_bounds__(kSampleThreads)
                   const float* __restrict__ temperatures, const int* __restrict__ top_ks,
                   const float* __restrict__ top_ps, const float* __restrict__ min_ps,
                   const unsigned long long* __restrict__ keys,
-                  const unsigned long long* __restrict__ indices, int* __restrict__ tokens,
-                  float* __restrict__ logprobs) {
+                  const unsigned long long* __restrict__ indices,
+                  const int* __restrict__ top_ns, int max_top, int* __restrict__ tokens,
+                  float* __restrict__ logprobs, int* __restrict__ top_ids,
+                  float* __restrict__ top_logprobs) {
   __shared__ float best_values[32];
   __shared__ int best_ids[32];
   __shared__ float scratch[32];
@@ -170,5 +215,15 @@ extern "C" __global__ void __launch_bounds__(kSampleThreads)
   if (tid == 0) {
     tokens[r] = chosen;
     logprobs[r] = row[chosen] - row_max - log_total;
+  }
+  float after_value = INFINITY;
+  int after_id = -1;
+  const int top_n = min(top_ns[r], max_top);
+  for (int j = 0; j < top_n; ++j) {
+    best_after(row, vocab, after_value, after_id, best_values, best_ids, &after_value, &after_id);
+    if (tid == 0) {
+      top_ids[static_cast<long long>(r) * max_top + j] = after_id < vocab ? after_id : 0;
+      top_logprobs[static_cast<long long>(r) * max_top + j] = after_value - row_max - log_total;
+    }
   }
 }

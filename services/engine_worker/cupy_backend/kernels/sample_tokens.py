@@ -10,6 +10,7 @@ import numpy
 from services.engine_worker.cupy_backend.kernels.library import kernel
 
 THREADS = 1024
+MAX_TOP = 20  # top-N logprobs a row may ask for (SamplingParams.logprobs <= 20)
 
 # name, dtype, the value of a row the kernel only takes the argmax of
 ROW_FIELDS = (
@@ -19,13 +20,15 @@ ROW_FIELDS = (
     ("min_ps", numpy.float32, 0.0),
     ("keys", numpy.uint64, 0),
     ("indices", numpy.uint64, 0),
+    ("top_ns", numpy.int32, 0),
 )
 
 
 @dataclass(frozen=True)
 class SamplingRows:
     """Per sampled row: temperature (0: argmax), top-k (0: off), top-p (1: off), min-p (0:
-    off), and the draw's counter key and index. Device arrays of S rows each."""
+    off), the draw's counter key and index, and how many top logprobs it wants. Device
+    arrays of S rows each."""
 
     temperatures: Any
     top_ks: Any
@@ -33,11 +36,15 @@ class SamplingRows:
     min_ps: Any
     keys: Any
     indices: Any
+    top_ns: Any
 
 
-def sample_tokens(logits: Any, rows: SamplingRows, tokens: Any, logprobs: Any) -> None:
+def sample_tokens(
+    logits: Any, rows: SamplingRows, tokens: Any, logprobs: Any, top_ids: Any, top_logprobs: Any
+) -> None:
     """Per row of float32 logits (S, vocab): its token into tokens (int32) and the token's log
-    probability under the raw logits into logprobs (float32)."""
+    probability under the raw logits into logprobs (float32); its top_ns[r] best tokens and
+    their logprobs into the first entries of top_ids (S, MAX_TOP) and top_logprobs."""
     count, vocab = logits.shape
     if count:
         kernel("sample_tokens", "sample_tokens")(
@@ -52,7 +59,11 @@ def sample_tokens(logits: Any, rows: SamplingRows, tokens: Any, logprobs: Any) -
                 rows.min_ps,
                 rows.keys,
                 rows.indices,
+                rows.top_ns,
+                numpy.int32(top_ids.shape[1]),
                 tokens,
                 logprobs,
+                top_ids,
+                top_logprobs,
             ),
         )
