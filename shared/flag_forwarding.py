@@ -20,7 +20,7 @@ def worker_flag_args(args: argparse.Namespace) -> list[str]:
     forwarded += ["--prepared-dir", args.prepared_dir] if args.prepared_dir else []
     if args.max_model_len is not None:
         forwarded += ["--max-model-len", str(args.max_model_len)]
-    return forwarded + kv_tier_flag_args(args) + step_limit_flag_args(args)
+    return forwarded + kv_tier_flag_args(args)
 
 
 def scheduler_flag_args(args: argparse.Namespace) -> list[str]:

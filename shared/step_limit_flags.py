@@ -53,3 +53,12 @@ def step_limit_flag_args(args: argparse.Namespace) -> list[str]:
     forwarded = ["--max-batched-tokens", str(args.max_batched_tokens)]
     forwarded += ["--max-num-seqs", str(args.max_num_seqs), "--speculative", args.speculative]
     return [*forwarded, "--num-speculative-tokens", str(args.num_speculative_tokens)]
+
+
+def step_limit_args_of(scheduler_args: list[str]) -> list[str]:
+    """The step limits a scheduler's arguments give (defaults where they say nothing), as
+    arguments for its engine-worker: a launcher gives both processes of a pair the same."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_step_limit_flags(parser)
+    known, _ = parser.parse_known_args(scheduler_args)
+    return step_limit_flag_args(known)

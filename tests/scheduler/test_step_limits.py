@@ -14,6 +14,7 @@ from shared.errors import KvmeshError, Reason
 from shared.flag_forwarding import scheduler_flag_args, worker_flag_args
 from shared.flags import add_scheduler_flags, add_worker_flags, engine_config, scheduler_config
 from shared.pb.kvmesh.v1 import common_pb2
+from shared.step_limit_flags import step_limit_args_of
 
 
 def worker_info(tokens: int, rows: int) -> common_pb2.ModelInfo:
@@ -46,8 +47,9 @@ def test_a_worker_that_states_no_limits_is_taken_at_its_word() -> None:
     check_step_limits(SchedulerConfig(max_num_batched_tokens=1 << 20), worker_info(0, 0), "w")
 
 
-def test_the_worker_sizes_for_the_flags_a_launcher_forwards_to_both() -> None:
-    """`kvmesh up --max-batched-tokens 4096` reaches the worker's config, not a default."""
+def test_the_worker_sizes_for_the_limits_its_schedulers_arguments_give() -> None:
+    """`kvmesh up --max-batched-tokens 4096` reaches the worker's config, not a default: the
+    launcher gives the worker the step limits of its scheduler's arguments."""
     mesh = argparse.ArgumentParser()
     add_worker_flags(mesh)
     add_scheduler_flags(mesh, step_limits=False)
@@ -56,9 +58,22 @@ def test_the_worker_sizes_for_the_flags_a_launcher_forwards_to_both() -> None:
     add_worker_flags(worker)
     scheduler = argparse.ArgumentParser()
     add_scheduler_flags(scheduler)
-    worker_limits = engine_config(worker.parse_args(worker_flag_args(args))).scheduler
-    planned = scheduler_config(scheduler.parse_args(scheduler_flag_args(args)))
+    scheduler_argv = scheduler_flag_args(args)
+    worker_argv = worker_flag_args(args) + step_limit_args_of(scheduler_argv)
+    worker_limits = engine_config(worker.parse_args(worker_argv)).scheduler
+    planned = scheduler_config(scheduler.parse_args(scheduler_argv))
     assert worker_limits.max_num_batched_tokens == planned.max_num_batched_tokens == 4096
     assert worker_limits.max_sampled_rows == planned.max_sampled_rows == 16
     info = worker_info(worker_limits.max_num_batched_tokens, worker_limits.max_sampled_rows)
     check_step_limits(planned, info, "w")
+
+
+def test_a_launcher_gives_the_worker_the_limits_of_handwritten_scheduler_arguments() -> None:
+    """MeshConfig(scheduler_args=[...]) or a repository entry's [serving] batching: the
+    worker is sized for them, defaults where they say nothing."""
+    worker = argparse.ArgumentParser()
+    add_worker_flags(worker)
+    given = ["--role", "mixed", "--speculative", "ngram", "--num-speculative-tokens", "6"]
+    limits = engine_config(worker.parse_args(step_limit_args_of(given))).scheduler
+    assert limits.max_sampled_rows == min(2048, 128 * 7)
+    assert limits.max_num_batched_tokens == 2048
