@@ -148,7 +148,8 @@ def step_kernels(name: str, batch: int, context: int, spec: DTypeSpec, repeats: 
         **{
             name: cupy.full(batch, row_values.get(name, default), dtype)
             for name, dtype, default in ROW_FIELDS
-        }
+        },
+        adjustments=cupy.zeros((1, 4), numpy.float32),  # no penalties
     )
     inputs = attention_inputs(shape, batch, context, spec)
     angles = cupy.random.random((context + 1, shape.head_dim // 2), dtype=numpy.float32)

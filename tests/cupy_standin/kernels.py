@@ -221,7 +221,7 @@ def paged_decode_attention(name: str, grid: Grid, args: tuple) -> None:
         k, v = _keys_and_values((keys, values), tables[seq], length, heads, kv_heads, block, dim, s)
         query = q[seq] * scale
         parts = [
-            online_softmax(query, k[first:end], v[first:end], block)
+            online_softmax(query, k[first:end], v[first:end], 256)  # chunks: same maths
             for first, end in decode_splits(length, max_splits, block, min_partition)
         ]
         for split, (top, total, unnormalized) in enumerate(parts):
@@ -306,15 +306,27 @@ def _kept_threshold(w: numpy.ndarray, floor: float, top_k: int, top_p: float) ->
 def sample_tokens(name: str, grid: Grid, args: tuple) -> None:
     from services.engine_worker.sampler import counter_uniform
 
-    (logits, vocab, temperatures, top_ks, top_ps, min_ps, keys, indices, top_ns, max_top, tokens,
-     logprobs, top_ids, top_logprobs) = args  # fmt: skip
+    (logits, vocab, temperatures, top_ks, top_ps, min_ps, keys, indices, top_ns, adjust_ends,
+     adjustments, max_top, tokens, logprobs, top_ids, top_logprobs) = args  # fmt: skip
     top_ids, top_logprobs = top_ids.reshape(-1, max_top), top_logprobs.reshape(-1, max_top)
-    for r, x in enumerate(logits.reshape(-1, vocab)[: grid[0]]):
-        top = x.max()
-        log_total = numpy.log(numpy.exp(x - top).sum(dtype=numpy.float32))
+    adjustments = adjustments.reshape(-1, 4)
+    for r, row in enumerate(logits.reshape(-1, vocab)[: grid[0]]):
+        raw = row.copy()
+        top = raw.max()
+        log_total = numpy.log(numpy.exp(raw - top).sum(dtype=numpy.float32))
+        ranked = numpy.lexsort((numpy.arange(vocab), -raw))[: min(int(top_ns[r]), max_top)]
+        count = ranked.shape[0]  # larger values first, the lower id among equal ones
+        top_ids[r, :count], top_logprobs[r, :count] = ranked, raw[ranked] - top - log_total
+        first = int(adjust_ends[r - 1]) if r else 0
+        entries = adjustments[first : max(first, int(adjust_ends[r]))]
+        ids = entries.view(numpy.int32)[:, 0]
+        x = row  # adjusted in place, as the kernel does
+        x[ids] = numpy.where(x[ids] > 0, x[ids] / entries[:, 1], x[ids] * entries[:, 2])
+        x[ids] += entries[:, 3]
         token = int(x.argmax())  # the lowest id among equal maxima
+        x_top = x.max()
         if temperatures[r] > 0.0:
-            w = numpy.exp((x - top) / numpy.float32(temperatures[r])).astype(numpy.float32)
+            w = numpy.exp((x - x_top) / numpy.float32(temperatures[r])).astype(numpy.float32)
             floor = _kept_threshold(w, float(min_ps[r]), int(top_ks[r]), float(top_ps[r]))
             kept = numpy.nonzero(w >= floor)[0]
             cumulative = numpy.cumsum(numpy.where(w >= floor, w, 0.0), dtype=numpy.float64)
@@ -322,10 +334,7 @@ def sample_tokens(name: str, grid: Grid, args: tuple) -> None:
             if kept.shape[0]:  # none: a row of NaNs keeps its argmax
                 token = min(int(numpy.searchsorted(cumulative, target, side="right")), kept[-1])
         tokens[r] = token
-        logprobs[r] = x[token] - top - log_total
-        ranked = numpy.lexsort((numpy.arange(vocab), -x))[: min(int(top_ns[r]), max_top)]
-        count = ranked.shape[0]  # larger values first, the lower id among equal ones
-        top_ids[r, :count], top_logprobs[r, :count] = ranked, x[ranked] - top - log_total
+        logprobs[r] = raw[token] - top - log_total
 
 
 REFERENCES: dict[str, Callable[[str, Grid, tuple], None]] = {

@@ -10,7 +10,6 @@ import dataclasses
 import logging
 import random
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,33 +18,16 @@ from kvmesh.engine import Engine
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig
 from shared.errors import KvmeshError, Reason
 from shared.sampling import SamplingParams
-from tests.cupy_standin import device, installed
+from tests.cupy_standin import installed
 from tests.engine_worker.parity import Greedy, compare
 from tests.engine_worker.test_speculative import speculating
-from tests.model_fixtures import save_random_checkpoint
 
-# head_dim 32: a size the decode kernel is built for (the shared tiny checkpoints have 16).
-SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 BATCHING = SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=4, prefill_chunk_size=16)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 # A decode step's launches per layer: 2 norms (the first layer's with the embedding), 4 GEMMs,
 # attention (with the rotary, the KV write and its own merge), the SwiGLU product; plus the
 # final norm, the LM head and the sampling kernel.
 LAUNCHES_PER_LAYER, LAUNCHES_OUTSIDE_LAYERS = 8, 3
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return {
-        kind: save_random_checkpoint(tmp_path_factory.mktemp(kind), kind, **SHAPE)
-        for kind in ("llama", "qwen2")
-    }
-
-
-@pytest.fixture
-def standin() -> Iterator[device.DeviceState]:
-    with installed() as state:
-        yield state
 
 
 def engine(model: str, backend: str, **overrides: object) -> Engine:

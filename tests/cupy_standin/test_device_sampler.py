@@ -65,12 +65,12 @@ def draw(cupy: Any, rows: numpy.ndarray, **fields: numpy.ndarray) -> tuple[numpy
         name: cupy.asarray(numpy.broadcast_to(fields.get(name, value), count).astype(dtype))
         for name, dtype, value in ROW_FIELDS
     }
+    adjustments = fields.get("adjustments", numpy.zeros((1, 4), numpy.float32))
     tokens, logprobs = cupy.empty(count, numpy.int32), cupy.empty(count, numpy.float32)
     top_ids = cupy.zeros((count, MAX_TOP), numpy.int32)
     top_logprobs = cupy.zeros((count, MAX_TOP), numpy.float32)
-    sample_tokens(
-        cupy.asarray(rows), SamplingRows(**params), tokens, logprobs, top_ids, top_logprobs
-    )
+    rows_d = SamplingRows(**params, adjustments=cupy.asarray(adjustments))
+    sample_tokens(cupy.asarray(rows), rows_d, tokens, logprobs, top_ids, top_logprobs)
     return tokens.get(), logprobs.get(), top_ids.get(), top_logprobs.get()
 
 
@@ -166,3 +166,43 @@ def test_top_logprobs_come_in_order_with_ties_by_lower_id(cupy: Any) -> None:
     numpy.testing.assert_allclose(top_logprobs[0], log_softmax[expected], rtol=1e-5, atol=1e-5)
     assert top_ids[1, :3].tolist() == expected[:3].tolist()  # a sampled row's alternatives too
     assert tokens[0] == expected[0] and not numpy.isfinite(logprobs[2])  # NaN row: flagged
+
+
+def test_penalties_and_bias_draw_what_the_torch_sampler_draws(cupy: Any) -> None:
+    """The host's adjustments applied by the kernel: the torch sampler's distribution (its
+    own processed() as the oracle), and the logprob of the raw, unpenalized model."""
+    from services.engine_worker.cupy_backend.device_sampling import adjustments_of
+    from services.engine_worker.sampler import processed
+    from services.engine_worker.step_inputs import RequestState
+    from shared.sampling import SamplingParams
+
+    logits = fixed_logits()
+    params = SamplingParams(
+        temperature=0.8, repetition_penalty=1.8, presence_penalty=0.4, frequency_penalty=0.3,
+        logit_bias=((2, 1.5), (7, -100.0)),
+    )  # fmt: skip
+    state = RequestState("r", [3, 9, 9, 11, 3, 11, 11], [], 4, params, 1)  # 3 prompt tokens
+    _, probs = processed(torch.from_numpy(logits.copy()), state)
+    assert probs is not None
+    expected = (probs / probs.sum()).double().numpy()
+    entries = adjustments_of(state)
+    # Every row its own copy of the entries: row r's are [r * E, (r + 1) * E).
+    many = numpy.tile(entries, (DRAWS, 1))
+    ends = (numpy.arange(1, DRAWS + 1) * entries.shape[0]).astype(numpy.int32)
+    tokens, logprobs, _, _ = draw(
+        cupy, numpy.tile(logits, (DRAWS, 1)), temperatures=numpy.float32(0.8),
+        keys=numpy.uint64(5), indices=numpy.arange(DRAWS, dtype=numpy.uint64),
+        adjust_ends=ends, adjustments=many,
+    )  # fmt: skip
+    counts = numpy.bincount(tokens, minlength=VOCAB)
+    assert counts[7] == 0  # banned by its bias
+    kept = expected > 1e-4
+    want = DRAWS * expected[kept]
+    statistic = float(((counts[kept] - want) ** 2 / want).sum())
+    dof = int(kept.sum()) - 1
+    assert statistic < dof + 6 * (2 * dof) ** 0.5, (statistic, dof)
+    log_softmax = logits - logits.max() - numpy.log(numpy.exp(logits - logits.max()).sum())
+    numpy.testing.assert_allclose(logprobs, log_softmax[tokens], rtol=1e-4, atol=1e-4)
+    greedy, *_ = draw(cupy, logits[None], adjust_ends=numpy.int32(entries.shape[0]),
+                      adjustments=entries)  # fmt: skip
+    assert greedy[0] == int(processed(torch.from_numpy(logits.copy()), state)[0].argmax())

@@ -4,21 +4,12 @@ bench-gpu's decode window with the GPU's and the host's milliseconds per step ap
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.cupy_standin import device, installed
+from tests.cupy_standin.conftest import SHAPE
 from tests.model_fixtures import save_random_checkpoint
-
-SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
-
-
-@pytest.fixture
-def standin() -> Iterator[device.DeviceState]:
-    with installed() as state:
-        yield state
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # residual adds of random weights overflow

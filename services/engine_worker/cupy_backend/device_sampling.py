@@ -1,39 +1,93 @@
 """Which rows the GPU samples, and their parameters as host arrays for sample_tokens.cu.
 
-The GPU draws every row whose distribution is the logits alone: temperature, top-k, top-p and
-min-p, seeded or not, with the chosen token's logprob and up to 20 top logprobs. Rows with
-penalties, a logit bias or a response format need the request's history or a grammar: their
-logits go to the host and the shared torch sampler, which draws with the same counter-based
-generator, so a seeded request's tokens do not depend on where it sampled.
+The GPU draws every row but those under a response format (a grammar's mask is the host's):
+temperature, top-k, top-p and min-p, seeded or not, with the chosen token's logprob and up to
+20 top logprobs; and a row's penalties and logit bias, as per-token adjustments the host merges
+from the request's tokens (what the torch sampler computes, without copying logits back). A
+step whose adjustments would pass MAX_ADJUSTMENTS leaves the rest of its penalized rows to the
+host, as does a bias on a token past the vocabulary (the torch sampler fails that request).
+Both sides draw with the same counter-based generator, so a seeded request's tokens do not
+depend on where it sampled.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy
 import torch
 
-from services.engine_worker.cupy_backend.kernels.sample_tokens import ROW_FIELDS
+from services.engine_worker.cupy_backend.kernels.sample_tokens import ADJUSTMENT_WIDTH, ROW_FIELDS
 from services.engine_worker.sampler import sample_key
 from services.engine_worker.step_inputs import RequestState
+from shared.sampling import SamplingParams
+
+MAX_ADJUSTMENTS = 1 << 16  # per step: 1 MiB of pinned and device memory
 
 
-def on_gpu_sampler(state: RequestState) -> bool:
-    params = state.sampling
-    return not params.has_penalties and not params.logit_bias and state.matcher is None
+@dataclass(frozen=True)
+class DeviceRows:
+    """A step's sampling as the GPU takes it."""
+
+    arrays: dict[str, numpy.ndarray]  # ROW_FIELDS, one entry per sampled row
+    adjustments: numpy.ndarray  # float32 (E, ADJUSTMENT_WIDTH), rows' entries in row order
+    on_device: list[bool]  # per row: its token comes from the GPU, not the torch sampler
+
+
+def adjustments_of(state: RequestState) -> numpy.ndarray:
+    """float32 (tokens, 4): token (int32 bits), divisor of a positive logit, scale of a
+    negative one, addition; as the torch sampler's penalties (repetition over prompt and
+    output, presence and frequency over output) and then its logit bias, one entry per token
+    touched."""
+    params: SamplingParams = state.sampling
+    ids = numpy.asarray(state.token_ids, numpy.int64)
+    output = ids[state.prompt_len :]
+    touched = [numpy.asarray([token for token, _ in params.logit_bias], numpy.int64)]
+    if params.repetition_penalty != 1.0:
+        touched.append(ids)
+    if params.presence_penalty or params.frequency_penalty:
+        touched.append(output)
+    tokens = numpy.unique(numpy.concatenate(touched))
+    entries = numpy.zeros((tokens.shape[0], ADJUSTMENT_WIDTH), numpy.float32)
+    entries.view(numpy.int32)[:, 0] = tokens
+    entries[:, 1:3] = 1.0
+    if params.repetition_penalty != 1.0:
+        seen = numpy.isin(tokens, ids)
+        entries[seen, 1] = entries[seen, 2] = params.repetition_penalty
+    if output.shape[0]:
+        ordered = numpy.sort(output)
+        counts = numpy.searchsorted(ordered, tokens, "right") - numpy.searchsorted(ordered, tokens)
+        entries[:, 3] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    for token, bias in params.logit_bias:
+        entries[numpy.searchsorted(tokens, token), 3] += bias
+    return entries
 
 
 def row_parameters(
-    states: Sequence[RequestState], rng: torch.Generator
-) -> dict[str, numpy.ndarray]:
-    """One entry per sampled row and field of ROW_FIELDS; a row the host samples, or a greedy
-    one, keeps the argmax defaults."""
-    arrays = {name: numpy.full(len(states), value, dtype) for name, dtype, value in ROW_FIELDS}
+    states: Sequence[RequestState], rng: torch.Generator, vocab: int, use_device: bool = True
+) -> DeviceRows:
+    """use_device False (a step whose logits all go to the host): every row on the host."""
+    count = len(states)
+    arrays = {name: numpy.full(count, value, dtype) for name, dtype, value in ROW_FIELDS}
+    pieces: list[numpy.ndarray] = []
+    on_device = [False] * count
+    used = 0
     for row, state in enumerate(states):
         params = state.sampling
-        if not on_gpu_sampler(state):
+        arrays["adjust_ends"][row] = used
+        if not use_device or state.matcher is not None:
             continue
+        if params.has_penalties or params.logit_bias:
+            if any(token >= vocab for token, _ in params.logit_bias):
+                continue
+            entries = adjustments_of(state)
+            if used + entries.shape[0] > MAX_ADJUSTMENTS:
+                continue
+            pieces.append(entries)
+            used += entries.shape[0]
+            arrays["adjust_ends"][row] = used
+        on_device[row] = True
         arrays["top_ns"][row] = params.logprobs or 0
         if params.greedy:
             continue
@@ -42,4 +96,5 @@ def row_parameters(
         arrays["top_ps"][row] = params.top_p
         arrays["min_ps"][row] = params.min_p
         arrays["keys"][row], arrays["indices"][row] = sample_key(state, rng)
-    return arrays
+    empty = numpy.zeros((0, ADJUSTMENT_WIDTH), numpy.float32)
+    return DeviceRows(arrays, numpy.concatenate([empty, *pieces]), on_device)

@@ -18,9 +18,8 @@ import logging
 import time
 from typing import Any
 
-import numpy
-
 from services.engine_worker.cupy_backend.batch import GpuBatch
+from services.engine_worker.cupy_backend.device_sampling import DeviceRows
 from services.engine_worker.cupy_backend.model import CupyCausalLM, GpuKVCache
 from services.engine_worker.cupy_backend.packed_inputs import PackedInputs
 from services.engine_worker.cupy_backend.workspace import Workspace
@@ -104,7 +103,7 @@ class DecodeGraphs:
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
 
-    def run(self, batch: GpuBatch, sampling: dict[str, numpy.ndarray]) -> Any | None:
+    def run(self, batch: GpuBatch, sampling: DeviceRows) -> Any | None:
         """The logits of a decode-only step through its bucket's graph (sampled tokens in the
         workspace); None when no bucket is large enough or its capture failed (the caller runs
         it eagerly). The pinned inputs are free again once the step's results are read."""

@@ -21,6 +21,7 @@ from services.engine_worker.artifacts.architecture import ModelArchitecture
 from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.cupy_backend.batch import GpuBatch
 from services.engine_worker.cupy_backend.cublas_gemm import CUDA_R_32F, CublasGemm
+from services.engine_worker.cupy_backend.device_sampling import DeviceRows
 from services.engine_worker.cupy_backend.kernels.bias_add import bias_add
 from services.engine_worker.cupy_backend.kernels.library import DTypeSpec
 from services.engine_worker.cupy_backend.kernels.paged_decode_attention import (
@@ -139,7 +140,7 @@ class DeviceBatch:
     sampling: SamplingRows  # each sampled row's parameters (device_sampling.py)
 
     @staticmethod
-    def upload(batch: GpuBatch, sampling: dict[str, numpy.ndarray]) -> DeviceBatch:
+    def upload(batch: GpuBatch, sampling: DeviceRows) -> DeviceBatch:
         return DeviceBatch(
             cupy.asarray(batch.input_ids),
             cupy.asarray(batch.positions),
@@ -152,7 +153,10 @@ class DeviceBatch:
             batch.max_query_len,
             cupy.asarray(batch.sample_rows),
             batch.num_decodes,
-            SamplingRows(**{name: cupy.asarray(values) for name, values in sampling.items()}),
+            SamplingRows(
+                **{name: cupy.asarray(values) for name, values in sampling.arrays.items()},
+                adjustments=cupy.asarray(sampling.adjustments),
+            ),
         )
 
 

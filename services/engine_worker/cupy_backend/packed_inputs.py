@@ -3,10 +3,12 @@
 Every decode bucket's graph reads its inputs from views at the start of one device buffer,
 laid out for that bucket's row count: ids, positions and context lengths (int32 each), slots
 (int64), each row's sampling parameters (sample_tokens.ROW_FIELDS), block tables (int32,
-rows x max_blocks). A step writes its rows and the padding into
-the same layout in pinned host memory and sends the bucket's bytes in one asynchronous copy,
-ordered on the steps' stream before the graph's launch. Padding: slot -1 writes nothing,
-context 1 reads one position of block 0, and nobody samples those rows.
+rows x max_blocks), then room for the step's penalty and bias adjustments. A step writes its
+rows and the padding into the same layout in pinned host memory and sends the bucket's bytes,
+up to its last adjustment, in one asynchronous copy, ordered on the steps' stream before the
+graph's launch. Padding: slot -1 writes nothing, context 1 reads one position of block 0,
+and nobody samples those rows. The pinned buffer is free again once the step's results are
+read (the runner's synchronisation).
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ import cupy
 import numpy
 
 from services.engine_worker.cupy_backend.batch import GpuBatch
-from services.engine_worker.cupy_backend.kernels.sample_tokens import ROW_FIELDS, SamplingRows
+from services.engine_worker.cupy_backend.device_sampling import MAX_ADJUSTMENTS, DeviceRows
+from services.engine_worker.cupy_backend.kernels.sample_tokens import (
+    ADJUSTMENT_WIDTH,
+    ROW_FIELDS,
+    SamplingRows,
+)
 from services.engine_worker.cupy_backend.model import DeviceBatch
 
-_FIELDS = (  # name, dtype, values per row (0: the table's width)
+_ROW_FIELDS = (  # name, dtype, values per row (0: the table's width)
     ("input_ids", numpy.int32, 1),
     ("positions", numpy.int32, 1),
     ("context_lens", numpy.int32, 1),
@@ -35,22 +42,26 @@ _PADDING = {
     "slots": -1,
     **{name: value for name, _, value in ROW_FIELDS},
 }
+_ADJUSTMENT_BYTES = 4 * ADJUSTMENT_WIDTH
 
 
 def _layout(rows: int, max_blocks: int) -> dict[str, tuple[int, int, Any]]:
-    """name -> (byte offset, values, dtype) for a batch of `rows` rows; 8-byte aligned."""
+    """name -> (byte offset, values, dtype) for a batch of `rows` rows; 16-byte aligned, the
+    adjustments last."""
     layout, offset = {}, 0
-    for name, dtype, per_row in _FIELDS:
+    for name, dtype, per_row in _ROW_FIELDS:
         count = rows * (per_row or max_blocks)
-        offset = -(-offset // 8) * 8
+        offset = -(-offset // 16) * 16
         layout[name] = (offset, count, dtype)
         offset += count * numpy.dtype(dtype).itemsize
+    values = MAX_ADJUSTMENTS * ADJUSTMENT_WIDTH
+    layout["adjustments"] = (-(-offset // 16) * 16, values, numpy.float32)
     return layout
 
 
-def _end(rows: int, max_blocks: int) -> int:
-    offset, count, dtype = _layout(rows, max_blocks)["block_tables"]
-    return offset + count * numpy.dtype(dtype).itemsize
+def _end(rows: int, max_blocks: int, adjustments: int = MAX_ADJUSTMENTS) -> int:
+    """Bytes up to the end of the `adjustments`-th adjustment."""
+    return _layout(rows, max_blocks)["adjustments"][0] + adjustments * _ADJUSTMENT_BYTES
 
 
 class PackedInputs:
@@ -78,12 +89,17 @@ class PackedInputs:
         views = {}
         for name, (offset, count, dtype) in _layout(rows, self.max_blocks).items():
             view = buffer[offset : offset + count * numpy.dtype(dtype).itemsize].view(dtype)
-            views[name] = view.reshape(rows, self.max_blocks) if name == "block_tables" else view
+            if name == "block_tables":
+                view = view.reshape(rows, self.max_blocks)
+            elif name == "adjustments":
+                view = view.reshape(MAX_ADJUSTMENTS, ADJUSTMENT_WIDTH)
+            views[name] = view
         return views
 
     def batch(self, rows: int) -> DeviceBatch:
         """A decode-only batch of `rows` rows over the device buffer (what a graph captures)."""
         views = self._views(self.device, rows)
+        sampling = {name: views[name] for name, _, _ in ROW_FIELDS}
         return DeviceBatch(
             input_ids=views["input_ids"],
             positions=views["positions"],
@@ -96,7 +112,7 @@ class PackedInputs:
             max_query_len=0,
             sample_rows=self.sample_rows[:rows],
             num_decodes=rows,
-            sampling=SamplingRows(**{name: views[name] for name, _, _ in ROW_FIELDS}),
+            sampling=SamplingRows(**sampling, adjustments=views["adjustments"]),
         )
 
     def clear(self, rows: int) -> None:
@@ -106,13 +122,12 @@ class PackedInputs:
         for name, value in _PADDING.items():
             views[name][:] = value
         views["block_tables"][:] = 0
-        self.device[: _end(rows, self.max_blocks)].set(self.host[: _end(rows, self.max_blocks)])
+        end = _end(rows, self.max_blocks, adjustments=0)
+        self.device[:end].set(self.host[:end])
 
-    def upload(
-        self, batch: GpuBatch, sampling: dict[str, numpy.ndarray], rows: int, stream: Any
-    ) -> None:
-        """The step's rows and their sampling parameters, then padding up to `rows`, in one
-        copy on `stream`."""
+    def upload(self, batch: GpuBatch, sampling: DeviceRows, rows: int, stream: Any) -> None:
+        """The step's rows, their sampling parameters and adjustments, then padding up to
+        `rows`, in one copy on `stream`."""
         views = self._views(self.host, rows)
         count, width = batch.num_decodes, batch.decode_block_tables.shape[1]
         for name, source in (
@@ -120,7 +135,7 @@ class PackedInputs:
             ("positions", batch.positions),
             ("context_lens", batch.decode_context_lens),
             ("slots", batch.slots),
-            *sampling.items(),
+            *sampling.arrays.items(),
         ):
             views[name][:count] = source
             views[name][count:] = _PADDING[name]
@@ -128,5 +143,7 @@ class PackedInputs:
         tables[:count, :width] = batch.decode_block_tables
         tables[:count, width:] = 0
         tables[count:] = 0
-        end = _end(rows, self.max_blocks)
+        used = sampling.adjustments.shape[0]
+        views["adjustments"][:used] = sampling.adjustments
+        end = _end(rows, self.max_blocks, adjustments=used)
         self.device[:end].set(self.host[:end], stream=stream)

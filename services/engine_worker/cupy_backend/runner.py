@@ -21,7 +21,7 @@ from services.engine_worker.artifacts.architecture import ModelArchitecture
 from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.cupy_backend.batch import GpuBatch, build_gpu_batch
 from services.engine_worker.cupy_backend.cublas_gemm import WORKSPACE_BYTES, CublasGemm
-from services.engine_worker.cupy_backend.device_sampling import on_gpu_sampler, row_parameters
+from services.engine_worker.cupy_backend.device_sampling import DeviceRows, row_parameters
 from services.engine_worker.cupy_backend.graphs import DecodeGraphs, buckets_up_to
 from services.engine_worker.cupy_backend.kernels.library import DTYPES
 from services.engine_worker.cupy_backend.kernels.paged_decode_attention import check_shape
@@ -136,7 +136,11 @@ class Runner:
         self, scheduled: list[tuple[RequestState, int]], rng: torch.Generator
     ) -> tuple[tuple[RequestState, ...], list[SampledToken | FailedRequest]]:
         batch = build_gpu_batch(scheduled, self.block_size)
-        sampling = row_parameters(batch.sampling_states, rng)
+        drafts = any(state.num_drafts for state in batch.sampling_states)
+        # Rows with drafts are verified on the host, their logits as the model gave them.
+        sampling = row_parameters(
+            batch.sampling_states, rng, self.arch.vocab_size, use_device=not drafts
+        )
         timing = self.timing
         if timing is not None:
             timing.start(self.stream)
@@ -148,12 +152,12 @@ class Runner:
             logits = self._eager(batch, sampling)
         if timing is not None:
             timing.stop(self.stream, replayed)
-        outcomes = self._sample(logits, batch, rng)  # waits for the step's results
+        outcomes = self._sample(logits, batch, sampling, rng)  # waits for the step's results
         if timing is not None:
             timing.read()
         return unique_states(batch.sampling_states), outcomes
 
-    def _eager(self, batch: GpuBatch, sampling: dict[str, numpy.ndarray]) -> Any:
+    def _eager(self, batch: GpuBatch, sampling: DeviceRows) -> Any:
         with self.stream:
             self.workspace.check_fits(batch.num_tokens, len(batch.sampling_states))
             device = DeviceBatch.upload(batch, sampling)
@@ -171,15 +175,15 @@ class Runner:
         return sampled_layout(self.sampled_host, samples, rows)
 
     def _sample(
-        self, logits: Any, batch: GpuBatch, rng: torch.Generator
+        self, logits: Any, batch: GpuBatch, sampling: DeviceRows, rng: torch.Generator
     ) -> list[SampledToken | FailedRequest]:
         states = batch.sampling_states
         if any(state.num_drafts for state in states):  # verification runs on the host
             with self.stream:
                 host_logits = torch.from_numpy(cupy.asnumpy(logits))
             return sample_and_verify(host_logits, states, rng)
-        fast = [row for row, state in enumerate(states) if on_gpu_sampler(state)]
-        slow = [row for row, state in enumerate(states) if not on_gpu_sampler(state)]
+        fast = [row for row, device in enumerate(sampling.on_device) if device]
+        slow = [row for row, device in enumerate(sampling.on_device) if not device]
         results: list[SampledToken | FailedRequest | None] = [None] * len(states)
         with self.stream:
             if fast:

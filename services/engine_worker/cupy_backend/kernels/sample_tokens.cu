@@ -7,14 +7,23 @@
 // Thresholds are found by bisection on the float's bits (positive floats order as their bits):
 // no sort, one pass over the row per step. The draw is an inverse CDF in token order with one
 // uniform from a counter-based generator keyed by (key, index): a seeded request's (seed,
-// output index), so its token does not depend on the batch it sits in. Every row's chosen
-// token gets its log probability under the model's own distribution, x - logsumexp(x): NaN
+// output index), so its token does not depend on the batch it sits in. Before any of it, a
+// row's adjustments (penalties and logit bias, merged per token by the host) change its logits
+// in place: x' = (x > 0 ? x / positive_divisor : x * negative_scale) + add. Every row's chosen token gets
+// its log probability under the model's own (unadjusted) distribution, x - logsumexp(x): NaN
 // when the row has a NaN or an infinity, which the runner fails the request for. A row that
 // asks for its top N alternatives (N <= max_top) gets them in order, by logprob then lower id,
 // one pass over the row each.
 #include "common.cuh"
 
 constexpr int kSampleThreads = 1024;
+
+// One token's adjustment: repetition penalty as two scales, presence, frequency and bias as
+// one addition (services/engine_worker/cupy_backend/device_sampling.py builds them).
+struct Adjustment {
+  int token;
+  float positive_divisor, negative_scale, add;  // a repetition penalty p: p and p
+};
 
 // SplitMix64 of the key and index: 24 random bits as a float in [0, 1). Same in numpy
 // (services/engine_worker/sampler.py counter_uniform).
@@ -85,66 +94,60 @@ __device__ float kept_mass(const float* row, int vocab, float row_max, float inv
 }
 
 extern "C" __global__ void __launch_bounds__(kSampleThreads)
-    sample_tokens(const float* __restrict__ logits, int vocab,
-                  const float* __restrict__ temperatures, const int* __restrict__ top_ks,
-                  const float* __restrict__ top_ps, const float* __restrict__ min_ps,
-                  const unsigned long long* __restrict__ keys,
+    sample_tokens(float* __restrict__ logits, int vocab, const float* __restrict__ temperatures,
+                  const int* __restrict__ top_ks, const float* __restrict__ top_ps,
+                  const float* __restrict__ min_ps, const unsigned long long* __restrict__ keys,
                   const unsigned long long* __restrict__ indices,
-                  const int* __restrict__ top_ns, int max_top, int* __restrict__ tokens,
-                  float* __restrict__ logprobs, int* __restrict__ top_ids,
-                  float* __restrict__ top_logprobs) {
+                  const int* __restrict__ top_ns, const int* __restrict__ adjust_ends,
+                  const Adjustment* __restrict__ adjustments, int max_top,
+                  int* __restrict__ tokens, float* __restrict__ logprobs,
+                  int* __restrict__ top_ids, float* __restrict__ top_logprobs) {
   __shared__ float best_values[32];
   __shared__ int best_ids[32];
   __shared__ float scratch[32];
   __shared__ float prefix[kSampleThreads];
   __shared__ int chosen;
-  const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const float* row = logits + static_cast<long long>(r) * vocab;
+  __shared__ float chosen_raw;
+  const int r = blockIdx.x, tid = threadIdx.x;
+  float* row = logits + static_cast<long long>(r) * vocab;
 
-  // The argmax (lowest id among equal maxima, as torch.argmax) and the log-sum-exp.
-  float best = -INFINITY;
-  int best_id = 0x7fffffff;
-  for (int i = tid; i < vocab; i += blockDim.x) {
-    if (row[i] > best) {
-      best = row[i];
-      best_id = i;
-    }
-  }
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-    const int other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
-    if (other > best || (other == best && other_id < best_id)) {
-      best = other;
-      best_id = other_id;
-    }
-  }
-  if (lane == 0) {
-    best_values[warp] = best;
-    best_ids[warp] = best_id;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    best = best_values[lane];
-    best_id = best_ids[lane];
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-      const int other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
-      if (other > best || (other == best && other_id < best_id)) {
-        best = other;
-        best_id = other_id;
-      }
-    }
-    if (lane == 0) {  // a row of NaNs has no maximum: token 0, and a NaN logprob says why
-      best_values[0] = best;
-      best_ids[0] = best_id < vocab ? best_id : 0;
-      chosen = best_ids[0];
-    }
-  }
-  __syncthreads();
-  const float row_max = best_values[0];
+  // The unadjusted distribution: its maximum, log-sum-exp and top N.
+  float raw_max;
+  int raw_best;
+  best_after(row, vocab, INFINITY, -1, best_values, best_ids, &raw_max, &raw_best);
   float local = 0.0f;
-  for (int i = tid; i < vocab; i += blockDim.x) local += __expf(row[i] - row_max);
+  for (int i = tid; i < vocab; i += blockDim.x) local += __expf(row[i] - raw_max);
   const float log_total = logf(block_reduce<false>(local, scratch));
+  float after_value = INFINITY;
+  int after_id = -1;
+  const int top_n = min(top_ns[r], max_top);
+  for (int j = 0; j < top_n; ++j) {
+    best_after(row, vocab, after_value, after_id, best_values, best_ids, &after_value, &after_id);
+    if (tid == 0) {
+      top_ids[static_cast<long long>(r) * max_top + j] = after_id < vocab ? after_id : 0;
+      top_logprobs[static_cast<long long>(r) * max_top + j] = after_value - raw_max - log_total;
+    }
+  }
+
+  // Penalties and bias, in place; then the adjusted row's maximum.
+  const int first_adjustment = r ? adjust_ends[r - 1] : 0, end_adjustment = adjust_ends[r];
+  float row_max = raw_max;
+  int best_id = raw_best;
+  if (end_adjustment > first_adjustment) {
+    __syncthreads();  // every thread is done reading the unadjusted row
+    for (int a = first_adjustment + tid; a < end_adjustment; a += blockDim.x) {
+      const Adjustment adjust = adjustments[a];
+      const float x = row[adjust.token];
+      // Each operation rounded on its own (no fused multiply-add), as torch computes them.
+      const float scaled = x > 0.0f ? __fdiv_rn(x, adjust.positive_divisor)
+                                    : __fmul_rn(x, adjust.negative_scale);
+      row[adjust.token] = __fadd_rn(scaled, adjust.add);
+    }
+    __syncthreads();
+    best_after(row, vocab, INFINITY, -1, best_values, best_ids, &row_max, &best_id);
+  }
+  if (tid == 0) chosen = best_id < vocab ? best_id : 0;  // a NaN row: token 0, NaN logprob
+  __syncthreads();
 
   const float temperature = temperatures[r];
   if (temperature > 0.0f) {
@@ -212,18 +215,20 @@ extern "C" __global__ void __launch_bounds__(kSampleThreads)
     }
     __syncthreads();
   }
+  // The chosen token's unadjusted logit: undo its adjustment, if it had one.
+  if (tid == 0) chosen_raw = row[chosen];
+  __syncthreads();
+  for (int a = first_adjustment + tid; a < end_adjustment; a += blockDim.x) {
+    const Adjustment adjust = adjustments[a];
+    if (adjust.token == chosen) {
+      const float shifted = row[chosen] - adjust.add;  // the scales keep the sign
+      chosen_raw = shifted > 0.0f ? shifted * adjust.positive_divisor
+                                  : shifted / adjust.negative_scale;
+    }
+  }
+  __syncthreads();
   if (tid == 0) {
     tokens[r] = chosen;
-    logprobs[r] = row[chosen] - row_max - log_total;
-  }
-  float after_value = INFINITY;
-  int after_id = -1;
-  const int top_n = min(top_ns[r], max_top);
-  for (int j = 0; j < top_n; ++j) {
-    best_after(row, vocab, after_value, after_id, best_values, best_ids, &after_value, &after_id);
-    if (tid == 0) {
-      top_ids[static_cast<long long>(r) * max_top + j] = after_id < vocab ? after_id : 0;
-      top_logprobs[static_cast<long long>(r) * max_top + j] = after_value - row_max - log_total;
-    }
+    logprobs[r] = chosen_raw - raw_max - log_total;
   }
 }
