@@ -19,7 +19,6 @@ from shared.model_entry import ModelEntry
 from shared.model_paths import default_embedding_model_path, is_encoder
 from shared.model_repository import ModelRepository
 from shared.service import LIVENESS
-from shared.step_limit_flags import step_limit_args_of
 from shared.tls import tls_config
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # the name clients use for the default embedding model
@@ -86,11 +85,7 @@ class Mesh:
             worker = self._spawn(
                 f"engine-worker-{index}",
                 "services.engine_worker",
-                [
-                    *model,
-                    *("--threads", str(threads), *self._kv_redis, *config.worker_args),
-                    *step_limit_args_of(config.scheduler_args),  # what the scheduler plans
-                ],
+                [*model, "--threads", str(threads), *self._kv_redis, *config.pair_worker_args],
                 threads=threads,
                 cpus=self._cpus(index),
             )
@@ -163,12 +158,7 @@ class Mesh:
         while any(s.name == f"engine-worker-{suffix}" for s in self.services):
             index += 1
             suffix = f"{entry.name}-{entry.version}-{index}"
-        scheduler_args = [*config.scheduler_args, *entry.serving.scheduler_args()]
-        worker_args = [
-            *config.worker_args,
-            *entry.serving.worker_args(),
-            *step_limit_args_of(scheduler_args),  # the scheduler plans within what it holds
-        ]
+        worker_args = [*config.pair_worker_args, *entry.serving.worker_args()]
         worker = self._spawn(
             f"engine-worker-{suffix}",
             "services.engine_worker",
@@ -178,6 +168,7 @@ class Mesh:
         )
         self.worker_addresses.append(worker)
         worker_process = self.services[-1]
+        scheduler_args = [*config.scheduler_args, *entry.serving.scheduler_args()]
         if self.redis_url is None:
             raise RuntimeError("a scheduler needs the mesh's Redis, which is not started yet")
         scheduler = self._spawn(

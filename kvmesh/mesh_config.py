@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmesh.service_process import ServiceProcess
+from shared.step_limit_flags import step_limit_args_of
 
 
 @dataclass
@@ -37,6 +38,12 @@ class MeshConfig:
     ready_timeout_s: float = 1200.0
     drain_seconds: float = 10.0
     tracing: bool = True  # every service sends spans to the mesh's trace-collector
+
+    @property
+    def pair_worker_args(self) -> list[str]:
+        """worker_args, then the step limits scheduler_args give: each engine-worker's buffers
+        hold the steps its scheduler plans (a larger plan would be refused at its start)."""
+        return [*self.worker_args, *step_limit_args_of(self.scheduler_args)]
 
     @property
     def roles(self) -> list[str]:

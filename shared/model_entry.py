@@ -82,6 +82,7 @@ class ServingConfig:
             ("--kv-load-min-tokens", self.kv_load_min_tokens),
             ("--kv-disk-bytes", self.kv_disk_bytes),
             ("--kv-redis-bytes", self.kv_redis_bytes),
+            ("--max-batched-tokens", self.max_batched_tokens),  # its scheduler's step limit
         )
 
     def scheduler_args(self) -> list[str]:

@@ -8,6 +8,7 @@ import argparse
 
 import pytest
 
+from kvmesh.mesh_config import MeshConfig
 from services.scheduler.step_limits import check_step_limits
 from shared.config import SchedulerConfig, SpeculativeConfig
 from shared.errors import KvmeshError, Reason
@@ -68,12 +69,13 @@ def test_the_worker_sizes_for_the_limits_its_schedulers_arguments_give() -> None
     check_step_limits(planned, info, "w")
 
 
-def test_a_launcher_gives_the_worker_the_limits_of_handwritten_scheduler_arguments() -> None:
+def test_a_mesh_gives_the_worker_the_limits_of_handwritten_scheduler_arguments() -> None:
     """MeshConfig(scheduler_args=[...]) or a repository entry's [serving] batching: the
     worker is sized for them, defaults where they say nothing."""
     worker = argparse.ArgumentParser()
     add_worker_flags(worker)
     given = ["--role", "mixed", "--speculative", "ngram", "--num-speculative-tokens", "6"]
-    limits = engine_config(worker.parse_args(step_limit_args_of(given))).scheduler
+    mesh = MeshConfig(worker_args=["--kv-memory", "64MiB"], scheduler_args=given)
+    limits = engine_config(worker.parse_args(mesh.pair_worker_args)).scheduler
     assert limits.max_sampled_rows == min(2048, 128 * 7)
     assert limits.max_num_batched_tokens == 2048
