@@ -82,6 +82,7 @@ def compile_cubin(source: Path, arch: str = "sm_90", compiler: str | None = None
             "-std=c++17",
             f"-I{KERNEL_DIR}",
             PTXAS_VERBOSE,
+            "-split-compile=0",  # every core: decode attention alone instantiates 27 kernels
             "-o",
             str(Path(scratch) / f"{source.stem}.cubin"),
             str(source),
