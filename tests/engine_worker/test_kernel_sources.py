@@ -43,6 +43,25 @@ def test_kernel_compiles_for_sm90_without_spills(source: Path) -> None:
     assert report.problem is None
 
 
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 32)])
+def test_the_narrowed_decode_module_holds_the_kernels_its_launcher_asks_for(
+    head_dim: int, block_size: int
+) -> None:
+    """What NVRTC compiles at run time: only the sizes the launcher defines, under the names
+    it looks up (a macro that pasted its arguments unexpanded once named them after the
+    defines themselves)."""
+    from services.engine_worker.cupy_backend.kernels.library import DTYPES
+    from services.engine_worker.cupy_backend.kernels.paged_decode_attention import instantiation
+
+    names, defines = set(), ()
+    for spec in DTYPES.values():
+        name, defines = instantiation(spec, head_dim, block_size)
+        names.add(name)
+    report = compile_cubin(KERNEL_DIR / "paged_decode_attention.cu", "sm_90", defines=defines)
+    assert report.problem is None, report.output
+    assert set(report.registers) == names
+
+
 # 96 live accumulators in 32 registers (__launch_bounds__(1024, 2) leaves 32 a thread).
 SPILLING = """
 extern "C" __global__ void __launch_bounds__(1024, 2) many_live(const float* x, float* out, int n) {

@@ -70,7 +70,9 @@ def nvcc() -> str | None:
     )
 
 
-def compile_cubin(source: Path, arch: str = "sm_90", compiler: str | None = None) -> CompileReport:
+def compile_cubin(
+    source: Path, arch: str = "sm_90", compiler: str | None = None, defines: tuple[str, ...] = ()
+) -> CompileReport:
     compiler = compiler or nvcc()
     if compiler is None:
         raise FileNotFoundError("nvcc is not installed")
@@ -81,6 +83,7 @@ def compile_cubin(source: Path, arch: str = "sm_90", compiler: str | None = None
             f"-arch={arch}",
             "-std=c++17",
             f"-I{KERNEL_DIR}",
+            *(f"-D{define}" for define in defines),
             PTXAS_VERBOSE,
             "-split-compile=0",  # every core: decode attention alone instantiates 27 kernels
             "-o",

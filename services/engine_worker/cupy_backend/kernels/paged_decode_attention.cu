@@ -271,7 +271,9 @@ __device__ void paged_decode_attention(
   if (tid == 0) tickets[seq * kv_heads + kv_head] = 0;  // ready for the next launch
 }
 
-#define DECODE_FOR(SUFFIX, T, D, BLOCK)                                                     \
+// DECODE_FOR expands its arguments (KVMESH_HEAD_DIM...) before DECODE_NAMED pastes them.
+#define DECODE_FOR(SUFFIX, T, D, BLOCK) DECODE_NAMED(SUFFIX, T, D, BLOCK)
+#define DECODE_NAMED(SUFFIX, T, D, BLOCK)                                                   \
   extern "C" __global__ void __launch_bounds__(kThreads)                                    \
       paged_decode_attention_##SUFFIX##_d##D##_b##BLOCK(                                    \
           T* out, float* partial_out, float* partial_stats, int* tickets, const T* qkv,     \

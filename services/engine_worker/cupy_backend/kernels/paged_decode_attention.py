@@ -68,6 +68,13 @@ def scratch_rows_by_splits(max_rows: int, kv_heads: int, sm_count: int) -> int:
     return max(rows * grid_splits(rows, kv_heads, sm_count) for rows in range(1, max_rows + 1))
 
 
+def instantiation(spec: DTypeSpec, head_dim: int, block_size: int) -> tuple[str, tuple[str, ...]]:
+    """The kernel's name for these sizes, and the defines that make NVRTC compile only it
+    (and its other storage types)."""
+    name = f"paged_decode_attention_{spec.suffix}_d{head_dim}_b{block_size}"
+    return name, (f"KVMESH_HEAD_DIM={head_dim}", f"KVMESH_BLOCK_SIZE={block_size}")
+
+
 def check_shape(num_heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
     if (
         num_heads % kv_heads
@@ -105,10 +112,8 @@ def paged_decode_attention(
     check_shape(num_heads, kv_heads, head_dim, block_size)
     if not num_seqs:
         return
-    name = f"paged_decode_attention_{spec.suffix}_d{head_dim}_b{block_size}"
     rope = fused or FusedWrite(None, NULL, NULL, NULL, NULL)
-    defines = (f"KVMESH_HEAD_DIM={head_dim}", f"KVMESH_BLOCK_SIZE={block_size}")
-    kernel("paged_decode_attention", name, defines)(
+    kernel("paged_decode_attention", *instantiation(spec, head_dim, block_size))(
         (scratch.splits, num_seqs, kv_heads),
         (THREADS,),
         (
