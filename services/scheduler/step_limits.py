@@ -17,7 +17,7 @@ def check_step_limits(
     config: SchedulerConfig, model: common_pb2.ModelInfo, worker_address: str
 ) -> None:
     """Raises INVALID_ARGUMENT when this scheduler would plan past what the worker holds.
-    A worker that states no limits (0) is taken at its word: older workers did not."""
+    A worker that states no limits (0: one from before they were stated) is not checked."""
     problems = []
     if model.max_step_tokens and config.max_num_batched_tokens > model.max_step_tokens:
         problems.append(
