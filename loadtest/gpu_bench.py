@@ -88,11 +88,11 @@ def kvmesh_decode(
     walls: list[float] = []
     gpu: list[float] = []
     while engine.has_unfinished():
-        timed = timing is not None and len(started) == batch
         counted = len(timing.gpu_ms) if timing is not None else 0
         step_start = time.perf_counter()
         outputs = engine.step()
-        if timed and timing is not None and len(timing.gpu_ms) == counted + 1:
+        in_window = len(started) == batch
+        if in_window and timing is not None and len(timing.gpu_ms) == counted + 1:
             walls.append((time.perf_counter() - step_start) * 1e3)
             gpu.append(timing.gpu_ms[-1])
         if len(started) == batch:

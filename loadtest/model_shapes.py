@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
 
 import numpy
 
@@ -68,7 +69,7 @@ def tensor_shapes(shape: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
     ]
 
 
-def _metadata(reader: object, writer: object, shape: ModelShape) -> None:
+def _metadata(reader: Any, writer: Any, shape: ModelShape) -> None:
     """The source's tokenizer and template, the shape's hyperparameters."""
     import gguf
 
@@ -76,7 +77,7 @@ def _metadata(reader: object, writer: object, shape: ModelShape) -> None:
 
     skipped = ("GGUF.", "general.", "llama.", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type")
     copy_gguf_metadata(reader, writer, skipped)
-    fields = reader.fields  # type: ignore[attr-defined]
+    fields = reader.fields
     tokens = list(fields["tokenizer.ggml.tokens"].contents())
     types = list(fields["tokenizer.ggml.token_type"].contents())
     if len(tokens) > shape.vocab:
@@ -84,21 +85,20 @@ def _metadata(reader: object, writer: object, shape: ModelShape) -> None:
     padding = shape.vocab - len(tokens)
     tokens += [f"<|reserved_{i}|>" for i in range(padding)]
     types += [int(gguf.TokenType.CONTROL)] * padding
-    w = writer
-    w.add_token_list(tokens)  # type: ignore[attr-defined]
-    w.add_token_types(types)  # type: ignore[attr-defined]
-    w.add_name(f"random weights in {shape} shapes")  # type: ignore[attr-defined]
-    w.add_file_type(_MOSTLY_F16)  # type: ignore[attr-defined]
-    w.add_context_length(shape.context)  # type: ignore[attr-defined]
-    w.add_embedding_length(shape.hidden)  # type: ignore[attr-defined]
-    w.add_block_count(shape.layers)  # type: ignore[attr-defined]
-    w.add_feed_forward_length(shape.ffn)  # type: ignore[attr-defined]
-    w.add_head_count(shape.heads)  # type: ignore[attr-defined]
-    w.add_head_count_kv(shape.kv_heads)  # type: ignore[attr-defined]
-    w.add_rope_freq_base(shape.rope_theta)  # type: ignore[attr-defined]
-    w.add_rope_dimension_count(shape.head_dim)  # type: ignore[attr-defined]
-    w.add_layer_norm_rms_eps(1e-5)  # type: ignore[attr-defined]
-    w.add_vocab_size(shape.vocab)  # type: ignore[attr-defined]
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_name(f"random weights in {shape} shapes")
+    writer.add_file_type(_MOSTLY_F16)
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(shape.vocab)
 
 
 def write_random_gguf(source: str, target: str, shape: ModelShape, seed: int = 0) -> None:

@@ -13,6 +13,7 @@ read (the runner's synchronisation).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import cupy
@@ -45,6 +46,7 @@ _PADDING = {
 _ADJUSTMENT_BYTES = 4 * ADJUSTMENT_WIDTH
 
 
+@functools.cache  # one layout per bucket size: worked out once, not every step
 def _layout(rows: int, max_blocks: int) -> dict[str, tuple[int, int, Any]]:
     """name -> (byte offset, values, dtype) for a batch of `rows` rows; 16-byte aligned, the
     adjustments last."""

@@ -152,7 +152,7 @@ class Runner:
             logits = self._eager(batch, sampling)
         if timing is not None:
             timing.stop(self.stream, replayed)
-        outcomes = self._sample(logits, batch, sampling, rng)  # waits for the step's results
+        outcomes = self._sample(logits, batch, sampling, rng, drafts)  # waits for the results
         if timing is not None:
             timing.read()
         return unique_states(batch.sampling_states), outcomes
@@ -175,10 +175,15 @@ class Runner:
         return sampled_layout(self.sampled_host, samples, rows)
 
     def _sample(
-        self, logits: Any, batch: GpuBatch, sampling: DeviceRows, rng: torch.Generator
+        self,
+        logits: Any,
+        batch: GpuBatch,
+        sampling: DeviceRows,
+        rng: torch.Generator,
+        drafts: bool,
     ) -> list[SampledToken | FailedRequest]:
         states = batch.sampling_states
-        if any(state.num_drafts for state in states):  # verification runs on the host
+        if drafts:  # verification runs on the host
             with self.stream:
                 host_logits = torch.from_numpy(cupy.asnumpy(logits))
             return sample_and_verify(host_logits, states, rng)
