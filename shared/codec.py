@@ -6,7 +6,7 @@ scheduler <-> worker. The wire messages mirror the frozen dataclasses field for 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from google.protobuf import json_format
@@ -124,15 +124,7 @@ def plan_to_pb(plan: StepPlan) -> engine_worker_pb2.StepPlan:
             )
             for r in plan.new_requests
         ],
-        running_requests=[
-            engine_worker_pb2.RunningRequestPlan(
-                request_id=r.request_id,
-                new_block_ids=r.new_block_ids,
-                num_scheduled_tokens=r.num_scheduled_tokens,
-                draft_token_ids=r.draft_token_ids,
-            )
-            for r in plan.running_requests
-        ],
+        running=running_to_pb(plan.running_requests),
         finished_request_ids=plan.finished_request_ids,
         block_copies=[
             engine_worker_pb2.BlockCopy(source=source, destination=destination)
@@ -163,15 +155,7 @@ def plan_from_pb(message: engine_worker_pb2.StepPlan) -> StepPlan:
             )
             for r in message.new_requests
         ),
-        tuple(
-            RunningRequestPlan(
-                r.request_id,
-                tuple(r.new_block_ids),
-                r.num_scheduled_tokens,
-                tuple(r.draft_token_ids),
-            )
-            for r in message.running_requests
-        ),
+        running_from_pb(message.running),
         tuple(message.finished_request_ids),
         tuple((c.source, c.destination) for c in message.block_copies),
         tuple(
@@ -181,17 +165,6 @@ def plan_from_pb(message: engine_worker_pb2.StepPlan) -> StepPlan:
 
 
 def result_to_pb(result: StepResult, compute_ms: float = 0.0) -> engine_worker_pb2.StepResult:
-    sampled = []
-    for token in result.sampled:
-        message = engine_worker_pb2.SampledToken(
-            request_id=token.request_id,
-            token_id=token.token_id,
-            num_accepted_drafts=token.num_accepted_drafts,
-            draft_logprobs=[logprobs_to_pb(lp) for lp in token.draft_logprobs],
-        )
-        if token.logprobs is not None:
-            message.logprobs.CopyFrom(logprobs_to_pb(token.logprobs))
-        sampled.append(message)
     failed = [
         engine_worker_pb2.FailedRequest(
             request_id=f.request_id, reason=f.reason, error_type=f.error_type
@@ -206,7 +179,7 @@ def result_to_pb(result: StepResult, compute_ms: float = 0.0) -> engine_worker_p
     ]
     return engine_worker_pb2.StepResult(
         step_id=result.step_id,
-        sampled=sampled,
+        sampled=sampled_to_pb(result.sampled),
         compute_ms=compute_ms,
         failed=failed,
         load_failures=load_failures,
@@ -216,19 +189,85 @@ def result_to_pb(result: StepResult, compute_ms: float = 0.0) -> engine_worker_p
 def result_from_pb(message: engine_worker_pb2.StepResult) -> StepResult:
     return StepResult(
         message.step_id,
-        tuple(
-            SampledToken(
-                s.request_id,
-                s.token_id,
-                logprobs_from_pb(s.logprobs) if s.HasField("logprobs") else None,
-                s.num_accepted_drafts,
-                tuple(logprobs_from_pb(lp) for lp in s.draft_logprobs),
-            )
-            for s in message.sampled
-        ),
+        sampled_from_pb(message.sampled),
         tuple(FailedRequest(f.request_id, f.reason, f.error_type) for f in message.failed),
         tuple(
             LoadFailure(f.request_id, f.num_computed_tokens, f.reason)
             for f in message.load_failures
         ),
     )
+
+
+# The per-request parts of a step, as columns (RunningColumns, SampledColumns): a column of
+# counts, then the concatenated values. A column every entry leaves empty (no drafts this step)
+# is not sent at all.
+
+
+def running_to_pb(running: Sequence[RunningRequestPlan]) -> engine_worker_pb2.RunningColumns:
+    message = engine_worker_pb2.RunningColumns(
+        request_ids=[r.request_id for r in running],
+        num_scheduled_tokens=[r.num_scheduled_tokens for r in running],
+    )
+    _put_ragged(message.new_block_counts, message.new_block_ids, [r.new_block_ids for r in running])
+    _put_ragged(message.draft_counts, message.draft_token_ids, [r.draft_token_ids for r in running])
+    return message
+
+
+def running_from_pb(message: engine_worker_pb2.RunningColumns) -> tuple[RunningRequestPlan, ...]:
+    count = len(message.request_ids)
+    new_blocks = _ragged(message.new_block_counts, message.new_block_ids, count)
+    drafts = _ragged(message.draft_counts, message.draft_token_ids, count)
+    return tuple(
+        map(
+            RunningRequestPlan,
+            message.request_ids,
+            new_blocks,
+            message.num_scheduled_tokens,
+            drafts,
+        )
+    )
+
+
+def sampled_to_pb(sampled: Sequence[SampledToken]) -> engine_worker_pb2.SampledColumns:
+    message = engine_worker_pb2.SampledColumns(
+        request_ids=[s.request_id for s in sampled], token_ids=[s.token_id for s in sampled]
+    )
+    if any(s.num_accepted_drafts for s in sampled):
+        message.num_accepted_drafts.extend([s.num_accepted_drafts for s in sampled])
+    for row, token in enumerate(sampled):
+        if token.logprobs is None:
+            continue
+        message.logprob_rows.append(row)
+        message.logprobs.append(logprobs_to_pb(token.logprobs))
+        message.draft_logprobs.add(logprobs=[logprobs_to_pb(lp) for lp in token.draft_logprobs])
+    return message
+
+
+def sampled_from_pb(message: engine_worker_pb2.SampledColumns) -> tuple[SampledToken, ...]:
+    sampled = tuple(map(SampledToken, message.request_ids, message.token_ids))
+    for token, accepted in zip(sampled, message.num_accepted_drafts, strict=False):
+        token.num_accepted_drafts = accepted
+    for row, logprobs, drafts in zip(
+        message.logprob_rows, message.logprobs, message.draft_logprobs, strict=True
+    ):
+        sampled[row].logprobs = logprobs_from_pb(logprobs)
+        sampled[row].draft_logprobs = tuple(logprobs_from_pb(lp) for lp in drafts.logprobs)
+    return sampled
+
+
+def _put_ragged(counts: Any, values: Any, rows: Sequence[Sequence[int]]) -> None:
+    """Rows of varying length as counts + values; nothing at all when every row is empty."""
+    if not any(rows):
+        return
+    counts.extend([len(row) for row in rows])
+    values.extend([value for row in rows for value in row])
+
+
+def _ragged(counts: Sequence[int], values: Sequence[int], num_rows: int) -> list[tuple[int, ...]]:
+    if not counts:
+        return [()] * num_rows
+    rows, start = [], 0
+    for count in counts:
+        rows.append(tuple(values[start : start + count]) if count else ())
+        start += count
+    return rows

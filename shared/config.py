@@ -102,6 +102,8 @@ class SchedulerConfig:
     prefill_chunk_size: int | None = 512
     # A tenant below its fair share gets its prefill in a step without the others' decodes.
     fair_prefill_first: bool = True
+    # Plan step N+1 while the worker computes step N (services/scheduler/step_pipeline.py).
+    plan_ahead: bool = True
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @property

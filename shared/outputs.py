@@ -15,7 +15,7 @@ def finish_reason_label(reason: FinishReason) -> str:
     return FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # per request every step: slots, not frozen, to cost half as much
 class RequestOutput:
     """Tokens a request gained in one step; finish_reason set exactly once, on its last output."""
 

@@ -29,6 +29,7 @@ from shared.codec import (
 )
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, Reason
+from shared.heap import freeze_startup_heap
 from shared.metrics import TOKEN_SECONDS
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
 from shared.service import ServiceRuntime
@@ -124,6 +125,7 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
         for phase, seconds in preparation.get("phases", {}).items():
             MODEL_LOAD_SECONDS.labels(phase).set(seconds)
         log.info("ready", extra={"manifest": self.worker.manifest.to_dict()})
+        freeze_startup_heap()
         await self.runtime.set_ready(True)
 
     def _ready_worker(self) -> Worker:

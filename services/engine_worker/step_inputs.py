@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import llguidance
+import numpy
 
 from shared.sampling import SamplingParams
 from shared.step import NewRequestPlan, RunningRequestPlan
@@ -31,6 +32,7 @@ class RequestState:
     matcher: llguidance.LLMatcher | None = None  # a response format's state, if it has one
     num_drafts: int = 0  # draft tokens at the end of token_ids, verified by this step
     speculated: bool = False  # this step's plan gave it drafts (a response format may take all)
+    slot: int = -1  # its row of the worker's block tables (persistent_batch.py); -1: none
 
     @property
     def num_output_tokens(self) -> int:
@@ -81,7 +83,8 @@ class FlatBatch:
     input_ids: list[int] = field(default_factory=list)  # (T,)
     positions: list[int] = field(default_factory=list)  # (T,)
     token_blocks: list[int] = field(default_factory=list)  # (T,) the block each row writes
-    decode_blocks: list[list[int]] = field(default_factory=list)  # (D,) blocks up to its token
+    # (D, widest) each decode row's blocks up to its token, zero-padded
+    decode_table: numpy.ndarray = field(default_factory=lambda: numpy.zeros((0, 1), numpy.int32))
     decode_context_lens: list[int] = field(default_factory=list)  # (D,)
     prefill_starts: list[int] = field(default_factory=list)  # (P,) tokens already cached
     prefill_blocks: list[list[int]] = field(default_factory=list)  # (P,) blocks of its context
@@ -100,8 +103,13 @@ class FlatBatch:
             self.sampling_states.append(state)
 
 
-def flatten(scheduled: list[tuple[RequestState, int]], block_size: int) -> FlatBatch:
-    """`scheduled`: (request, tokens to compute this step), in plan order.
+def flatten(
+    scheduled: list[tuple[RequestState, int]],
+    block_size: int,
+    tables: numpy.ndarray | None = None,
+) -> FlatBatch:
+    """`scheduled`: (request, tokens to compute this step), in plan order; `tables`: the
+    worker's block tables, rows by `RequestState.slot` (persistent_batch.py).
 
     A token past the prompt is always a decode row of its own over the tokens before it, and
     a prompt token always a prefill row: whether the token is decoded the first time, verified
@@ -110,12 +118,28 @@ def flatten(scheduled: list[tuple[RequestState, int]], block_size: int) -> FlatB
     attention.py). So a preempted request resumes with the tokens it would have produced, and
     drafts change no greedy output."""
     flat = FlatBatch()
+    decode_states: list[RequestState] = []
+    decode_num_blocks: list[int] = []
     for state, num_new in scheduled:
         start, stop = state.num_computed_tokens, state.num_computed_tokens + num_new
+        if num_new == 1 and start == len(state.token_ids) - 1 >= state.prompt_len:
+            # A plain decode (the steady case): _add_rows's row, without its loop.
+            flat.input_ids.append(state.token_ids[start])
+            flat.positions.append(start)
+            flat.token_blocks.append(state.block_ids[start // block_size])
+            flat.sample_rows.append(len(flat.input_ids) - 1)
+            flat.sampling_states.append(state)
+            decode_states.append(state)
+            decode_num_blocks.append(start // block_size + 1)
+            flat.decode_context_lens.append(stop)
+            continue
         for position in range(max(start, state.prompt_len), stop):
             flat._add_rows(state, position, position + 1, block_size)
-            flat.decode_blocks.append(state.block_ids[: position // block_size + 1])
+            decode_states.append(state)
+            decode_num_blocks.append(position // block_size + 1)
             flat.decode_context_lens.append(position + 1)
+    if decode_states:
+        flat.decode_table = gather_tables(tables, decode_states, decode_num_blocks)
     flat.prefill_query_starts.append(len(flat.input_ids))
     for state, num_new in scheduled:
         start = state.num_computed_tokens
@@ -128,6 +152,25 @@ def flatten(scheduled: list[tuple[RequestState, int]], block_size: int) -> FlatB
         flat.prefill_query_starts.append(len(flat.input_ids))
         flat.prefill_context_lens.append(context)
     return flat
+
+
+def gather_tables(
+    tables: numpy.ndarray | None, states: Sequence[RequestState], num_blocks: Sequence[int]
+) -> numpy.ndarray:
+    """(len(states), widest) int32: each state's first num_blocks blocks, zeros after; from
+    its row of `tables` when it has one, else from its list (a warm-up's or a fixture's)."""
+    width = max(num_blocks)
+    counts = numpy.asarray(num_blocks, dtype=numpy.int64)
+    slots = numpy.fromiter((s.slot for s in states), dtype=numpy.int64, count=len(states))
+    if tables is None or width > tables.shape[1]:
+        slots[:] = -1
+        table = numpy.zeros((len(states), width), dtype=numpy.int32)
+    else:
+        table = tables[slots, :width]  # a copy: fancy indexing
+    table[numpy.arange(width)[None, :] >= counts[:, None]] = 0
+    for row in numpy.flatnonzero(slots < 0).tolist():
+        table[row, : counts[row]] = states[row].block_ids[: counts[row]]
+    return table
 
 
 def unique_states(states: Sequence[RequestState]) -> tuple[RequestState, ...]:

@@ -35,12 +35,11 @@ def record_step(
 ) -> None:
     """Step metrics, and one span per traced prefill chunk (the step's whole compute time:
     the chunk shares the forward pass with the rest of the batch)."""
-    batch_size = len(plan.new_requests) + len(plan.running_requests)
+    running = list(plan.running.num_scheduled_tokens)
+    batch_size = len(plan.new_requests) + len(running)
     prefill = sum(r.num_scheduled_tokens for r in plan.new_requests)
-    prefill += sum(
-        r.num_scheduled_tokens for r in plan.running_requests if r.num_scheduled_tokens > 1
-    )
-    decode = sum(1 for r in plan.running_requests if r.num_scheduled_tokens == 1)
+    decode = running.count(1)
+    prefill += sum(running) - decode
     tokens = prefill + decode
     STEP_SECONDS.observe(seconds)
     BATCH_SIZE.observe(batch_size)

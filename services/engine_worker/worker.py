@@ -19,6 +19,7 @@ from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.kv_tiers.handover import Exports
 from services.engine_worker.kv_tiers.transfer import BlockTransfer
 from services.engine_worker.manifest import artifact_digests, combined_digest, describe
+from services.engine_worker.persistent_batch import HeldRequests
 from services.engine_worker.preparation import ready_runner
 from services.engine_worker.step_failures import (
     FaultInjector,
@@ -56,7 +57,6 @@ class Worker:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.requests: dict[str, RequestState] = {}
         self.faults: FaultInjector | None = None  # a test hook; off unless a flag sets it
         self._rng = torch.Generator().manual_seed(0)
         self._grammars: GrammarCompiler | None = None
@@ -75,10 +75,12 @@ class Worker:
             formats.kv_cache,
         )
         self._check_memory_fits(formats)
+        self.requests = HeldRequests.for_context(self.max_model_len, config.cache.block_size)
         digests = artifact_digests(self.entry, self.model_path)
         self.runner, num_parameters, self.preparation = ready_runner(
             self, artifact, formats, combined_digest(digests)
         )
+        self.runner.block_tables = self.requests.tables
         self.kv_transfer = BlockTransfer.open(
             config.kv_tiers, combined_digest(digests), formats.kv_cache, self.runner.kv_pool
         )
@@ -108,8 +110,7 @@ class Worker:
 
     @staticmethod
     def _verified_source(model: str | None) -> tuple[ModelEntry | None, str]:
-        """The artifact's path; a repository version's digests are checked before its bytes
-        are read."""
+        """The artifact's path; a repository version's digests checked before it is read."""
         path = resolve_model_path(model)
         if not is_entry(path):
             return None, path
@@ -148,15 +149,10 @@ class Worker:
 
     @staticmethod
     def _max_model_len(config: EngineConfig, model_len: int) -> int:
-        if config.max_model_len is None:
-            return model_len
-        if config.max_model_len > model_len:
-            raise KvmeshError(
-                Reason.INVALID_ARGUMENT,
-                f"max_model_len {config.max_model_len} exceeds the model's context "
-                f"length {model_len}",
-            )
-        return config.max_model_len
+        if (config.max_model_len or 0) > model_len:
+            message = f"max_model_len {config.max_model_len} exceeds the model's context length"
+            raise KvmeshError(Reason.INVALID_ARGUMENT, f"{message} {model_len}")
+        return config.max_model_len or model_len
 
     @property
     def num_kv_blocks(self) -> int:
@@ -230,7 +226,7 @@ class Worker:
             request_ids = [r.request_id for r in plan.new_requests]
             request_ids += [r.request_id for r in plan.running_requests]
             for request_id in request_ids:
-                self.requests.pop(request_id, None)
+                self.requests.drop_failed(request_id)
             return StepResult(plan.step_id, (), tuple(failure_of(r, error) for r in request_ids))
 
     def _execute(self, plan: StepPlan) -> StepResult:
@@ -252,15 +248,19 @@ class Worker:
                 load_failures.append(short)
                 continue
             scheduled.append((state, new.num_scheduled_tokens))
+        requests = self.requests
         for running in plan.running_requests:
-            state = self.requests[running.request_id]
-            scheduled.append((state, state.apply(running)))
+            held = requests.get(running.request_id) or requests.running(running.request_id)
+            if held is None:
+                continue  # it failed in a step before; the scheduler planned it ahead
+            requests.tables.extend(held, running.new_block_ids)
+            scheduled.append((held, held.apply(running)))
         sampled: list[SampledToken] = []
         if scheduled:
             sampled, failed_running = run_isolated(self._run, scheduled)
             failed += failed_running
         for failure in failed:
-            self.requests.pop(failure.request_id, None)
+            self.requests.drop_failed(failure.request_id)
         return StepResult(plan.step_id, tuple(sampled), tuple(failed), tuple(load_failures))
 
     def _admit(self, new: NewRequestPlan) -> RequestState:

@@ -161,9 +161,12 @@ class BlockManager:
         """Make every fully computed block of `request` findable by its chained hash."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = request.num_confirmed_tokens // self.block_size
+        if num_full <= request.num_hashed_blocks:
+            return
         hashes = request.full_block_hashes(self.block_size)
-        for index in range(num_full):
+        first, request.num_hashed_blocks = request.num_hashed_blocks, num_full
+        for index in range(first, num_full):
             block = self.blocks[request.block_ids[index]]
             if block.block_hash is not None:
                 continue
@@ -207,6 +210,7 @@ class BlockManager:
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
         request.block_ids.clear()
+        request.num_hashed_blocks = 0
 
     def trim(self, request: Request) -> None:
         """Frees the request's blocks past its computed tokens: what a step reserved for draft

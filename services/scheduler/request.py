@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -53,7 +54,20 @@ class Request:
     num_accepted_drafts: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
+    # Leading blocks cache_full_blocks has looked at since it last got blocks: each is looked
+    # at once, when it fills, not on every step after.
+    num_hashed_blocks: int = 0
+    # Planning ahead (Scheduler.assume): steps planned but not yet updated, oldest first, each
+    # (tokens it computes, tokens it samples); counted in num_computed_tokens already, and the
+    # tokens they will sample (not yet in token_ids) in num_pending_tokens.
+    in_flight: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)
+    num_in_flight_tokens: int = 0
+    num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    # What stop_reason checks, folded once (Scheduler.add_request): a token of stop_ids or
+    # max_length tokens may end it; any other token cannot.
+    stop_ids: frozenset[int] = frozenset()
+    max_length: int = 0
     finish_reason: FinishReason | None = None
 
     def __post_init__(self) -> None:
@@ -64,14 +78,57 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def num_confirmed_tokens(self) -> int:
+        """Computed tokens whose step has come back (not those of a step planned ahead)."""
+        return self.num_computed_tokens - self.num_in_flight_tokens
+
+    @property
     def num_pooled_tokens(self) -> int:
-        """Computed tokens whose K/V surely sit in its blocks: not a load still in flight,
-        which may fall short (what a sibling may fork from)."""
-        return self.num_computed_tokens - (self.num_loaded_tokens if self.loading else 0)
+        """Computed tokens whose K/V surely sit in its blocks: not a load or a step still in
+        flight, which may fall short (what a sibling may fork from)."""
+        loading = self.num_loaded_tokens if self.loading else 0
+        return self.num_confirmed_tokens - loading
+
+    def assume(self, num_scheduled: int) -> None:
+        """Its part of a plan counted as computed before the step comes back (planning one
+        step ahead); a step that reaches its last token samples one more."""
+        self.num_computed_tokens += num_scheduled
+        samples = int(self.num_computed_tokens == len(self.token_ids) + self.num_pending_tokens)
+        self.num_pending_tokens += samples
+        self.num_in_flight_tokens += num_scheduled
+        self.in_flight.append((num_scheduled, samples))
+
+    def unassume(self) -> None:
+        """The oldest assumed step came back: its count leaves the in-flight ones and the
+        computed count, for the update to add what it did compute."""
+        num_scheduled, samples = self.in_flight.popleft()
+        self.num_computed_tokens -= num_scheduled
+        self.num_in_flight_tokens -= num_scheduled
+        self.num_pending_tokens -= samples
+
+    def forget_in_flight(self) -> None:
+        """Preempted or ended: what steps in flight compute for it is never read."""
+        self.in_flight.clear()
+        self.num_in_flight_tokens = self.num_pending_tokens = 0
+
+    def certainly_done(self, max_model_len: int) -> bool:
+        """Its pending tokens reach max_tokens or the context length: it ends with them, and
+        a step planned for it now would be wasted."""
+        pending = self.num_pending_tokens
+        return pending > 0 and (
+            self.num_output_tokens + pending >= self.sampling.max_tokens
+            or len(self.token_ids) + pending >= max_model_len
+        )
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    def fold_stops(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        sampling = self.sampling
+        eos = frozenset() if sampling.ignore_eos else eos_token_ids
+        self.stop_ids = eos | frozenset(sampling.stop_token_ids)
+        self.max_length = min(self.prompt_len + sampling.max_tokens, max_model_len)
 
     def stop_reason(
         self, token_id: int, eos_token_ids: frozenset[int], max_model_len: int
@@ -141,7 +198,7 @@ class Request:
     def tokens_to_schedule(self, budget: int, chunk: int | None) -> int:
         """What a step with `budget` tokens left computes of it: a chunk of its prompt (when
         prefill is chunked), else all it lacks or nothing (unchunked prefill goes whole)."""
-        remaining = self.num_tokens - self.num_computed_tokens
+        remaining = len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
         if chunk is not None:
             return min(remaining, budget, chunk) if remaining > 1 else min(remaining, budget)
         return remaining if remaining <= budget else 0

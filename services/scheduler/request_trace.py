@@ -150,10 +150,10 @@ def trace_plan(
         request = requests.get(item.request_id)
         if trace is None or request is None:
             continue
-        # Prompt chunks, and the recomputation of a preempted request, are prefill.
-        prefill = (
-            request.num_output_tokens == 0 or request.num_computed_tokens < request.num_tokens - 1
-        )
+        # Prompt chunks, and the recomputation of a preempted request, are prefill (tokens a
+        # step planned ahead will sample count as known).
+        known = request.num_tokens + request.num_pending_tokens
+        prefill = known == request.prompt_len or request.num_computed_tokens < known - 1
         trace.scheduled(prefill)
         if not prefill:
             trace.decode_step(batch_size)

@@ -18,6 +18,7 @@ from services.scheduler.block_manager import BlockManager, PrefixMatch
 from services.scheduler.fair_share import TenantShares
 from services.scheduler.groups import Groups
 from services.scheduler.request import Request, RequestStatus, check_prompt_fits
+from services.scheduler.result_updates import ResultUpdates
 from services.scheduler.scheduler_load import SchedulerLoad
 from services.scheduler.speculation import Speculator
 from services.scheduler.tier_loads import NO_TIERS, TierLoads, TierPolicy
@@ -25,10 +26,15 @@ from shared.config import CacheConfig, SchedulerConfig
 from shared.errors import KvmeshError, Reason
 from shared.outputs import FinishReason, RequestOutput
 from shared.sampling import SamplingParams
-from shared.step import FailedRequest, NewRequestPlan, RunningRequestPlan, StepPlan, StepResult
+from shared.step import (
+    FailedRequest,
+    NewRequestPlan,
+    RunningRequestPlan,
+    StepPlan,
+)
 
 
-class Scheduler:
+class Scheduler(ResultUpdates):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -77,6 +83,7 @@ class Scheduler:
         weight = tenant_weight if tenant_weight > 0 else 1.0
         fields = (next(self._arrivals), priority, cache_salt, tenant, weight, group_id)
         request = Request(request_id, list(prompt_token_ids), sampling, *fields)
+        request.fold_stops(self.eos_token_ids, self.max_model_len)
         request.num_cached_on_arrival = self.block_manager.cached_prefix_tokens(request)
         request.num_tier_blocks = num_tier_blocks
         self.requests[request_id] = request
@@ -112,23 +119,29 @@ class Scheduler:
         admissible = [r for r in self.waiting if not (r.group_id and self.groups.is_held(r))]
         manager = self.block_manager
         free, needed = manager.num_free_blocks, manager.blocks_needed
-        if victim := self._shares().slot_victim(admissible, self.running, free, needed):
+        # Tenant shares matter only to a request that waits: a steady batch never counts them.
+        if admissible and (
+            victim := self._shares().slot_victim(admissible, self.running, free, needed)
+        ):
             self._preempt(victim, self.running)
         budget = self.config.max_num_batched_tokens
         new_plans: list[NewRequestPlan] = []
         # A tenant below its share gets its prefill in a step of its own, not behind the
         # others' decodes (when it is admitted at all; else the running go on).
-        prefill_first = self.config.fair_prefill_first and self._shares().jumps(
-            admissible, self.running, self.config.max_num_seqs
+        prefill_first = (
+            self.config.fair_prefill_first
+            and bool(admissible)
+            and self._shares().jumps(admissible, self.running, self.config.max_num_seqs)
         )
         running_plans, budget, preempted = (
             ([], budget, False) if prefill_first else self._schedule_running(budget)
         )
         # A step that had to preempt admits nothing new: the pool is already too tight.
-        shares = self._shares()
         copies: list[tuple[int, int]] = []
+        shares = self._shares() if admissible and not preempted else None
         while (
-            admissible
+            shares is not None
+            and admissible
             and budget > 0
             and not preempted
             and len(self.running) < self.config.max_num_seqs
@@ -170,18 +183,35 @@ class Scheduler:
         plans: list[RunningRequestPlan] = []
         preempted = False
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        running, block_size = self.running, self.block_size
+        speculates = self.speculator.proposer is not None
+        while index < len(running) and budget > 0:
+            request = running[index]
+            computed = request.num_computed_tokens
+            if request.loading or (
+                request.num_pending_tokens and request.certainly_done(self.max_model_len)
+            ):
+                index += 1  # planned ahead: its load comes back first, or it ends already
+                continue
+            if (
+                len(request.token_ids) + request.num_pending_tokens - computed == 1
+                and computed < len(request.block_ids) * block_size
+                and not speculates
+            ):  # a decode whose token has its slot already: what the general path gives it
+                plans.append(RunningRequestPlan(request.request_id, (), 1))
+                budget -= 1
+                index += 1
+                continue
             num_new = request.tokens_to_schedule(budget, self.config.prefill_chunk_size)
             if num_new == 0:
                 index += 1
                 continue
-            drafts = self.speculator.drafts(request, num_new, budget, len(self.running))
+            drafts = self.speculator.drafts(request, num_new, budget, len(running))
             num_new += len(drafts)
             num_blocks_before = len(request.block_ids)
             while not self.block_manager.allocate(request, num_new):
                 preempted = True
-                unscheduled = self.running[index:]
+                unscheduled = running[index:]
                 self._preempt(self._shares().victim_among(unscheduled), unscheduled)
                 if request.status is not RequestStatus.RUNNING:
                     break
@@ -213,53 +243,12 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.forget_in_flight()
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._freed_since_last_plan.append(request.request_id)
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
-
-    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Advance counters by what the plan computed, append sampled tokens, finish requests."""
-        # Failures first: a failed request's blocks must not be cached as computed below.
-        outputs = [self._fail(f) for f in result.failed if f.request_id in self.requests]
-        sampled = {s.request_id: s for s in result.sampled}
-        short_loads = {f.request_id: f for f in result.load_failures}
-        planned_requests: list[NewRequestPlan | RunningRequestPlan] = [*plan.new_requests]
-        for planned in planned_requests + list(plan.running_requests):
-            request_id, drafts = planned.request_id, planned.draft_token_ids
-            request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
-            if self.tier_loads.fell_short(request, short_loads.get(request_id), self.block_manager):
-                if failed := self.tier_loads.handover_failure(request):
-                    outputs.append(self._fail(failed))
-                continue  # it computed nothing: on from what did load
-            token = sampled.get(request_id)
-            # Computed: the tokens before the drafts, and the drafts the worker accepted.
-            accepted = token.num_accepted_drafts if token and drafts else 0
-            request.num_computed_tokens += planned.num_scheduled_tokens - len(drafts) + accepted
-            if token is None:
-                self.block_manager.cache_full_blocks(request)
-                continue
-            logprobs = () if token.logprobs is None else (*token.draft_logprobs, token.logprobs)
-            emitted, logprobs, reason = request.append_output(
-                (*drafts[:accepted], token.token_id),
-                logprobs,
-                self.eos_token_ids,
-                self.max_model_len,
-            )
-            # A stop among the drafts ends it there: the K/V past the stop is not its own.
-            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-            self.block_manager.cache_full_blocks(request)
-            if drafts:  # the slots of rejected drafts go back
-                self.speculator.settle(request, len(drafts), accepted)
-            outputs.append(
-                RequestOutput(request_id, emitted, logprobs)
-                if reason is None
-                else self._finish(request, reason, emitted, logprobs)
-            )
-        return outputs
 
     def _fail(self, failure: FailedRequest) -> RequestOutput:
         """It ends now, none of its blocks cached (what a failed pass wrote may be garbage)."""
@@ -294,6 +283,7 @@ class Scheduler:
             self._freed_since_last_plan.append(request.request_id)
         self.groups.remove(request)
         self.speculator.forget(request)
+        request.forget_in_flight()
         self.num_finished += 1
         request.status = RequestStatus.FINISHED
         del self.requests[request.request_id]

@@ -16,7 +16,8 @@ import grpc
 from services.scheduler.handover import Handover
 from services.scheduler.load_report import LoadReporter
 from services.scheduler.request_trace import CANCEL_TO_FREED, RequestTrace
-from services.scheduler.step_loop import StepLoop, Tracked
+from services.scheduler.step_loop import StepLoop
+from services.scheduler.tracked import Tracked
 from shared.block_hash import hash_full_blocks
 from shared.codec import sampling_from_pb
 from shared.config import HandoverConfig, SchedulerConfig

@@ -15,12 +15,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 from services.scheduler.queue_estimate import QueueTimeEstimator
 from services.scheduler.request_trace import RequestTrace, terminal_outcome, trace_plan
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.step_limits import check_step_limits
+from services.scheduler.step_pipeline import StepPipeline, plans_ahead
+from services.scheduler.tracked import Counters, Tracked
 from services.scheduler.worker_link import (
     WorkerDrained,
     WorkerLink,
@@ -28,37 +29,17 @@ from services.scheduler.worker_link import (
     worker_lost_error,
 )
 from shared import grpc_errors
-from shared.codec import logprobs_to_pb, plan_to_pb, result_from_pb
+from shared.codec import logprobs_to_pb, plan_to_pb
 from shared.config import CacheConfig, SchedulerConfig
 from shared.errors import KvmeshError, Reason
+from shared.heap import freeze_startup_heap
 from shared.outputs import FinishReason, RequestOutput
-from shared.pb.kvmesh.v1 import common_pb2, scheduler_pb2
-from shared.step import FailedRequest
+from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, scheduler_pb2
+from shared.step import FailedRequest, StepPlan
 
 log = logging.getLogger("kvmesh.scheduler")
 RECENT_FREES = 1024
 IDLE_POLL_S = 0.05  # nothing fits now: an abort or expiry will free room
-
-
-@dataclass
-class Tracked:
-    """A request with an open Submit stream."""
-
-    request_id: str
-    trace: RequestTrace  # also its arrival, first step and first token times
-    events: asyncio.Queue[scheduler_pb2.SubmitEvent] = field(default_factory=asyncio.Queue)
-    output_tokens: int = 0
-    timer: asyncio.TimerHandle | None = None
-
-
-@dataclass
-class Counters:
-    steps: int = 0
-    worker_compute_ms: float = 0.0
-    aborted: int = 0
-    expired_waiting: int = 0
-    expired_running: int = 0
-    failed_execution: int = 0
 
 
 class StepLoop:
@@ -107,6 +88,7 @@ class StepLoop:
                 tuple(self.model.eos_token_ids),
                 self.link.tiers,
             )
+            freeze_startup_heap()
             await self.set_ready(True)
             try:
                 await self._step_until_lost(self.scheduler)
@@ -120,6 +102,7 @@ class StepLoop:
 
     async def _step_until_lost(self, scheduler: Scheduler) -> None:
         drain_announced = False
+        pipeline = StepPipeline(self.link, scheduler, plans_ahead(self.config), self._settled)
         while True:
             if self.link.lost:
                 raise WorkerLost(self.link.address)
@@ -127,7 +110,7 @@ class StepLoop:
                 if not drain_announced:
                     await self.set_ready(False)  # the gateway routes elsewhere
                     drain_announced = True
-                if not scheduler.has_unfinished():
+                if not scheduler.has_unfinished() and not pipeline.sent:
                     raise WorkerDrained(self.link.address)
             self._wake.clear()  # before schedule(): a submission from here on wakes us again
             full = bool(scheduler.waiting) or len(scheduler.running) >= self.config.max_num_seqs
@@ -139,8 +122,10 @@ class StepLoop:
                 # Let the worker forget them now, and write down the last blocks that filled
                 # (an idle worker has no next step to carry them).
                 if plan.finished_request_ids or plan.block_writes:
-                    await self.link.step(plan_to_pb(plan))
-                if not scheduler.has_unfinished():
+                    await pipeline.send(plan, plan_to_pb(plan))
+                if pipeline.sent:  # nothing new to plan until a step comes back
+                    await pipeline.settle_oldest()
+                elif not scheduler.has_unfinished():
                     await self._wake.wait()
                 else:
                     with contextlib.suppress(asyncio.TimeoutError):
@@ -148,10 +133,16 @@ class StepLoop:
                 continue
             plan_pb = plan_to_pb(plan)
             trace_plan(plan, plan_pb, scheduler.requests, self._trace_of)
-            result_pb = await self.link.step(plan_pb)
+            await pipeline.send(plan, plan_pb)
+            await pipeline.after_send()
+
+    def _settled(
+        self, outputs: list[RequestOutput], result: engine_worker_pb2.StepResult, plan: StepPlan
+    ) -> None:
+        if plan.num_scheduled_tokens:
             self.counters.steps += 1
-            self.counters.worker_compute_ms += result_pb.compute_ms
-            self._dispatch(scheduler.update(plan, result_from_pb(result_pb)))
+            self.counters.worker_compute_ms += result.compute_ms
+        self._dispatch(outputs)
 
     def _trace_of(self, request_id: str) -> RequestTrace | None:
         tracked = self.tracked.get(request_id)

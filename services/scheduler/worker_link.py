@@ -10,8 +10,9 @@ no new requests, finishes the ones it has, then lets go of the Step stream so th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -147,20 +148,36 @@ class WorkerLink:
         self._on_lost()
 
     async def step(self, plan: engine_worker_pb2.StepPlan) -> engine_worker_pb2.StepResult:
+        await self.send(plan)
+        return await self.receive()
+
+    async def send(self, plan: engine_worker_pb2.StepPlan) -> None:
+        """One plan onto the stream; the worker runs plans in the order sent."""
         if self._call is None or self.lost:
             raise WorkerLost(self.address)
-        try:
+        async with self._stream_errors():
             await self._call.write(plan)
+
+    async def receive(self) -> engine_worker_pb2.StepResult:
+        """The result of the oldest plan sent whose result was not read yet."""
+        if self._call is None or self.lost:
+            raise WorkerLost(self.address)
+        async with self._stream_errors():
             result = await self._call.read()
+        if result is grpc.aio.EOF:
+            raise WorkerLost(f"{self.address}: step stream closed")
+        return result
+
+    @contextlib.asynccontextmanager
+    async def _stream_errors(self) -> AsyncIterator[None]:
+        try:
+            yield
         except (grpc.RpcError, asyncio.InvalidStateError) as error:
             raise WorkerLost(f"{self.address}: {error}") from error
         except asyncio.CancelledError:
             if self.lost:  # the watcher cancelled the call, not someone cancelling us
                 raise WorkerLost(f"{self.address}: health watch ended") from None
             raise
-        if result is grpc.aio.EOF:
-            raise WorkerLost(f"{self.address}: step stream closed")
-        return result
 
     async def close(self) -> None:
         if self._watcher is not None:

@@ -154,7 +154,8 @@ async def trace_spans(collector: str, request_id: str) -> list[traces_pb2.SpanRe
             try:
                 trace = await traces.GetTrace(traces_pb2.GetTraceRequest(request_id=request_id))
                 names = [span.name for span in trace.spans]
-                if "kv_handover" in names and names.count("prefill") >= 2:
+                both = names.count("prefill") >= 2 and names.count("scheduler.request") >= 2
+                if "kv_handover" in names and both:
                     return list(trace.spans)
             except grpc.RpcError as error:
                 assert error.code() == grpc.StatusCode.NOT_FOUND

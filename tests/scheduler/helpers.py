@@ -1,13 +1,16 @@
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
+from collections.abc import Callable
+from typing import Any
 
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.tier_loads import NO_TIERS, TierPolicy
 from shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from shared.outputs import RequestOutput
-from shared.step import FailedRequest, StepResult
+from shared.step import FailedRequest, StepPlan, StepResult
 from tests.scheduler.fake_worker import FakeWorker
 
 
@@ -63,3 +66,28 @@ def fail_one(result: StepResult, rng: random.Random) -> StepResult:
     sampled = tuple(t for t in result.sampled if t.request_id != failing)
     failure = FailedRequest(failing, "EXECUTION_FAILED", "ValueError")
     return dataclasses.replace(result, sampled=sampled, failed=(failure,))
+
+
+class Pipeline:
+    """The step loop's order of things, without the network: a plan runs on the worker when
+    sent; its result is read at once (lock-step) or after the next plan is sent (ahead)."""
+
+    def __init__(self, scheduler: Scheduler, worker: Any, ahead: bool) -> None:
+        self.scheduler, self.worker, self.ahead = scheduler, worker, ahead
+        self.sent: collections.deque[tuple[StepPlan, StepResult]] = collections.deque()
+
+    def step(self, change: Callable[[StepResult], StepResult] = lambda r: r) -> list:
+        plan = self.scheduler.schedule()
+        assert plan.num_scheduled_tokens <= self.scheduler.config.max_num_batched_tokens
+        if self.ahead:
+            self.scheduler.assume(plan)
+        self.sent.append((plan, change(self.worker.execute(plan))))
+        if self.ahead and len(self.sent) < 2:
+            return []
+        return self.scheduler.update(*self.sent.popleft())
+
+    def drain(self) -> list:
+        outputs = []
+        while self.sent:
+            outputs += self.scheduler.update(*self.sent.popleft())
+        return outputs

@@ -51,22 +51,34 @@ def _table(block_lists: list[list[int]], width: int) -> numpy.ndarray:
     return table
 
 
+def _widened(table: numpy.ndarray, width: int) -> numpy.ndarray:
+    """The decode rows' tables at least `width` wide (a captured graph's fixed width)."""
+    if table.shape[1] >= width:
+        return table
+    wide = numpy.zeros((table.shape[0], width), dtype=numpy.int32)
+    wide[:, : table.shape[1]] = table
+    return wide
+
+
 def build_gpu_batch(
-    scheduled: list[tuple[RequestState, int]], block_size: int, decode_width: int = 0
+    scheduled: list[tuple[RequestState, int]],
+    block_size: int,
+    decode_width: int = 0,
+    tables: numpy.ndarray | None = None,
 ) -> GpuBatch:
-    """decode_width: block-table width for decode rows (0: as wide as this step needs)."""
-    flat = flatten(scheduled, block_size)
+    """decode_width: block-table width for decode rows (0: as wide as this step needs);
+    `tables`: the worker's block tables (persistent_batch.py)."""
+    flat = flatten(scheduled, block_size, tables)
     positions = numpy.asarray(flat.positions, dtype=numpy.int64)
     slots = (
         numpy.asarray(flat.token_blocks, dtype=numpy.int64) * block_size + positions % block_size
     )
     query_lens = numpy.diff(numpy.asarray(flat.prefill_query_starts, dtype=numpy.int64))
-    decode_widest = max((len(b) for b in flat.decode_blocks), default=1)
     return GpuBatch(
         input_ids=numpy.asarray(flat.input_ids, dtype=numpy.int32),
         positions=positions.astype(numpy.int32),
         slots=slots,
-        decode_block_tables=_table(flat.decode_blocks, decode_width or decode_widest),
+        decode_block_tables=_widened(flat.decode_table, decode_width),
         decode_context_lens=numpy.asarray(flat.decode_context_lens, dtype=numpy.int32),
         prefill_block_tables=_table(
             flat.prefill_blocks, max((len(b) for b in flat.prefill_blocks), default=1)

@@ -35,6 +35,7 @@ from services.engine_worker.cupy_backend.workspace import (
     workspace_bytes,
 )
 from services.engine_worker.kv_cache import KVCacheShape
+from services.engine_worker.persistent_batch import BlockTables
 from services.engine_worker.sampler import sample
 from services.engine_worker.step_failures import NonFiniteLogits, failure_of
 from services.engine_worker.step_inputs import RequestState, unique_states
@@ -63,6 +64,9 @@ def step_limits(config: EngineConfig) -> StepLimits:
 
 
 class Runner:
+    # The worker's persistent block tables (persistent_batch.py); set by the worker once built.
+    block_tables: BlockTables | None = None
+
     def __init__(
         self,
         arch: ModelArchitecture,
@@ -135,7 +139,8 @@ class Runner:
     def step(
         self, scheduled: list[tuple[RequestState, int]], rng: torch.Generator
     ) -> tuple[tuple[RequestState, ...], list[SampledToken | FailedRequest]]:
-        batch = build_gpu_batch(scheduled, self.block_size)
+        tables = None if self.block_tables is None else self.block_tables.table
+        batch = build_gpu_batch(scheduled, self.block_size, tables=tables)
         drafts = any(state.num_drafts for state in batch.sampling_states)
         # Rows with drafts are verified on the host, their logits as the model gave them.
         sampling = row_parameters(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from services.engine_worker.step_inputs import RequestState, flatten
@@ -31,16 +32,19 @@ def build_batch(
     kv_heads: int,
     num_heads: int,
     head_dim: int,
+    tables: numpy.ndarray | None = None,
 ) -> StepBatch:
-    """Decodes (one new token) first, then prefill chunks, each request's tokens contiguous."""
-    flat = flatten(scheduled, block_size)
+    """Decodes (one new token) first, then prefill chunks, each request's tokens contiguous;
+    `tables`: the worker's block tables (persistent_batch.py)."""
+    flat = flatten(scheduled, block_size, tables)
     # Decode attention reads (block, request, valid slots) pairs: every block of each context.
     pair_block: list[int] = []
     pair_request: list[int] = []
     pair_limit: list[int] = []
-    for row, (blocks, context) in enumerate(
-        zip(flat.decode_blocks, flat.decode_context_lens, strict=True)
+    for row, (table_row, context) in enumerate(
+        zip(flat.decode_table.tolist(), flat.decode_context_lens, strict=True)
     ):
+        blocks = table_row[: -(-context // block_size)]
         pair_block += blocks
         pair_request += [row] * len(blocks)
         pair_limit += [block_size] * (len(blocks) - 1) + [context - (len(blocks) - 1) * block_size]

@@ -55,7 +55,7 @@ class GraphBatch:
         return GraphBatch(
             rows(slice(0, first)),
             rows(slice(first, None)),
-            table(flat.decode_blocks),
+            torch.from_numpy(flat.decode_table).long(),
             torch.tensor(flat.decode_context_lens, dtype=torch.long),
             torch.tensor(segments, dtype=torch.long).view(len(segments), 3),
             table(flat.prefill_blocks),

@@ -16,6 +16,7 @@ import torch
 from services.engine_worker.artifacts.architecture import ModelArchitecture
 from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.kv_cache import KVCache, KVCacheShape
+from services.engine_worker.persistent_batch import BlockTables
 from services.engine_worker.step_inputs import RequestState, flatten, unique_states
 from services.engine_worker.torch_backend.batch import build_batch
 from services.engine_worker.torch_backend.compiled_model import CompiledCausalLM, can_compile
@@ -29,6 +30,9 @@ from shared.step import FailedRequest, SampledToken
 
 
 class Runner:
+    # The worker's persistent block tables (persistent_batch.py); set by the worker once built.
+    block_tables: BlockTables | None = None
+
     def __init__(
         self,
         arch: ModelArchitecture,
@@ -88,8 +92,9 @@ class Runner:
     ) -> tuple[tuple[RequestState, ...], list[SampledToken | FailedRequest]]:
         """Runs the scheduled tokens; returns the requests that sampled, and for each its token
         or, when its own sampling raised, its failure."""
+        tables = None if self.block_tables is None else self.block_tables.table
         if self.compiled is not None:
-            flat = flatten(scheduled, self.kv_cache.shape.block_size)
+            flat = flatten(scheduled, self.kv_cache.shape.block_size, tables)
             logits = self.compiled.forward(GraphBatch.of(flat))
             states = tuple(flat.sampling_states)
             return unique_states(states), sample_and_verify(logits, states, rng)
@@ -100,6 +105,7 @@ class Runner:
             arch.num_kv_heads,
             arch.num_heads,
             arch.head_dim,
+            tables,
         )
         if self.device.type != "cpu":  # the tensors only: the request states stay as they are
             batch = dataclasses.replace(

@@ -9,6 +9,10 @@
 #   mesh     `kvmesh up --backend cupy` streams an answer through the whole mesh, graphs on
 #   split    the same split between a prefill and a decode pair (blocks pulled from a GPU
 #            pool); not in the default parts, which must fit one 9-minute call
+#   host     make bench-host: a steady decode step's host work (scheduler, batch building,
+#            step protocol, lock-step and planned ahead) with the model taken out
+#   meshbench  make bench-mesh on the cupy backend at batch 128 (MESHBENCH_ARGS): the mesh's
+#            tok/s against the in-process engine's; not in the default parts either
 #   kernels  make bench-kernels: each launch of a step, decode attention's bandwidth
 #   bench    make bench-gpu: kvmesh cupy against llama.cpp CUDA F16 and Q4_1, GPU and host
 #            ms per step; then the same on a random-weight F16 file in Llama-3.1-8B's shapes
@@ -19,7 +23,7 @@ cd "$(dirname "$0")/../../.."
 ROOT=$PWD
 BUNDLE=$ROOT/.gpu-check
 OUT=${OUT:-$ROOT/gpu-check-out}
-PARTS=${GPU_CHECK_PARTS:-install suite mesh kernels bench bench8b}
+PARTS=${GPU_CHECK_PARTS:-install suite mesh host kernels bench bench8b}
 PYTHON=${GPU_PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/site}
 STARTED=$(date +%s)
@@ -107,6 +111,16 @@ if has split; then
   timed split 100 $PYTHON -m kvmesh up --backend cupy --port 0 --http-port 0 \
     --prefill-workers 1 --decode-workers 1 --handover-min-tokens 1 \
     --prompt "Explain in two sentences why the sky is blue."
+fi
+
+if has host; then
+  timed host 60 $PYTHON -m loadtest.host_bench --steps 100
+fi
+
+if has meshbench; then
+  read -r -a mesh_args <<< "${MESHBENCH_ARGS:---requests 128 --output-len 64 --kv-memory 8GiB}"
+  timed meshbench 240 $PYTHON -m loadtest.mesh_bench --backend cupy --rounds 1 \
+    --idle-requests 0 --threads 4 "${mesh_args[@]}"
 fi
 
 if has kernels && [ "${KVMESH_CUPY_STANDIN:-0}" != 1 ]; then

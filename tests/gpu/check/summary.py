@@ -1,5 +1,6 @@
 """One page from a GPU check's output folder: the machine, each part's outcome, the GPU suite's
-counts and failures, the mesh's streamed answer, the decode graphs, and the benchmark tables.
+counts and failures, the mesh's streamed answer, the decode graphs, the benchmark tables, and
+the host's step work and the mesh against the engine when those parts ran.
 
     python -m tests.gpu.check.summary OUT_DIR
 """
@@ -101,6 +102,12 @@ def bench(out: Path) -> list[str]:
     return [line for path in paths for line in [*bench_table(path), ""]]
 
 
+def _tail(title: str, path: Path, lines: int) -> list[str]:
+    if not path.exists():
+        return []
+    return [f"{title}:", "```", *_read(path).splitlines()[-lines:], "```", ""]
+
+
 def render(out: Path) -> str:
     page = [
         "# GPU check",
@@ -119,6 +126,9 @@ def render(out: Path) -> str:
         "```",
         *_read(out / "kernels.log").splitlines()[-40:],
         "```",
+        "",
+        *_tail("bench-host (µs a step, model taken out)", out / "host.log", 13),
+        *_tail("bench-mesh on cupy (target: mesh >= 0.8x in-process)", out / "meshbench.log", 8),
     ]
     return "\n".join(page)
 

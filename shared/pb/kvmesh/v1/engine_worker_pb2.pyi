@@ -49,17 +49,21 @@ class NewRequestPlan(_message.Message):
     load_hashes: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ..., load_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class RunningRequestPlan(_message.Message):
-    __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens", "draft_token_ids")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+class RunningColumns(_message.Message):
+    __slots__ = ("request_ids", "num_scheduled_tokens", "new_block_counts", "new_block_ids", "draft_counts", "draft_token_ids")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    new_block_counts: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_scheduled_tokens: int
+    draft_counts: _containers.RepeatedScalarFieldContainer[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_counts: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillTrace(_message.Message):
     __slots__ = ("request_id", "traceparent", "chunk_tokens", "cached_tokens", "start_position")
@@ -76,22 +80,22 @@ class PrefillTrace(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., start_position: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "running_requests", "finished_request_ids", "prefill_traces", "block_copies", "block_writes")
+    __slots__ = ("step_id", "new_requests", "finished_request_ids", "prefill_traces", "running", "block_copies", "block_writes")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TRACES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_WRITES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequestPlan]
-    running_requests: _containers.RepeatedCompositeFieldContainer[RunningRequestPlan]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     prefill_traces: _containers.RepeatedCompositeFieldContainer[PrefillTrace]
+    running: RunningColumns
     block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     block_writes: _containers.RepeatedCompositeFieldContainer[BlockWrite]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestPlan, _Mapping]]] = ..., running_requests: _Optional[_Iterable[_Union[RunningRequestPlan, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., prefill_traces: _Optional[_Iterable[_Union[PrefillTrace, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., block_writes: _Optional[_Iterable[_Union[BlockWrite, _Mapping]]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestPlan, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., prefill_traces: _Optional[_Iterable[_Union[PrefillTrace, _Mapping]]] = ..., running: _Optional[_Union[RunningColumns, _Mapping]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., block_writes: _Optional[_Iterable[_Union[BlockWrite, _Mapping]]] = ...) -> None: ...
 
 class BlockWrite(_message.Message):
     __slots__ = ("block_id", "block_hash", "token_ids")
@@ -111,33 +115,41 @@ class BlockCopy(_message.Message):
     destination: int
     def __init__(self, source: _Optional[int] = ..., destination: _Optional[int] = ...) -> None: ...
 
-class SampledToken(_message.Message):
-    __slots__ = ("request_id", "token_id", "logprobs", "num_accepted_drafts", "draft_logprobs")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+class SampledColumns(_message.Message):
+    __slots__ = ("request_ids", "token_ids", "num_accepted_drafts", "logprob_rows", "logprobs", "draft_logprobs")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    token_id: int
-    logprobs: _common_pb2.TokenLogprobs
-    num_accepted_drafts: int
-    draft_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., num_accepted_drafts: _Optional[int] = ..., draft_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_accepted_drafts: _containers.RepeatedScalarFieldContainer[int]
+    logprob_rows: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    draft_logprobs: _containers.RepeatedCompositeFieldContainer[DraftLogprobs]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted_drafts: _Optional[_Iterable[int]] = ..., logprob_rows: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., draft_logprobs: _Optional[_Iterable[_Union[DraftLogprobs, _Mapping]]] = ...) -> None: ...
+
+class DraftLogprobs(_message.Message):
+    __slots__ = ("logprobs",)
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "compute_ms", "failed", "load_failures")
+    __slots__ = ("step_id", "compute_ms", "failed", "load_failures", "sampled")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    SAMPLED_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     compute_ms: float
     failed: _containers.RepeatedCompositeFieldContainer[FailedRequest]
     load_failures: _containers.RepeatedCompositeFieldContainer[LoadFailure]
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., failed: _Optional[_Iterable[_Union[FailedRequest, _Mapping]]] = ..., load_failures: _Optional[_Iterable[_Union[LoadFailure, _Mapping]]] = ...) -> None: ...
+    sampled: SampledColumns
+    def __init__(self, step_id: _Optional[int] = ..., compute_ms: _Optional[float] = ..., failed: _Optional[_Iterable[_Union[FailedRequest, _Mapping]]] = ..., load_failures: _Optional[_Iterable[_Union[LoadFailure, _Mapping]]] = ..., sampled: _Optional[_Union[SampledColumns, _Mapping]] = ...) -> None: ...
 
 class LoadFailure(_message.Message):
     __slots__ = ("request_id", "num_computed_tokens", "reason")
