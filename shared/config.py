@@ -102,8 +102,9 @@ class SchedulerConfig:
     prefill_chunk_size: int | None = 512
     # A tenant below its fair share gets its prefill in a step without the others' decodes.
     fair_prefill_first: bool = True
-    # Plan step N+1 while the worker computes step N (services/scheduler/step_pipeline.py).
-    plan_ahead: bool = True
+    # Plan step N+1 while the worker computes step N (services/scheduler/step_pipeline.py):
+    # on, off, or auto (on for a worker on a GPU).
+    plan_ahead: str = "auto"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @property
@@ -116,6 +117,10 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
         _require(self.max_num_seqs > 0, "max_num_seqs must be positive")
+        _require(
+            self.plan_ahead in ("auto", "on", "off"),
+            f"plan_ahead must be auto, on or off, got {self.plan_ahead!r}",
+        )
         _require(
             self.prefill_chunk_size is None or self.prefill_chunk_size > 0,
             "prefill_chunk_size must be positive or None",

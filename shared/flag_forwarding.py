@@ -26,5 +26,5 @@ def worker_flag_args(args: argparse.Namespace) -> list[str]:
 def scheduler_flag_args(args: argparse.Namespace) -> list[str]:
     forwarded = [*step_limit_flag_args(args), "--chunk-size", str(args.chunk_size)]
     forwarded += ["--no-fair-prefill-first"] if args.no_fair_prefill_first else []
-    forwarded += ["--no-plan-ahead"] if args.no_plan_ahead else []
+    forwarded += ["--plan-ahead", args.plan_ahead] if args.plan_ahead != "auto" else []
     return forwarded + (["--no-prefix-caching"] if args.no_prefix_caching else [])

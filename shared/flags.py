@@ -132,10 +132,11 @@ def add_scheduler_flags(parser: argparse.ArgumentParser, step_limits: bool = Tru
         help="run a below-share tenant's prefill beside the running decodes, not before them",
     )
     group.add_argument(
-        "--no-plan-ahead",
-        action="store_true",
-        default=env_default("no-plan-ahead", "") not in ("", "0", "false"),
-        help="plan each step after the last one's result, not while the worker computes it",
+        "--plan-ahead",
+        default=env_default("plan-ahead", "auto"),
+        choices=("auto", "on", "off"),
+        help="plan each step while the worker computes the one before (auto: on when the "
+        "worker computes on a GPU; lock-step with speculative decoding)",
     )
 
 
@@ -248,7 +249,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         limits,
         prefill_chunk_size=args.chunk_size or None,
         fair_prefill_first=not args.no_fair_prefill_first,
-        plan_ahead=not args.no_plan_ahead,
+        plan_ahead=args.plan_ahead,
     )
 
 

@@ -102,7 +102,8 @@ class StepLoop:
 
     async def _step_until_lost(self, scheduler: Scheduler) -> None:
         drain_announced = False
-        pipeline = StepPipeline(self.link, scheduler, plans_ahead(self.config), self._settled)
+        ahead = plans_ahead(self.config, self.model.device if self.model else "cpu")
+        pipeline = StepPipeline(self.link, scheduler, ahead, self._settled)
         while True:
             if self.link.lost:
                 raise WorkerLost(self.link.address)

@@ -7,6 +7,10 @@ worker computes the current one (Scheduler.assume counts the current one as done
 next input is the token the worker samples and appends itself), so the worker starts it as soon
 as it finishes. A request that stops at step N then costs one row of step N+1 whose token is
 never emitted. Speculative decoding plans in lock-step: a proposal needs the tokens it follows.
+
+`--plan-ahead auto` plans ahead for a worker on a GPU only: on a CPU worker the scheduler's work
+and the next plan's arrival take cores from the step's own threads, and lock-step measured 3%
+faster a step (batch 32 decode on 2 vCPUs, 69.3 against 71.3 ms).
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ from shared.pb.kvmesh.v1 import engine_worker_pb2
 from shared.step import StepPlan
 
 
-def plans_ahead(config: SchedulerConfig) -> bool:
-    return config.plan_ahead and config.speculative.method == "off"
+def plans_ahead(config: SchedulerConfig, worker_device: str) -> bool:
+    """worker_device: ModelInfo.device ("cpu: ..." for a CPU worker)."""
+    if config.speculative.method != "off" or config.plan_ahead == "off":
+        return False
+    return config.plan_ahead == "on" or not worker_device.startswith("cpu")
 
 
 class StepPipeline:

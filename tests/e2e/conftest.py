@@ -18,6 +18,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     config = MeshConfig(
         worker_threads=2,
         worker_args=MESH_WORKER_ARGS,
+        # The GPU default, on this CPU mesh: every e2e test on it runs with steps planned ahead
+        # (the meshes other tests start plan in lock-step, the CPU default).
+        scheduler_args=["--plan-ahead", "on"],
         log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
         drain_seconds=5,
     )
