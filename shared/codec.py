@@ -1,7 +1,9 @@
 """Dataclass <-> protobuf conversions, in one place for every boundary.
 
 Sampling parameters cross gateway -> scheduler -> worker; step plans and results cross
-scheduler <-> worker. The wire messages mirror the frozen dataclasses field for field.
+scheduler <-> worker. The wire messages mirror the dataclasses field for field, but for a
+step's running requests and sampled tokens, which travel column by column (one message a step,
+not one a request).
 """
 
 from __future__ import annotations
