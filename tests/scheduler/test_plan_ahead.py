@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from services.engine_worker.step_failures import FaultInjector
 from services.engine_worker.worker import Worker
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.tier_loads import TierPolicy
@@ -109,3 +110,33 @@ def test_the_real_worker_samples_the_same_tokens_and_logprobs_either_way(worker:
             assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
             expected = [theirs.logprob, *(lp for _, lp in theirs.top)]
             assert [mine.logprob, *(lp for _, lp in mine.top)] == pytest.approx(expected, abs=1e-4)
+
+
+def test_a_request_that_fails_while_planned_ahead_ends_alone(worker: Worker) -> None:
+    """Step N fails it; step N+1, already planned, has its row: the worker skips that row (it
+    reported the failure) and the rest of the batch goes on; nothing is held at the end."""
+    poison = 13
+    worker.faults = FaultInjector(poison, after_tokens=3)
+    try:
+        config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=6)
+        scheduler = Scheduler(
+            config, CacheConfig(block_size=worker.kv_shape.block_size), 12, 512, (2,)
+        )
+        pipeline = Pipeline(scheduler, worker, ahead=True)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        for index, prompt in enumerate(([5, 6, 7], [5, poison, 7], [8, 9])):
+            scheduler.add_request(f"r{index}", prompt, params)
+        outputs: list[RequestOutput] = []
+        while scheduler.has_unfinished() or pipeline.sent:
+            outputs += pipeline.step() if scheduler.has_unfinished() else pipeline.drain()
+        worker.execute(scheduler.schedule())  # the worker forgets the last ones
+    finally:
+        worker.faults = None
+    tokens = {o.request_id: 0 for o in outputs}
+    for output in outputs:
+        tokens[output.request_id] += len(output.new_token_ids)
+    failed = [o for o in outputs if o.failure is not None]
+    assert [o.request_id for o in failed] == ["r1"] and tokens["r1"] == 3
+    assert tokens["r0"] == tokens["r2"] == 8
+    assert not worker.requests and not worker.requests.failed
+    assert scheduler.block_manager.num_free_blocks == 12
