@@ -4,13 +4,16 @@ that computes nothing, in steady decode.
 Every request decodes for the whole run (ignore_eos, no max); the model is replaced by one that
 builds the step's batch as the default CPU path does and then "samples" a fixed token per
 request without computing anything. What is left is the Python every step pays in series with
-the forward pass. Two ways:
+the forward pass. Three ways:
 
 - in process: `Scheduler.schedule()` -> `Worker.execute()` -> `Scheduler.update()`, as the
   in-process Engine runs them; scheduler and worker µs apart;
-- over the link: the same scheduler in this process, the worker in a child process behind the
-  real engine-worker gRPC server on loopback, each plan encoded, sent, decoded and the result
-  back; "protocol" is the step's wall time less the scheduler's and the worker's own.
+- over the link, lock-step: the same scheduler in this process, the worker in a child process
+  behind the real engine-worker gRPC server on loopback, in the step loop's order of things
+  (StepPipeline): each plan encoded, sent, decoded, and the result back;
+- over the link, ahead: the same, the next plan sent while the worker runs the current one.
+
+"added" is a step's wall time less the worker's own: what the host adds to every step.
 
     python -m loadtest.host_bench [--batches 1,32,128,256] [--steps 200] [--modes inprocess,link]
 """

@@ -1,0 +1,24 @@
+"""`make bench-host` rehearsed small: each way prints a row with figures (never a speed check)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def test_every_way_prints_its_rows() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest.host_bench", "--batches", "1,4", "--steps", "5"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, "KVMESH_HOST_BENCH_KV": str(64 << 20)},
+        check=True,
+    )
+    rows = [line.split() for line in done.stdout.splitlines()[1:]]
+    ways = [" ".join(row[:-6]) for row in rows]
+    assert ways == ["in process"] * 2 + ["link, lock-step"] * 2 + ["link, ahead"] * 2
+    for row in rows:
+        step_us, scheduler_us, worker_us = (float(cell) for cell in row[-5:-2])
+        assert step_us > 0 and scheduler_us > 0 and worker_us > 0
