@@ -64,8 +64,8 @@ class Request:
     num_in_flight_tokens: int = 0
     num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    # What stop_reason checks, folded once (Scheduler.add_request): a token of stop_ids or
-    # max_length tokens may end it; any other token cannot.
+    # What ends it (fold_stops): a token of stop_ids (EOS unless ignored, its stop tokens), or
+    # reaching max_length tokens (max_tokens of output, or the context length).
     stop_ids: frozenset[int] = frozenset()
     max_length: int = 0
     finish_reason: FinishReason | None = None
@@ -111,35 +111,29 @@ class Request:
         self.in_flight.clear()
         self.num_in_flight_tokens = self.num_pending_tokens = 0
 
-    def certainly_done(self, max_model_len: int) -> bool:
+    @property
+    def certainly_done(self) -> bool:
         """Its pending tokens reach max_tokens or the context length: it ends with them, and
         a step planned for it now would be wasted."""
         pending = self.num_pending_tokens
-        return pending > 0 and (
-            self.num_output_tokens + pending >= self.sampling.max_tokens
-            or len(self.token_ids) + pending >= max_model_len
-        )
+        return pending > 0 and len(self.token_ids) + pending >= self.max_length
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
     def fold_stops(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        """What ends it, worked out once (Scheduler.add_request): stop_reason's two checks."""
         sampling = self.sampling
         eos = frozenset() if sampling.ignore_eos else eos_token_ids
         self.stop_ids = eos | frozenset(sampling.stop_token_ids)
         self.max_length = min(self.prompt_len + sampling.max_tokens, max_model_len)
 
-    def stop_reason(
-        self, token_id: int, eos_token_ids: frozenset[int], max_model_len: int
-    ) -> FinishReason | None:
+    def stop_reason(self, token_id: int) -> FinishReason | None:
         """Whether the token just appended ends it, and why."""
-        sampling = self.sampling
-        if token_id in eos_token_ids and not sampling.ignore_eos:
+        if token_id in self.stop_ids:
             return FinishReason.FINISH_REASON_STOP
-        if token_id in sampling.stop_token_ids:
-            return FinishReason.FINISH_REASON_STOP
-        if self.num_output_tokens >= sampling.max_tokens or self.num_tokens >= max_model_len:
+        if len(self.token_ids) >= self.max_length:
             return FinishReason.FINISH_REASON_LENGTH
         return None
 
@@ -147,14 +141,12 @@ class Request:
         self,
         token_ids: tuple[int, ...],
         logprobs: tuple[TokenLogprobs, ...],
-        eos_token_ids: frozenset[int],
-        max_model_len: int,
     ) -> tuple[tuple[int, ...], tuple[TokenLogprobs, ...], FinishReason | None]:
         """Appends a step's tokens (accepted drafts, then the sampled one) up to the first that
         ends it: the tokens and logprobs appended, and why it ended, if it did."""
         for count, token_id in enumerate(token_ids, 1):
             self.token_ids.append(token_id)
-            reason = self.stop_reason(token_id, eos_token_ids, max_model_len)
+            reason = self.stop_reason(token_id)
             if reason is not None:
                 return token_ids[:count], logprobs[:count], reason
         return token_ids, logprobs, None

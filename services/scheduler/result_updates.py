@@ -1,13 +1,15 @@
 """A step's result into the scheduler's requests: computed counts, tokens, stops, failures.
 
 The Scheduler's `update()`, apart from its planning: a steady decode request takes the short
-path here (no drafts, no load, one token), about a microsecond of Python a step. And
-`assume()`, which counts a step as done before its result comes back (planning one ahead).
+path here (no drafts, no load, one token), about a microsecond of Python a step; `assume()`,
+which counts a step as done before its result comes back (planning one ahead); and how a
+request ends (finished, aborted or failed).
 """
 
 from __future__ import annotations
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.groups import Groups
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.speculation import Speculator
 from services.scheduler.tier_loads import TierLoads
@@ -24,26 +26,19 @@ from shared.step import (
 
 
 class ResultUpdates:
-    """Scheduler's half that applies results; the Scheduler supplies these."""
+    """The Scheduler's half that applies results and ends requests; the Scheduler's
+    constructor sets these."""
 
     requests: dict[str, Request]
+    running: list[Request]
+    waiting: list[Request]
+    leases: dict[str, Request]
     block_manager: BlockManager
     tier_loads: TierLoads
     speculator: Speculator
-    eos_token_ids: frozenset[int]
-    max_model_len: int
-
-    def _fail(self, failure: FailedRequest) -> RequestOutput:
-        raise NotImplementedError
-
-    def _finish(
-        self,
-        request: Request,
-        reason: FinishReason,
-        new_token_ids: tuple[int, ...],
-        logprobs: tuple = (),
-    ) -> RequestOutput:
-        raise NotImplementedError
+    groups: Groups
+    num_finished: int
+    _freed_since_last_plan: list[str]
 
     def assume(self, plan: StepPlan) -> None:
         """Plan one step ahead: count `plan` as computed before its result comes back, so the
@@ -70,7 +65,7 @@ class ResultUpdates:
                 if request.in_flight:
                     request.unassume()
                 self._advance(new, request, sampled, short_loads, outputs)
-        eos, max_len, manager = self.eos_token_ids, self.max_model_len, self.block_manager
+        manager = self.block_manager
         block_size = manager.block_size
         for planned in plan.running_requests:
             request = requests.get(planned.request_id)
@@ -84,13 +79,8 @@ class ResultUpdates:
                 continue
             # The common case, as _advance does it: computed what was planned, one new token.
             request.num_computed_tokens += planned.num_scheduled_tokens
-            token_ids = request.token_ids
-            token_ids.append(token.token_id)
-            reason = (
-                request.stop_reason(token.token_id, eos, max_len)
-                if token.token_id in request.stop_ids or len(token_ids) >= request.max_length
-                else None
-            )
+            request.token_ids.append(token.token_id)
+            reason = request.stop_reason(token.token_id)
             if request.num_confirmed_tokens // block_size > request.num_hashed_blocks:
                 manager.cache_full_blocks(request)  # a block filled
             logprobs = () if token.logprobs is None else (token.logprobs,)
@@ -123,9 +113,8 @@ class ResultUpdates:
             self.block_manager.cache_full_blocks(request)
             return
         logprobs = () if token.logprobs is None else (*token.draft_logprobs, token.logprobs)
-        emitted, logprobs, reason = request.append_output(
-            (*drafts[:accepted], token.token_id), logprobs, self.eos_token_ids, self.max_model_len
-        )
+        tokens = (*drafts[:accepted], token.token_id)
+        emitted, logprobs, reason = request.append_output(tokens, logprobs)
         # A stop among the drafts ends it there: the K/V past the stop is not its own.
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
         self.block_manager.cache_full_blocks(request)
@@ -136,3 +125,41 @@ class ResultUpdates:
             if reason is None
             else self._finish(request, reason, emitted, logprobs)
         )
+
+    def _fail(self, failure: FailedRequest) -> RequestOutput:
+        """It ends now, none of its blocks cached (what a failed pass wrote may be garbage)."""
+        request = self.requests[failure.request_id]
+        self._end(request, drop_cached=True)
+        return RequestOutput(
+            request.request_id, (), num_cached_tokens=request.num_cached_tokens, failure=failure
+        )
+
+    def _finish(
+        self,
+        request: Request,
+        reason: FinishReason,
+        new_token_ids: tuple[int, ...],
+        logprobs: tuple = (),
+    ) -> RequestOutput:
+        held = request.prefill_only and reason == FinishReason.FINISH_REASON_LENGTH
+        self._end(request, hold=held)
+        request.finish_reason = reason
+        return request.final_output(new_token_ids, logprobs)
+
+    def _end(self, request: Request, drop_cached: bool = False, hold: bool = False) -> None:
+        """Out of its queue and the pool (unless held: a lease); then the worker forgets it."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        if hold:
+            self.leases[request.request_id] = request
+        else:
+            self.block_manager.free(request, drop_cached)
+            self._freed_since_last_plan.append(request.request_id)
+        self.groups.remove(request)
+        self.speculator.forget(request)
+        request.forget_in_flight()
+        self.num_finished += 1
+        request.status = RequestStatus.FINISHED
+        del self.requests[request.request_id]

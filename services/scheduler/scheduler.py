@@ -27,7 +27,6 @@ from shared.errors import KvmeshError, Reason
 from shared.outputs import FinishReason, RequestOutput
 from shared.sampling import SamplingParams
 from shared.step import (
-    FailedRequest,
     NewRequestPlan,
     RunningRequestPlan,
     StepPlan,
@@ -188,9 +187,7 @@ class Scheduler(ResultUpdates):
         while index < len(running) and budget > 0:
             request = running[index]
             computed = request.num_computed_tokens
-            if request.loading or (
-                request.num_pending_tokens and request.certainly_done(self.max_model_len)
-            ):
+            if request.loading or request.certainly_done:
                 index += 1  # planned ahead: its load comes back first, or it ends already
                 continue
             if (
@@ -249,41 +246,3 @@ class Scheduler(ResultUpdates):
         self.num_preemptions += 1
         self._freed_since_last_plan.append(request.request_id)
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
-
-    def _fail(self, failure: FailedRequest) -> RequestOutput:
-        """It ends now, none of its blocks cached (what a failed pass wrote may be garbage)."""
-        request = self.requests[failure.request_id]
-        self._end(request, drop_cached=True)
-        return RequestOutput(
-            request.request_id, (), num_cached_tokens=request.num_cached_tokens, failure=failure
-        )
-
-    def _finish(
-        self,
-        request: Request,
-        reason: FinishReason,
-        new_token_ids: tuple[int, ...],
-        logprobs: tuple = (),
-    ) -> RequestOutput:
-        held = request.prefill_only and reason == FinishReason.FINISH_REASON_LENGTH
-        self._end(request, hold=held)
-        request.finish_reason = reason
-        return request.final_output(new_token_ids, logprobs)
-
-    def _end(self, request: Request, drop_cached: bool = False, hold: bool = False) -> None:
-        """Out of its queue and the pool (unless held: a lease); then the worker forgets it."""
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-        if hold:
-            self.leases[request.request_id] = request
-        else:
-            self.block_manager.free(request, drop_cached)
-            self._freed_since_last_plan.append(request.request_id)
-        self.groups.remove(request)
-        self.speculator.forget(request)
-        request.forget_in_flight()
-        self.num_finished += 1
-        request.status = RequestStatus.FINISHED
-        del self.requests[request.request_id]
