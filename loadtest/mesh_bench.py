@@ -132,6 +132,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides")
     parser.add_argument("--kv-memory", default="1GiB")
     parser.add_argument("--backend", default="torch", help="both sides' (cupy: on a GPU)")
+    parser.add_argument(
+        "--stream-interval", type=int, default=1, help="the mesh scheduler's; 1 is every token"
+    )
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
@@ -146,7 +149,11 @@ def main() -> None:
     hop_ms: list[float] = []
     engine_idle: list[float] = []
     worker_args = ["--kv-memory", args.kv_memory, "--backend", args.backend]
-    config = MeshConfig(worker_threads=args.threads, worker_args=worker_args)
+    config = MeshConfig(
+        worker_threads=args.threads,
+        worker_args=worker_args,
+        scheduler_args=["--stream-interval", str(args.stream_interval)],
+    )
     for round_index in range(args.rounds):
         # One side at a time: two torch pools on the same cores would slow both.
         with Mesh(config) as mesh:
@@ -176,7 +183,8 @@ def main() -> None:
     engine_best = max(engine_rounds, key=lambda r: r["output_tok_s"])
     print(
         f"\n{args.requests} concurrent requests, prompts {args.min_prompt}-{args.max_prompt} "
-        f"tokens, {args.output_len} output tokens each, {args.threads} torch threads"
+        f"tokens, {args.output_len} output tokens each, {args.threads} torch threads, "
+        f"stream interval {args.stream_interval}"
     )
     print(f"{'':12}{'out tok/s':>11}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}")
     for name, result in (("mesh", mesh_best), ("in-process", engine_best)):

@@ -105,6 +105,9 @@ class SchedulerConfig:
     # Plan step N+1 while the worker computes step N (services/scheduler/step_pipeline.py):
     # on, off, or auto (on for a worker on a GPU).
     plan_ahead: str = "auto"
+    # A request's tokens go to its caller every this many (the first and the last at once):
+    # each delivery is a message through scheduler, gateway and tokenizer.
+    stream_interval: int = 1
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @property
@@ -121,6 +124,7 @@ class SchedulerConfig:
             self.plan_ahead in ("auto", "on", "off"),
             f"plan_ahead must be auto, on or off, got {self.plan_ahead!r}",
         )
+        _require(self.stream_interval > 0, "stream_interval must be positive")
         _require(
             self.prefill_chunk_size is None or self.prefill_chunk_size > 0,
             "prefill_chunk_size must be positive or None",

@@ -27,4 +27,6 @@ def scheduler_flag_args(args: argparse.Namespace) -> list[str]:
     forwarded = [*step_limit_flag_args(args), "--chunk-size", str(args.chunk_size)]
     forwarded += ["--no-fair-prefill-first"] if args.no_fair_prefill_first else []
     forwarded += ["--plan-ahead", args.plan_ahead] if args.plan_ahead != "auto" else []
+    if args.stream_interval != 1:
+        forwarded += ["--stream-interval", str(args.stream_interval)]
     return forwarded + (["--no-prefix-caching"] if args.no_prefix_caching else [])

@@ -138,6 +138,13 @@ def add_scheduler_flags(parser: argparse.ArgumentParser, step_limits: bool = Tru
         help="plan each step while the worker computes the one before (auto: on when the "
         "worker computes on a GPU; lock-step with speculative decoding)",
     )
+    group.add_argument(
+        "--stream-interval",
+        type=int,
+        default=env_int("stream-interval", 1),
+        help="send a request's tokens to its caller every N tokens (the first and the last at "
+        "once): fewer messages through the mesh per token, burstier streams",
+    )
 
 
 def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
@@ -250,6 +257,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         prefill_chunk_size=args.chunk_size or None,
         fair_prefill_first=not args.no_fair_prefill_first,
         plan_ahead=args.plan_ahead,
+        stream_interval=args.stream_interval,
     )
 
 

@@ -1,10 +1,11 @@
 """The scheduler's step loop: one StepPlan to the engine-worker per step, tokens out per request.
 
 Each step: `Scheduler.schedule()` -> one StepPlan message to the worker -> its StepResult ->
-`Scheduler.update()` -> one SubmitEvent per request that gained tokens, put on that request's
-queue. Aborts and deadline expiries free KV blocks at once, between steps; the worker forgets
-those requests with the next plan. No servicer lives here: server.py admits requests into this
-loop and streams each request's queue back to its caller.
+`Scheduler.update()` -> one SubmitEvent per request that gained tokens (with
+`--stream-interval N`, once it holds N), put on that request's queue. Aborts and deadline
+expiries free KV blocks at once, between steps; the worker forgets those requests with the next
+plan. No servicer lives here: server.py admits requests into this loop and streams each
+request's queue back to its caller.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class StepLoop:
                 if tracked.trace.first_token_at is None:
                     tracked.trace.first_token(now)
                     tokens.first.CopyFrom(self._first_token_timings(tracked, output, now))
-                tracked.events.put_nowait(scheduler_pb2.SubmitEvent(tokens=tokens))
+                tracked.hold(tokens, self.config.stream_interval)
             if output.finish_reason is not None:
                 self.finish(tracked, output.finish_reason, output.num_cached_tokens, now, output)
             elif output.failure is not None:
@@ -242,6 +243,7 @@ class StepLoop:
         outcome, reason = terminal_outcome(terminal)
         cached = terminal.finished.cached_tokens
         tracked.trace.ended(outcome, reason, tracked.output_tokens, cached)
+        tracked.send_held()
         tracked.events.put_nowait(terminal)
 
     def forget(self, tracked: Tracked) -> None:

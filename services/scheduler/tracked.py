@@ -18,6 +18,23 @@ class Tracked:
     events: asyncio.Queue[scheduler_pb2.SubmitEvent] = field(default_factory=asyncio.Queue)
     output_tokens: int = 0
     timer: asyncio.TimerHandle | None = None
+    # Tokens sampled but not yet sent (--stream-interval above 1); sent before any terminal.
+    held: scheduler_pb2.SubmitTokens | None = None
+
+    def hold(self, tokens: scheduler_pb2.SubmitTokens, interval: int) -> None:
+        """Queues the tokens once `interval` of them are held (always the first ones)."""
+        if self.held is None:
+            self.held = tokens
+        else:
+            self.held.token_ids.extend(tokens.token_ids)
+            self.held.logprobs.extend(tokens.logprobs)
+        if len(self.held.token_ids) >= interval or self.held.HasField("first"):
+            self.send_held()
+
+    def send_held(self) -> None:
+        if self.held is not None:
+            self.events.put_nowait(scheduler_pb2.SubmitEvent(tokens=self.held))
+            self.held = None
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """Speculative decoding on the mesh: a scheduler run with --speculative ngram gives the same
 greedy answer as the in-process engine without drafts, reports its draft counts in the
-completed event's timings, in its trace and as Prometheus counters, and a request can opt out."""
+completed event's timings, in its trace and as Prometheus counters, and a request can opt out.
+The same scheduler runs with --stream-interval 4: tokens reach the client four or more at a time,
+the first alone and at once."""
 
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ def speculative_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]
     config = MeshConfig(
         worker_threads=2,
         worker_args=MESH_WORKER_ARGS,
-        scheduler_args=["--speculative", "ngram", "--num-speculative-tokens", "6"],
+        scheduler_args=[
+            *("--speculative", "ngram", "--num-speculative-tokens", "6"),
+            *("--stream-interval", "4"),
+        ],
         log_dir=str(tmp_path_factory.mktemp("speculative-mesh-logs")),
         drain_seconds=5,
     )
@@ -56,6 +61,12 @@ async def test_drafts_on_the_mesh_keep_the_greedy_answer_and_are_counted(
     timings = events[-1].completed.timings
     assert timings.draft_tokens >= timings.accepted_draft_tokens > 0
     assert opted_out[-1].completed.timings.draft_tokens == 0
+    # No drafts: one token a step, sent four at a time after the first; all of them, in order.
+    deltas = [e.delta for e in opted_out if e.WhichOneof("event") == "delta"]
+    sizes = [len(delta.token_ids) for delta in deltas if delta.token_ids]
+    assert sizes[0] == 1 and all(size == 4 for size in sizes[1:-1]) and sizes[-1] <= 4
+    opted_tokens = [t for delta in deltas for t in delta.token_ids]
+    assert opted_tokens == expected.token_ids
     scheduler = next(s for s in speculative_mesh.services if s.name.startswith("scheduler"))
     assert scheduler.metrics_url is not None
     accepted = metric_value(scheduler.metrics_url, "kvmesh_spec_accepted_draft_tokens_total")
