@@ -201,6 +201,13 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
         "context length ends the output)",
     )
     group.add_argument(
+        "--tenant-failures-per-minute",
+        type=int,
+        default=env_int("tenant-failures-per-minute", 8),
+        help="a tenant's requests that may fail in the engine (EXECUTION_FAILED, OUT_OF_MEMORY, "
+        "INVALID_SAMPLING_PARAMS) within a minute; past it, RATE_LIMITED (0: no limit)",
+    )
+    group.add_argument(
         "--stall-timeout-s",
         type=float,
         default=float(env_default("stall-timeout-s", "30") or 0),
@@ -235,6 +242,7 @@ def gateway_flag_args(args: argparse.Namespace) -> list[str]:
     forwarded += ["--max-request-bytes", str(args.max_request_bytes)]
     forwarded += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
     forwarded += ["--max-total-tokens", str(args.max_total_tokens)]
+    forwarded += ["--tenant-failures-per-minute", str(args.tenant_failures_per_minute)]
     forwarded += ["--stall-timeout-s", str(args.stall_timeout_s)]
     forwarded += ["--handover-min-tokens", str(args.handover_min_tokens)]
     forwarded += ["--trace-content"] if args.trace_content else []

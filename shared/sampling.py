@@ -7,9 +7,16 @@ already checked, and check nothing again. Whoever takes parameters from a user c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shared.errors import KvmeshError, Reason
+
+# A temperature above 0 and below this samples as if it were this (as vLLM does): logits
+# divided by 1e-320 are infinite, and the distribution at 0.01 is already all but greedy.
+MIN_TEMPERATURE = 0.01
+# Dividing or multiplying a logit by a penalty outside this keeps it finite in float32.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 def _invalid(message: str) -> KvmeshError:
@@ -59,6 +66,8 @@ class SamplingParams:
     disable_speculation: bool = False  # no draft tokens for it where the server speculates
 
     def __post_init__(self) -> None:
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias)))
 
@@ -67,16 +76,19 @@ class SamplingParams:
         response format, INVALID_SCHEMA)."""
         if self.max_tokens < 1:
             raise _invalid(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not self.temperature >= 0.0:
-            raise _invalid(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:
+            raise _invalid(f"temperature must be finite and >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise _invalid(f"top_k must be >= 1 or unset, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise _invalid(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise _invalid(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0.0:
-            raise _invalid(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise _invalid(
+                f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:

@@ -79,8 +79,9 @@ def add_failure_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--inject-fault-token",
         default=env_default("inject-fault-token", None),
-        help="tests only: TOKEN_ID[:AFTER] fails every request whose prompt holds TOKEN_ID once "
-        "it has AFTER output tokens (default 1)",
+        help="tests only: TOKEN_ID[:AFTER][:worker],... fails every request whose prompt holds "
+        "TOKEN_ID once it has AFTER output tokens (default 1); with :worker, every request from "
+        "then on",
     )
 
 

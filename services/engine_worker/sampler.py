@@ -8,12 +8,13 @@ the backend: the cupy backend's sampling kernel (sample_tokens.cu) draws the sam
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from services.engine_worker.grammar import allowed_tokens
-from services.engine_worker.step_failures import NonFiniteLogits, failure_of
+from services.engine_worker.step_failures import NonFiniteLogits, NoSamplingMass, failure_of
 from services.engine_worker.step_inputs import RequestState
 from shared.sampling import SamplingParams
 from shared.step import FailedRequest, SampledToken, TokenLogprobs
@@ -43,7 +44,10 @@ def sample_key(state: RequestState, rng: torch.Generator) -> tuple[int, int]:
 def inverse_cdf(weights: torch.Tensor, uniform: float) -> int:
     """The first token whose cumulative weight, in token order, passes uniform x total."""
     cumulative = torch.cumsum(weights.double(), dim=0)
-    target = torch.tensor([uniform * float(cumulative[-1])], dtype=torch.float64)
+    total = float(cumulative[-1])
+    if not 0.0 < total < math.inf:
+        raise NoSamplingMass(f"the probabilities sum to {total}")
+    target = torch.tensor([uniform * total], dtype=torch.float64)
     index = int(torch.searchsorted(cumulative, target, right=True))
     if index >= weights.shape[0]:  # rounding at the very end: the last token that has weight
         index = int(weights.nonzero().max())

@@ -163,7 +163,7 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
                     loads = worker.kv_transfer.step_loads
                     record_step(message, seconds, started_ns, self.runtime.address, loads)
                     yield result_to_pb(result, seconds * 1e3)
-                    if result.failed:
+                    if result.failed or result.sampled:
                         await self._count_failures(result)
             finally:
                 # Queued behind a step still running in the torch thread, never beside it.
@@ -174,7 +174,7 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
     async def _count_failures(self, result: StepResult) -> None:
         for failure in result.failed:
             STEP_FAILURES.labels(failure.reason).inc()
-        if not self.breaker.record(len(result.failed)):
+        if not self.breaker.record(result.failed, len(result.sampled)):
             return
         log.error(
             "circuit breaker open: too many failed requests; not ready",

@@ -2,11 +2,13 @@
 
 A failure is classified once (out of memory or not) and becomes a `FailedRequest`: the
 scheduler ends that request with a non-retryable `failed` event and frees its blocks, while
-every other request of the batch keeps its token. The worker's circuit breaker counts them.
+every other request of the batch keeps its token. The worker's circuit breaker counts those
+that say something of the worker.
 
 The fault injector is a test hook, off unless the worker is started with
 `--inject-fault-token`: a request whose prompt holds that token id fails once it has that many
-output tokens, so a test can poison one request of a running batch through the public API.
+output tokens, so a test can poison one request of a running batch through the public API (or,
+with `:worker`, break the whole worker from then on).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.engine_worker.step_inputs import RequestState
@@ -28,6 +30,11 @@ class NonFiniteLogits(ArithmeticError):
     """A NaN or infinite logit: no token can be sampled from that row."""
 
 
+class NoSamplingMass(ArithmeticError):
+    """A row's probabilities after its own sampling parameters sum to no finite, positive mass:
+    the request's parameters, not the worker (INVALID_SAMPLING_PARAMS, never the breaker's)."""
+
+
 class InjectedFault(RuntimeError):
     """Raised by the fault injector (tests only)."""
 
@@ -39,12 +46,20 @@ def _is_out_of_memory(error: BaseException) -> bool:
     return type(error).__name__ == "OutOfMemoryError"
 
 
+def _reason_of(error: BaseException) -> Reason:
+    if isinstance(error, NoSamplingMass):
+        return Reason.INVALID_SAMPLING_PARAMS
+    return Reason.OUT_OF_MEMORY if _is_out_of_memory(error) else Reason.EXECUTION_FAILED
+
+
 def failure_of(request_id: str, error: BaseException) -> FailedRequest:
     """Logs the exception with its traceback (the class travels on; the text stays here)."""
-    reason = Reason.OUT_OF_MEMORY if _is_out_of_memory(error) else Reason.EXECUTION_FAILED
-    log.error(
+    reason = _reason_of(error)
+    own_input = isinstance(error, NoSamplingMass)  # the request's doing: no traceback, a warning
+    log.log(
+        logging.WARNING if own_input else logging.ERROR,
         "request failed in a step",
-        exc_info=not isinstance(error, InjectedFault),
+        exc_info=not (own_input or isinstance(error, InjectedFault)),
         extra={
             "request_id": request_id,
             "reason": reason.value,
@@ -55,23 +70,39 @@ def failure_of(request_id: str, error: BaseException) -> FailedRequest:
 
 
 @dataclass(frozen=True)
-class FaultInjector:
-    """Fails a request whose prompt holds `token_id` once it has `after_tokens` output tokens."""
+class FaultRule:
+    """A request whose prompt holds `token_id` fails once it has `after_tokens` output tokens;
+    with `breaks_worker`, every request after it too, as on a broken device."""
 
     token_id: int
     after_tokens: int = 1
+    breaks_worker: bool = False
+
+
+@dataclass
+class FaultInjector:
+    rules: tuple[FaultRule, ...]
+    broken: bool = False
 
     @classmethod
     def parse(cls, spec: str | None) -> FaultInjector | None:
-        """`TOKEN_ID` or `TOKEN_ID:AFTER_TOKENS`; None or "" is off."""
+        """Rules `TOKEN_ID[:AFTER_TOKENS][:worker]`, separated by commas; None or "" is off."""
         if not spec:
             return None
-        token, _, after = spec.partition(":")
-        return cls(int(token), int(after or 1))
+        rules = []
+        for rule in spec.split(","):
+            token, _, rest = rule.partition(":")
+            after, _, mode = rest.partition(":")
+            rules.append(FaultRule(int(token), int(after or 1), breaks_worker=mode == "worker"))
+        return cls(tuple(rules))
 
     def check(self, prompt: list[int], num_output_tokens: int) -> None:
-        if num_output_tokens >= self.after_tokens and self.token_id in prompt:
-            raise InjectedFault(f"injected fault after {num_output_tokens} tokens")
+        if self.broken:
+            raise InjectedFault("the worker is broken (injected)")
+        for rule in self.rules:
+            if num_output_tokens >= rule.after_tokens and rule.token_id in prompt:
+                self.broken = rule.breaks_worker
+                raise InjectedFault(f"injected fault after {num_output_tokens} tokens")
 
 
 Scheduled = list[tuple[RequestState, int]]
@@ -100,6 +131,10 @@ def run_isolated(run: Callable[[Scheduled], StepOutcome], scheduled: Scheduled) 
     return sampled, failed
 
 
+# Failures a request's own input causes on any worker: never the breaker's to count.
+NOT_THE_WORKERS = frozenset({Reason.INVALID_SAMPLING_PARAMS.value})
+
+
 class BreakerDefaults:
     max_failures = 8
     window_s = 60.0
@@ -107,9 +142,12 @@ class BreakerDefaults:
 
 
 class CircuitBreaker:
-    """Trips when `max_failures` requests failed within `window_s`: the worker then reports
+    """Judges the worker, not the requests: trips when `max_failures` requests failed within
+    `window_s` with no request sampled in between. A failure beside a request that sampled, or
+    one of the request's own parameters (INVALID_SAMPLING_PARAMS), says nothing of the worker
+    and is not counted; any sampled token starts the count over. Tripped, the worker reports
     itself not ready (the scheduler drains it, the gateway routes elsewhere) for `cooldown_s`,
-    after which it serves again and the count starts over. max_failures 0 turns it off."""
+    then serves again. max_failures 0 turns it off."""
 
     def __init__(
         self,
@@ -123,12 +161,18 @@ class CircuitBreaker:
         self._failures: deque[float] = deque()
         self.open_until = 0.0  # monotonic time the worker may serve again
 
-    def record(self, num_failed: int, now: float | None = None) -> bool:
-        """Counts a step's failures; True when this step tripped the breaker."""
-        if num_failed == 0 or self.max_failures <= 0:
+    def record(
+        self, failed: Sequence[FailedRequest], num_sampled: int, now: float | None = None
+    ) -> bool:
+        """Counts a step's outcome; True when this step tripped the breaker."""
+        if num_sampled:
+            self._failures.clear()
+            return False
+        counted = sum(1 for f in failed if f.reason not in NOT_THE_WORKERS)
+        if counted == 0 or self.max_failures <= 0:
             return False
         now = time.monotonic() if now is None else now
-        self._failures.extend([now] * num_failed)
+        self._failures.extend([now] * counted)
         while self._failures and self._failures[0] < now - self.window_s:
             self._failures.popleft()
         if len(self._failures) < self.max_failures or now < self.open_until:

@@ -8,6 +8,7 @@ import logging
 import os
 
 from services.gateway.catalog import ModelCatalog
+from services.gateway.engine_failures import TenantFailures
 from services.gateway.limits import RequestLimits
 from services.gateway.model_admin import ModelAdminService
 from services.gateway.openai_front.server import OpenAIFront
@@ -57,6 +58,7 @@ def gateway_policy(args: argparse.Namespace, link: RedisLink | None) -> GatewayP
         rate_limiter=RateLimiter(link),
         max_in_flight=args.max_in_flight,
         limits=RequestLimits(args.max_request_bytes, args.max_prompt_tokens, args.max_total_tokens),
+        tenant_failures=TenantFailures(args.tenant_failures_per_minute),
         stall_timeout_s=args.stall_timeout_s,
         trace_content=args.trace_content,
         handover_min_tokens=args.handover_min_tokens,

@@ -69,6 +69,7 @@ class Admission:
         self.runtime.refuse_if_draining()
         tenant = self.policy.api_keys.authenticate(call.context.invocation_metadata())
         tenant.check_priority(request.priority)
+        self.policy.tenant_failures.check(tenant.name)
         self.policy.limits.check_size(request.ByteSize())
         if (tenant.name, call.request_id) in self.active:
             raise KvmeshError(Reason.INVALID_ARGUMENT, f"request id {call.request_id!r} is in use")

@@ -121,6 +121,9 @@ class GenerateHandler:
                             telemetry.delta(event.delta.text, len(event.delta.token_ids))
                         elif kind in TERMINAL:
                             ended.append((TERMINAL.index(kind), kind, terminal_reason(event)))
+                            if kind == "failed":
+                                failures = self.policy.tenant_failures
+                                failures.record(admitted.tenant.name, event.failed.error.reason)
                             self._log_terminal(kind, completion)
                         event.index = completion.index
                         sending = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.gateway.engine_failures import TenantFailures
 from services.gateway.limits import RequestLimits
 from services.gateway.rate_limits import RateLimiter
 from services.gateway.router import Router
@@ -17,6 +18,8 @@ class GatewayPolicy:
     rate_limiter: RateLimiter = field(default_factory=lambda: RateLimiter(None))
     max_in_flight: int = 4096  # this gateway's own bound on open streams
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # Refuses a tenant whose requests keep failing in the engine (the breaker does not count them).
+    tenant_failures: TenantFailures = field(default_factory=TenantFailures)
     stall_timeout_s: float = 30.0  # a client that takes no event this long is cancelled
     trace_content: bool = False  # prompt and completion text in spans (off: never)
     # With prefill and decode pairs: fewer tokens to compute than this skip the prefill pair.

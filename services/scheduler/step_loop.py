@@ -41,6 +41,12 @@ from shared.step import FailedRequest, StepPlan
 log = logging.getLogger("kvmesh.scheduler")
 RECENT_FREES = 1024
 IDLE_POLL_S = 0.05  # nothing fits now: an abort or expiry will free room
+FAILURE_MESSAGES = {  # what a client is told of a request the worker could not compute
+    Reason.KV_HANDOVER_FAILED: "its prefilled blocks did not load whole (--kv-load-failure fail)",
+    Reason.INVALID_SAMPLING_PARAMS: "its sampling parameters left no finite probability to "
+    "sample from; it was stopped and its batch went on",
+    None: "the engine could not compute this request; it was stopped and its batch went on",
+}
 
 
 class StepLoop:
@@ -186,7 +192,7 @@ class StepLoop:
 
     def fail_execution(self, tracked: Tracked, failure: FailedRequest) -> None:
         """The worker could not compute it. Not retryable: sent again (here or to another
-        worker) it would fail again, and count against that worker's circuit breaker."""
+        worker) it would fail again."""
         self.counters.failed_execution += 1
         log.warning(
             "request failed in the engine",
@@ -198,12 +204,7 @@ class StepLoop:
         )
         tracked.trace.span.set_attribute("error.type", failure.error_type)
         reason = Reason(failure.reason)
-        error = KvmeshError(
-            reason,
-            "its prefilled blocks did not load whole (--kv-load-failure fail)"
-            if reason is Reason.KV_HANDOVER_FAILED
-            else "the engine could not compute this request; it was stopped and its batch went on",
-        )
+        error = KvmeshError(reason, FAILURE_MESSAGES.get(reason, FAILURE_MESSAGES[None]))
         self._close(tracked, scheduler_pb2.SubmitEvent(failed=grpc_errors.to_pb(error)))
 
     def finish(

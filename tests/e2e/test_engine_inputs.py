@@ -7,7 +7,7 @@ import pytest
 from kvmesh.engine import Engine
 from shared.config import CacheConfig, EngineConfig, parse_bytes
 from shared.errors import KvmeshError, Reason
-from shared.sampling import SamplingParams
+from shared.sampling import MIN_TEMPERATURE, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
@@ -52,7 +52,13 @@ def test_bad_prompts_are_refused_with_a_reason(
         ("top_k", 0),
         ("min_p", 1.5),
         ("repetition_penalty", 0.0),
+        ("repetition_penalty", 1e-300),  # logits divided by it are infinite
+        ("repetition_penalty", 1e300),
+        ("temperature", float("inf")),
+        ("temperature", float("nan")),
+        ("top_p", float("nan")),
         ("presence_penalty", 3.0),
+        ("frequency_penalty", float("-inf")),
         ("logprobs", 21),
     ],
 )
@@ -61,6 +67,14 @@ def test_bad_sampling_params_are_refused(engine: Engine, field: str, value: floa
         engine.add_request([1, 2, 3], SamplingParams(**{field: value}))
     assert caught.value.reason is Reason.INVALID_SAMPLING_PARAMS and field in caught.value.message
     assert not engine.has_unfinished()
+
+
+def test_a_temperature_below_the_floor_samples_at_the_floor(engine: Engine) -> None:
+    """1e-320 would make every logit infinite; it runs at MIN_TEMPERATURE, as vLLM's clamp."""
+    params = SamplingParams(max_tokens=4, temperature=1e-320, seed=7, ignore_eos=True)
+    assert params.temperature == MIN_TEMPERATURE
+    [completion] = engine.generate([[1, 2, 3]], params)
+    assert len(completion.token_ids) == 4 and completion.finish_reason == "length"
 
 
 def test_generation_stops_at_the_context_length(engine: Engine) -> None:

@@ -1,7 +1,8 @@
 """Failures inside the engine and of a whole worker, on a live mesh of two pairs (tiny model):
 
-- a request that raises in a step ends alone with `failed` EXECUTION_FAILED, not retryable;
-  a worker whose steps keep failing turns not ready (circuit breaker) and traffic moves;
+- a request that raises in a step ends alone with `failed` EXECUTION_FAILED, not retryable,
+  and however many do, the worker's circuit breaker does not count them: its other requests
+  sample; a worker whose every request fails turns not ready (the breaker) and traffic moves;
 - a worker lost before the first token: the gateway places each of its requests once more on
   the other pair, and every one completes there with two attempts in its execution record.
 """
@@ -9,7 +10,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
 import signal
 import time
@@ -27,11 +27,13 @@ from tests.e2e.mesh_helpers import (
     ids_request,
     output_ids,
     read_rest,
+    rich_error,
     tiny_mesh_config,
     wait_health,
 )
 
 POISON = 511  # the tiny model's last token id: a prompt holding it fails after one token
+BREAKS_WORKER = 510  # a prompt holding it breaks its worker: every request fails from then on
 BREAKER_FAILURES = 3
 INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 
@@ -43,12 +45,13 @@ def pair_mesh(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> 
     config.worker_args = [
         *config.worker_args,
         "--inject-fault-token",
-        f"{POISON}:1",
+        f"{POISON}:1,{BREAKS_WORKER}:1:worker",
         "--breaker-failures",
         str(BREAKER_FAILURES),
         "--breaker-cooldown-seconds",
         "600",  # stays tripped for the rest of the test
     ]
+    config.gateway_args = ["--tenant-failures-per-minute", "0"]  # the breaker's test, not that
     with Mesh(config) as running:
         yield running
 
@@ -123,10 +126,8 @@ async def test_a_failing_request_ends_alone_and_a_failing_worker_turns_not_ready
     healthy = [
         inference.Generate(ids_request([3, 4, i], max_tokens=40, ignore_eos=True)) for i in range(3)
     ]
-    tripped: str | None = None
-    failures: collections.Counter[str] = collections.Counter()
-    # Over two pairs, one of them has taken BREAKER_FAILURES within 2 * BREAKER_FAILURES - 1.
-    for attempt in range(2 * BREAKER_FAILURES - 1):
+    # Twice the breaker's count of failing requests, over two pairs: none of them trips it.
+    for attempt in range(2 * BREAKER_FAILURES):
         events = await collect(inference, ids_request([POISON, 5, attempt], max_tokens=20))
         assert [e.WhichOneof("event") for e in events[:2]] == ["accepted", "delta"]
         error = events[-1].failed.error
@@ -137,15 +138,25 @@ async def test_a_failing_request_ends_alone_and_a_failing_worker_turns_not_ready
         )
         assert "Injected" not in error.message  # the exception's class stays in the log
         assert len(events[-1].failed.error.message) > 0
-        scheduler = events[0].accepted.routing.scheduler
-        failures[scheduler] += 1
-        if failures[scheduler] == BREAKER_FAILURES:
-            tripped = scheduler
-            break
-    assert tripped is not None, failures
-    await until_ready_replicas(inference, 1)  # the breaker opened: the gateway sees one pair
     for call in healthy:  # requests beside the failing ones were not disturbed
         assert assert_one_terminal(await collect_call(call)) == "completed"
+    assert await ready_replicas(inference) == 2
+    # A broken worker: everything it computes fails, and its breaker trips.
+    events = await collect(inference, ids_request([BREAKS_WORKER, 5], max_tokens=20))
+    assert events[-1].failed.error.reason == "EXECUTION_FAILED"
+    tripped = events[0].accepted.routing.scheduler
+    failed_there = 1
+    while await ready_replicas(inference) == 2:
+        try:
+            events = await collect(inference, ids_request([6, failed_there], max_tokens=4))
+        except grpc.aio.AioRpcError as error:  # tripped, before the gateway saw it
+            assert rich_error(error).reason == "MODEL_NOT_READY"
+            break
+        if events[0].accepted.routing.scheduler == tripped:
+            assert events[-1].failed.error.reason == "EXECUTION_FAILED"
+            failed_there += 1
+        assert failed_there <= BREAKER_FAILURES + 1, "the broken worker's breaker never tripped"
+    await until_ready_replicas(inference, 1)
     index = pair_mesh.scheduler_addresses.index(tripped)
     other = pair_mesh.scheduler_addresses[1 - index]
     await wait_health(tripped, serving=False)

@@ -1,11 +1,14 @@
-"""Tenants kept apart, request limits enforced before any work, and no secrets or content in
-logs or spans. A tiny-model mesh with auth on; the content check runs on the real model."""
+"""Tenants kept apart, request limits enforced before any work, a tenant whose requests keep
+failing in the engine refused alone, and no secrets or content in logs or spans. A tiny-model
+mesh with auth on; the content check runs on the real model."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import pathlib
+import statistics
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -48,6 +51,7 @@ keys = ["sk-ops-77e1"]
 admin = true
 """
 MAX_BYTES, MAX_PROMPT, MAX_TOTAL, MAX_STREAMS = 4096, 64, 600, 2
+POISON, TENANT_FAILURES = 511, 4  # a prompt holding the tiny model's last id fails in a step
 
 
 def auth(key: str) -> tuple[tuple[str, str], ...]:
@@ -62,7 +66,10 @@ def guarded_mesh(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) 
     keys = tmp_path_factory.mktemp("keys") / "keys.toml"
     keys.write_text(KEYS)
     config = tiny_mesh_config(tiny_llama_dir, str(tmp_path_factory.mktemp("guarded-logs")))
+    config.worker_args = [*config.worker_args, "--inject-fault-token", f"{POISON}:1"]
     config.gateway_args = [
+        "--tenant-failures-per-minute",
+        str(TENANT_FAILURES),
         "--api-keys-file",
         str(keys),
         "--max-request-bytes",
@@ -192,6 +199,45 @@ async def collect_as(
 ) -> list[inference_pb2.GenerateEvent]:
     request = request or ids_request([1, 2], max_tokens=2)
     return [e async for e in inference.Generate(request, metadata=metadata, timeout=10)]
+
+
+async def test_a_tenant_whose_requests_keep_failing_is_refused_and_the_others_served(
+    guarded_mesh: Mesh, inference
+) -> None:
+    """50 requests of one tenant that fail in the engine: its first few fail, the rest are
+    refused RATE_LIMITED; the worker's breaker never trips, and another tenant's requests are
+    all served, as fast as alone (within 2x)."""
+
+    async def beta_latencies(count: int) -> list[float]:
+        seconds = []
+        for index in range(count):
+            started = time.monotonic()
+            events = await collect_as(inference, BETA, ids_request([4, 5, index], max_tokens=8))
+            assert assert_one_terminal(events) == "completed"
+            seconds.append(time.monotonic() - started)
+        return seconds
+
+    async def acme_flood() -> list[str]:
+        reasons = []
+        for index in range(50):
+            try:
+                events = await collect_as(inference, ACME, ids_request([POISON, index]))
+                reasons.append(events[-1].failed.error.reason)
+            except grpc.aio.AioRpcError as error:
+                reasons.append(rich_error(error).reason)
+        return reasons
+
+    alone = statistics.median(await beta_latencies(8))
+    flood = asyncio.create_task(acme_flood())
+    beside = await beta_latencies(8)
+    reasons = await flood
+    assert reasons == ["EXECUTION_FAILED"] * TENANT_FAILURES + ["RATE_LIMITED"] * (
+        50 - TENANT_FAILURES
+    )
+    assert statistics.median(beside) <= 2 * alone, (alone, beside)
+    listed = await inference.ListModels(inference_pb2.ListModelsRequest(), metadata=BETA)
+    assert sum(v.ready_replicas for v in listed.versions) == 1  # the breaker never tripped
+    await assert_mesh_idle(guarded_mesh)
 
 
 def test_api_keys_never_reach_a_log(guarded_mesh: Mesh) -> None:

@@ -128,3 +128,19 @@ def test_health_and_metrics_need_no_key(mesh: Mesh) -> None:
         text = response.read().decode()
     assert "kvmesh_time_to_first_token_seconds_bucket" in text
     assert "kvmesh_requests_total{" in text
+
+
+async def test_extreme_sampling_values_run_finite_or_are_400(mesh: Mesh) -> None:
+    """What once made NaN probabilities and a 500 (and counted toward the worker's breaker):
+    a vanishing temperature samples at the floor; a vanishing repetition penalty is refused."""
+    async with client(mesh) as c:
+        answer = await c.completions.create(
+            model="", prompt=PROMPT, max_tokens=4, temperature=1e-320, seed=1
+        )
+        assert answer.usage is not None and answer.usage.completion_tokens == 4
+        with pytest.raises(openai.BadRequestError) as raised:
+            await c.completions.create(
+                model="", prompt=PROMPT, max_tokens=4, extra_body={"repetition_penalty": 1e-300}
+            )
+    assert raised.value.code == "INVALID_SAMPLING_PARAMS"
+    assert "repetition_penalty" in str(raised.value.message)

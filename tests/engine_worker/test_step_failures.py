@@ -12,7 +12,12 @@ import torch
 
 from kvmesh.engine import Engine
 from services.engine_worker.sampler import sample
-from services.engine_worker.step_failures import CircuitBreaker, FaultInjector
+from services.engine_worker.step_failures import (
+    CircuitBreaker,
+    FaultInjector,
+    FaultRule,
+    InjectedFault,
+)
 from services.engine_worker.step_inputs import RequestState
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig
 from shared.sampling import SamplingParams
@@ -52,7 +57,7 @@ def test_an_injected_fault_fails_one_request_of_eight_and_the_rest_match_a_clean
     prompts[POISONED][5] = POISON
     clean = engine.generate(prompts, params)
     assert all(c.error is None and len(c.token_ids) == 8 for c in clean)
-    engine.worker.faults = FaultInjector(POISON, after_tokens=2)
+    engine.worker.faults = FaultInjector((FaultRule(POISON, after_tokens=2),))
     try:
         faulted = engine.generate(prompts, params)
     finally:
@@ -133,18 +138,61 @@ def test_a_matcher_that_raises_fails_only_its_row(monkeypatch: pytest.MonkeyPatc
     assert all(isinstance(o, SampledToken) for o in outcomes[1:])
 
 
+def test_a_row_whose_own_parameters_leave_no_finite_mass_fails_alone() -> None:
+    """Unvalidated parameters (the gateway refuses these; a row can still come out so): the
+    row fails with INVALID_SAMPLING_PARAMS, which the breaker never counts."""
+    bad = SamplingParams(max_tokens=4, temperature=1.0, repetition_penalty=1e-300)
+    good = SamplingParams(max_tokens=4, temperature=1.0, seed=3)
+    states = [RequestState("bad", [1, 2], [0], 1, bad, 2)]
+    states += [RequestState(f"r{i}", [1, 2], [0], 1, good, 2) for i in range(2)]
+    outcomes = sample(torch.randn(3, 32) + 5.0, states, torch.Generator())
+    assert isinstance(outcomes[0], FailedRequest)
+    assert (outcomes[0].reason, outcomes[0].error_type) == (
+        "INVALID_SAMPLING_PARAMS",
+        "NoSamplingMass",
+    )
+    assert all(isinstance(o, SampledToken) for o in outcomes[1:])
+
+
+def failed(count: int, reason: str = "EXECUTION_FAILED") -> list[FailedRequest]:
+    return [FailedRequest(f"r{i}", reason, "RuntimeError") for i in range(count)]
+
+
 def test_the_circuit_breaker_trips_on_failures_within_its_window() -> None:
     breaker = CircuitBreaker(max_failures=3, window_s=10.0, cooldown_s=5.0)
-    assert not breaker.record(2, now=0.0)
-    assert not breaker.record(1, now=11.0)  # the first two fell out of the window
-    assert not breaker.record(1, now=12.0)
-    assert breaker.record(1, now=13.0)  # three within 10 s
+    assert not breaker.record(failed(2), 0, now=0.0)
+    assert not breaker.record(failed(1), 0, now=11.0)  # the first two fell out of the window
+    assert not breaker.record(failed(1), 0, now=12.0)
+    assert breaker.record(failed(1), 0, now=13.0)  # three within 10 s
     assert breaker.open_until == 18.0
-    assert not breaker.record(5, now=14.0)  # open already: no second trip
-    assert not CircuitBreaker(max_failures=0).record(100)  # 0: off
+    assert not breaker.record(failed(5), 0, now=14.0)  # open already: no second trip
+    assert not CircuitBreaker(max_failures=0).record(failed(100), 0)  # 0: off
+
+
+def test_the_breaker_counts_only_what_says_something_of_the_worker() -> None:
+    breaker = CircuitBreaker(max_failures=3, window_s=10.0, cooldown_s=5.0)
+    # A request's own parameters, however many: never counted.
+    assert not breaker.record(failed(50, "INVALID_SAMPLING_PARAMS"), 0, now=0.0)
+    # Failures beside a request that sampled: the worker computes; nothing counted.
+    assert not breaker.record(failed(5), 1, now=1.0)
+    assert not breaker.record(failed(2), 0, now=2.0)
+    assert not breaker.record([], 4, now=3.0)  # a token sampled: the count starts over
+    assert not breaker.record(failed(2), 0, now=4.0)
+    assert breaker.record(failed(1), 0, now=5.0)  # three in a row, nothing sampled between
 
 
 def test_fault_injector_spec() -> None:
     assert FaultInjector.parse(None) is None and FaultInjector.parse("") is None
-    assert FaultInjector.parse("42") == FaultInjector(42, 1)
-    assert FaultInjector.parse("42:3") == FaultInjector(42, 3)
+    assert FaultInjector.parse("42") == FaultInjector((FaultRule(42, 1),))
+    assert FaultInjector.parse("42:3") == FaultInjector((FaultRule(42, 3),))
+    faults = FaultInjector.parse("42:1,7:2:worker")
+    assert faults is not None
+    assert faults.rules == (FaultRule(42, 1), FaultRule(7, 2, breaks_worker=True))
+    with pytest.raises(InjectedFault):
+        faults.check([42], 1)
+    faults.check([1, 2], 5)  # another request: the first rule fails only its own
+    faults.check([7], 1)  # not yet
+    with pytest.raises(InjectedFault):
+        faults.check([7], 2)
+    with pytest.raises(InjectedFault, match="broken"):
+        faults.check([1, 2], 5)  # every request from then on

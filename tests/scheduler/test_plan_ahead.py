@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from services.engine_worker.step_failures import FaultInjector
+from services.engine_worker.step_failures import FaultInjector, FaultRule
 from services.engine_worker.worker import Worker
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.tier_loads import TierPolicy
@@ -116,7 +116,7 @@ def test_a_request_that_fails_while_planned_ahead_ends_alone(worker: Worker) -> 
     """Step N fails it; step N+1, already planned, has its row: the worker skips that row (it
     reported the failure) and the rest of the batch goes on; nothing is held at the end."""
     poison = 13
-    worker.faults = FaultInjector(poison, after_tokens=3)
+    worker.faults = FaultInjector((FaultRule(poison, after_tokens=3),))
     try:
         config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=6)
         scheduler = Scheduler(
