@@ -15,6 +15,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from shared.chat_template import render_chat_template
 from shared.errors import KvmeshError, Reason
 from shared.gguf_metadata import read_gguf_metadata
+from shared.special_text import fence, pieces, special_pattern
 from shared.tool_prompt import renders_tools, with_tool_prompt
 
 _GGUF_CONTROL_TOKEN = 3  # llama.cpp token type: special tokens matched whole in text
@@ -51,6 +52,11 @@ class TextTokenizer:
         self.eos_token = eos_token
         self.add_bos = add_bos
         self._bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
+        added = tokenizer.get_added_tokens_decoder().values()
+        self._special = special_pattern(token.content for token in added)
+        # The same vocabulary with special-token strings read as text: a chat's own strings.
+        self._as_text = Tokenizer.from_str(tokenizer.to_str())
+        self._as_text.encode_special_tokens = True
 
     @property
     def vocab_size(self) -> int:
@@ -87,8 +93,18 @@ class TextTokenizer:
     def encode_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
-        """Token ids of a chat as the model expects it: the template writes any BOS itself."""
-        return self.encode(self.apply_chat_template(messages, tools), add_special_tokens=False)
+        """Token ids of a chat as the model expects it: the template writes any BOS itself,
+        and only the template writes control tokens (special_text.py)."""
+        if self._special is None:
+            return self.encode(self.apply_chat_template(messages, tools), add_special_tokens=False)
+        rendered = self.apply_chat_template(
+            fence(messages, self._special), fence(tools, self._special) if tools else None
+        )
+        ids: list[int] = []
+        for piece, plain in pieces(rendered):
+            encoder = self._as_text if plain else self.tokenizer
+            ids += encoder.encode(piece, add_special_tokens=False).ids
+        return ids
 
     def apply_chat_template(
         self,
