@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
 import time
 import urllib.error
 import urllib.request
@@ -144,3 +145,22 @@ async def test_extreme_sampling_values_run_finite_or_are_400(mesh: Mesh) -> None
             )
     assert raised.value.code == "INVALID_SAMPLING_PARAMS"
     assert "repetition_penalty" in str(raised.value.message)
+
+
+def test_invalid_unicode_is_400_in_the_openai_shape_with_no_traceback(mesh: Mesh) -> None:
+    """A lone surrogate, escaped in JSON, in a chat message: refused before anything reads it."""
+    body = b'{"messages": [{"role": "user", "content": "hi \\ud800 there"}], "max_tokens": 2}'
+    request = urllib.request.Request(
+        f"{mesh.http_url}/chat/completions",
+        body,
+        headers={"Authorization": "Bearer sk-acme", "Content-Type": "application/json"},
+        method="POST",
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 400
+    error = json.load(refused.value)["error"]
+    assert (error["code"], error["type"]) == ("INVALID_ARGUMENT", "invalid_request_error")
+    assert "Unicode" in error["message"]
+    gateway_log = pathlib.Path(mesh.service("gateway").log_path).read_text()
+    assert "Traceback" not in gateway_log

@@ -10,6 +10,7 @@ sampling extensions vLLM users know (`top_k`, `min_p`, `repetition_penalty`, `ig
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,9 @@ class OpenAIRequest:
     model: str = ""
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
@@ -89,6 +93,11 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise _invalid("the body's JSON is nested too deeply") from None
     if not isinstance(body, dict):
         raise _invalid("the body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):  # JSON may escape a lone one, which UTF-8 cannot carry
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise _invalid(f"the body holds invalid Unicode: {error.reason}") from None
     return body
 
 

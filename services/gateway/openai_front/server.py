@@ -125,6 +125,9 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
         response = error_response(KvmeshError(Reason.INVALID_ARGUMENT, problem))
         response.set_status(error.status)
         return response
+    except Exception:  # a bug: its traceback to the log, the API's error shape to the client
+        log.exception("unexpected error in the HTTP front", extra={"path": request.path})
+        return error_response(KvmeshError(Reason.INTERNAL, "internal error"))
 
 
 class OpenAIFront:
