@@ -15,7 +15,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from shared.chat_template import render_chat_template
 from shared.errors import KvmeshError, Reason
 from shared.gguf_metadata import read_gguf_metadata
-from shared.special_text import fence, pieces, special_pattern
+from shared.prompt_bound import check_length, longest_token_bytes
+from shared.special_text import CLOSE, OPEN, fence, pieces, special_pattern
 from shared.tool_prompt import renders_tools, with_tool_prompt
 
 _GGUF_CONTROL_TOKEN = 3  # llama.cpp token type: special tokens matched whole in text
@@ -57,12 +58,18 @@ class TextTokenizer:
         # The same vocabulary with special-token strings read as text: a chat's own strings.
         self._as_text = Tokenizer.from_str(tokenizer.to_str())
         self._as_text.encode_special_tokens = True
+        self.longest_token_bytes = longest_token_bytes(tokenizer)
 
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, *, add_special_tokens: bool = True, max_tokens: int = 0
+    ) -> list[int]:
+        """With `max_tokens`, a text that certainly has more is refused PROMPT_TOO_LONG before
+        it is encoded whole (prompt_bound.py)."""
+        check_length(self.tokenizer, text, max_tokens, self.longest_token_bytes)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self._bos_id is not None:
             ids = [self._bos_id, *ids]
@@ -91,15 +98,22 @@ class TextTokenizer:
         return isinstance(self.tokenizer.decoder, decoders.ByteLevel)
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        max_tokens: int = 0,
     ) -> list[int]:
         """Token ids of a chat as the model expects it: the template writes any BOS itself,
         and only the template writes control tokens (special_text.py)."""
         if self._special is None:
-            return self.encode(self.apply_chat_template(messages, tools), add_special_tokens=False)
+            rendered = self.apply_chat_template(messages, tools)
+            return self.encode(rendered, add_special_tokens=False, max_tokens=max_tokens)
         rendered = self.apply_chat_template(
             fence(messages, self._special), fence(tools, self._special) if tools else None
         )
+        unfenced = rendered.replace(OPEN, "").replace(CLOSE, "")
+        check_length(self.tokenizer, unfenced, max_tokens, self.longest_token_bytes)
         ids: list[int] = []
         for piece, plain in pieces(rendered):
             encoder = self._as_text if plain else self.tokenizer

@@ -97,7 +97,9 @@ class Admission:
         telemetry.prompt(request.text)
         with telemetry.phase("tokenize") as span:
             metadata = telemetry.phase_metadata(span)
-            token_ids = await self.tokenizer.prompt_token_ids(request, model, remaining, metadata)
+            token_ids = await self.tokenizer.prompt_token_ids(
+                request, model, remaining, metadata, self.policy.limits.prompt_limit(model)
+            )
             span.set_attribute("gen_ai.usage.input_tokens", len(token_ids))
         sampling = checked.sampling
         self.policy.limits.check_tokens(len(token_ids), sampling.max_tokens)

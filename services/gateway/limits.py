@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.errors import KvmeshError, Reason
+from shared.pb.kvmesh.v1 import common_pb2
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
@@ -25,6 +26,14 @@ class RequestLimits:
                 f"the request is {num_bytes} bytes; this gateway takes at most "
                 f"{self.max_request_bytes}",
             )
+
+    def prompt_limit(self, model: common_pb2.ModelInfo) -> int:
+        """The most prompt tokens a request to `model` may have: one less than its context
+        (a prompt must leave room for a token), or --max-prompt-tokens if that is lower."""
+        limit = model.max_model_len - 1 if model.max_model_len > 1 else 0
+        if self.max_prompt_tokens and (not limit or self.max_prompt_tokens < limit):
+            return self.max_prompt_tokens
+        return limit
 
     def check_tokens(self, prompt_tokens: int, max_tokens: int) -> None:
         if self.max_prompt_tokens and prompt_tokens > self.max_prompt_tokens:

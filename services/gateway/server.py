@@ -103,7 +103,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     ) -> tuple[list[int], common_pb2.ModelInfo]:
         self.policy.api_keys.authenticate(context.invocation_metadata())
         model = self.catalog.pick(request.model).served_model()
-        ids = await self.tokenizer.prompt_token_ids(request, model, context.time_remaining())
+        self.policy.limits.check_size(request.ByteSize())
+        limit = self.policy.limits.prompt_limit(model)  # no longer than a prompt could be
+        ids = await self.tokenizer.prompt_token_ids(
+            request, model, context.time_remaining(), max_tokens=limit
+        )
         return ids, model
 
     async def Tokenize(

@@ -48,9 +48,11 @@ class TokenizerLink:
         model: common_pb2.ModelInfo,
         timeout: float | None,
         metadata: tuple[tuple[str, str], ...] = (),
+        max_tokens: int = 0,
     ) -> list[int]:
         """The request's prompt as token ids: its own (checked against the vocabulary), or its
-        text or chat encoded by the tokenizer service."""
+        text or chat encoded by the tokenizer service, which refuses one that certainly has
+        more than `max_tokens` before encoding it whole."""
         kind = request.WhichOneof("input")
         if kind == "token_ids":
             ids = list(request.token_ids.ids)  # type: ignore[union-attr]
@@ -65,6 +67,7 @@ class TokenizerLink:
                 encode = tokenizer_pb2.EncodeRequest(text=request.text, model=model.name)
             else:
                 encode = tokenizer_pb2.EncodeRequest(chat=request.chat, model=model.name)
+            encode.max_tokens = max_tokens
             try:
                 reply = await self.stub.Encode(encode, timeout=timeout, metadata=metadata)
             except grpc.RpcError as error:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,9 @@ tracer = trace.get_tracer("kvmesh.tokenizer")
 ENCODE_SECONDS = Histogram(
     "kvmesh_tokenizer_encode_seconds", "Time to encode one text or chat", buckets=TOKEN_SECONDS
 )
+# Encodes at once, off the event loop. HF tokenizers hold the GIL while they encode, so these
+# interleave between a long prompt's counted pieces (prompt_bound.py) rather than run together.
+ENCODE_THREADS = 2
 TOKENS = Counter("kvmesh_tokenizer_tokens", "Tokens encoded and detokenized", ["direction"])
 
 
@@ -51,6 +56,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             raise ValueError("a tokenizer service needs at least one tokenizer")
         self.runtime = runtime
         self.tokenizers = tokenizers
+        self._encoding = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="encode")
 
     def loaded(self, model: str) -> LoadedTokenizer:
         found = self.tokenizers.get(model) or self.tokenizers.get("")
@@ -77,10 +83,11 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         tokenizer = self._require(request.model)
         kind = request.WhichOneof("input")
         if kind == "text":
-            return tokenizer.encode(request.text)
+            return tokenizer.encode(request.text, max_tokens=request.max_tokens)
         if kind == "chat":
             tools = function_specs(list(request.chat.tools)) if request.chat.tools else None
-            return tokenizer.encode_chat(chat_messages(request.chat), tools)
+            messages = chat_messages(request.chat)
+            return tokenizer.encode_chat(messages, tools, max_tokens=request.max_tokens)
         raise KvmeshError(Reason.INVALID_ARGUMENT, "give text or a chat to encode")
 
     async def Encode(
@@ -89,8 +96,10 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         parent = context_from_metadata(context.invocation_metadata())
         with tracer.start_as_current_span("tokenizer.Encode", parent, SpanKind.SERVER) as span:
             started = time.perf_counter()
-            try:
-                token_ids = self.encode(request)
+            try:  # off the event loop: a long prompt never holds the detokenizing streams
+                token_ids = await asyncio.get_running_loop().run_in_executor(
+                    self._encoding, self.encode, request
+                )
             except KvmeshError as error:
                 span.set_attribute("kvmesh.error.reason", error.reason.value)
                 raise

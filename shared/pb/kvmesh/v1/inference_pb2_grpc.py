@@ -116,7 +116,8 @@ class InferenceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Token ids of a text or chat, as Generate would see them.
+        """Token ids of a text or chat, as Generate would see them; PROMPT_TOO_LONG past the longest
+        prompt the model takes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("text", "chat", "model")
+    __slots__ = ("text", "chat", "model", "max_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: _common_pb2.Chat
     model: str
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.Chat, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.Chat, _Mapping]] = ..., model: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("token_ids",)

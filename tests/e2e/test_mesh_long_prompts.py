@@ -1,0 +1,58 @@
+"""A prompt far past the context is refused without holding anyone: three 3.9 MB prompts sent
+with a normal chat leave the chat's TTFT within 2x of alone, and each is PROMPT_TOO_LONG."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import grpc
+
+from kvmesh.launcher import Mesh
+from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.e2e.mesh_helpers import rich_error
+
+HUGE = "word " * 780_000  # 3.9 MB, under the 4 MiB request limit
+
+
+def chat_request(index: int) -> inference_pb2.GenerateRequest:
+    message = common_pb2.ChatMessage(role="user", content=f"Say hello to friend number {index}.")
+    return inference_pb2.GenerateRequest(
+        chat=common_pb2.Chat(messages=[message]),
+        sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
+    )
+
+
+async def ttft(stub: inference_pb2_grpc.InferenceStub, index: int) -> float:
+    started = time.monotonic()
+    async for event in stub.Generate(chat_request(index), timeout=60):
+        if event.WhichOneof("event") == "delta":
+            return time.monotonic() - started
+    raise AssertionError("no token")
+
+
+async def refused_reason(stub: inference_pb2_grpc.InferenceStub) -> str:
+    request = inference_pb2.GenerateRequest(text=HUGE)
+    try:
+        async for _event in stub.Generate(request, timeout=60):
+            pass
+    except grpc.aio.AioRpcError as error:
+        return rich_error(error).reason
+    return "accepted"
+
+
+async def test_huge_prompts_are_refused_without_holding_a_normal_chat(mesh: Mesh) -> None:
+    async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        await ttft(stub, 0)  # warm
+        alone = [await ttft(stub, index) for index in range(1, 6)]
+        beside, reasons = [], []
+        for index in range(6, 11):
+            results = await asyncio.gather(
+                ttft(stub, index), *(refused_reason(stub) for _ in range(3))
+            )
+            beside.append(results[0])
+            reasons += results[1:]
+    assert set(reasons) == {"PROMPT_TOO_LONG"}
+    assert statistics.median(beside) <= 2 * statistics.median(alone), (alone, beside)
