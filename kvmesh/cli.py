@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from kvmesh import run_file
 from kvmesh.bench_cli import add_bench_parser, run_bench_command
 from kvmesh.convert import add_convert_parser, run_convert
-from kvmesh.mesh_cli import add_remote_flags, add_up_parser, run_chat, run_remote_generate, run_up
+from kvmesh.mesh_cli import add_up_parser, run_up
 from kvmesh.models_cli import add_models_parser, run_models
 from kvmesh.prepare_cli import add_prepare_parser, run_prepare
+from kvmesh.remote_cli import add_remote_flags, run_chat, run_remote_generate
 from kvmesh.trace_cli import add_trace_parser, run_trace
 from shared.errors import KvmeshError
 from shared.flags import add_engine_flags, engine_config

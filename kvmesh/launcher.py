@@ -2,8 +2,8 @@
 
 Order: redis-server (unless a URL is given), trace-collector, tokenizer, engine-worker(s),
 scheduler(s), gateway; each must report SERVING on grpc.health.v1 before the mesh counts as
-up. Stopping goes the other way: the gateway drains first so no new work reaches the rest.
-"""
+up; with `supervise`, one that exits is restarted (supervisor.py). Stopping goes the other way:
+the gateway drains first so no new work reaches the rest."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import time
 from kvmesh.local_redis import redis_command, wait_for_redis
 from kvmesh.mesh_config import MeshConfig, ModelPair
 from kvmesh.service_process import ServiceProcess, free_port
+from kvmesh.supervisor import Supervisor
 from shared.model_entry import ModelEntry
 from shared.model_paths import default_embedding_model_path, is_encoder
 from shared.model_repository import ModelRepository
@@ -39,6 +40,7 @@ class Mesh:
         self.collector_address = ""
         self.pairs: list[ModelPair] = []  # with `models`: every pair, by model version
         self.repository = ModelRepository(config.model_repo)
+        self.supervisor: Supervisor | None = None
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -53,6 +55,8 @@ class Mesh:
         except BaseException:
             self.stop()
             raise
+        if self.config.supervise:
+            self.supervisor = Supervisor(lambda: self.services, self.config.back_off).started()
 
     def _start_all(self) -> None:
         config = self.config
@@ -286,9 +290,10 @@ class Mesh:
         return service
 
     def stop(self, timeout_s: float | None = None) -> None:
-        """SIGTERM in reverse start order (gateway first), each given time to drain; SIGKILL
-        whatever is still there after that."""
+        """SIGTERM in reverse start order (gateway first), each given time to drain; SIGKILL."""
         timeout = self.config.drain_seconds + 5 if timeout_s is None else timeout_s
+        if self.supervisor is not None:
+            self.supervisor.stop()
         for service in reversed(self.services):
             service.terminate(timeout)
         self.services.clear()

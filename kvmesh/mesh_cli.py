@@ -1,4 +1,4 @@
-"""`kvmesh up`, and `generate`/`chat` against a running mesh (`--addr`)."""
+"""`kvmesh up`: start the mesh, print its addresses, supervise it, stop it on a signal."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ import sys
 import time
 
 import grpc
+from prometheus_client import start_http_server
 
 from kvmesh import run_file
-from kvmesh.client import MeshClient, generate_request
+from kvmesh.client import generate_request
 from kvmesh.control_server import serve_control
 from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.remote_cli import stream_to_terminal
 from kvmesh.rollout import RolloutController
 from kvmesh.service_process import free_port
 from shared.errors import KvmeshError, Reason
@@ -26,8 +28,6 @@ from shared.flags import (
 )
 from shared.handover_flags import add_handover_flags, handover_flag_args
 from shared.model_repository import ModelRepository
-from shared.outputs import finish_reason_label
-from shared.pb.kvmesh.v1 import inference_pb2
 
 
 def add_up_parser(commands: argparse._SubParsersAction) -> None:
@@ -77,6 +77,18 @@ def add_up_parser(commands: argparse._SubParsersAction) -> None:
         default=50050,
         help="rollout control (`kvmesh models deploy`); 0 picks a free one, -1: off",
     )
+    up.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="leave a service that exits down (default: restart it, with back-off)",
+    )
+    up.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="this launcher's Prometheus endpoint (services restarted), on --host; 0 picks a "
+        "free one, -1: off",
+    )
     add_worker_flags(up)  # forwarded to every engine-worker
     add_scheduler_flags(up, step_limits=False)  # forwarded to every scheduler
     add_handover_flags(up, per_pair=False)  # forwarded too; each pair's role is ours
@@ -85,20 +97,6 @@ def add_up_parser(commands: argparse._SubParsersAction) -> None:
         "--prompt",
         help="once ready, stream one answer to this prompt through the gateway, then stop",
     )
-
-
-def add_remote_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--addr",
-        nargs="?",
-        const="up",
-        help="gateway HOST:PORT of a running mesh; alone: the mesh `kvmesh up` started "
-        "(without it, generate runs the engine in this process)",
-    )
-    parser.add_argument(
-        "--stop", action="append", default=[], help="stop string (repeatable; mesh only)"
-    )
-    parser.add_argument("--timeout", type=float, help="deadline in seconds (mesh only)")
 
 
 def mesh_config(args: argparse.Namespace) -> MeshConfig:
@@ -127,11 +125,13 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
         scheduler_args=scheduler_flag_args(args) + handover_flag_args(args),
         gateway_args=gateway_flag_args(args),
         log_dir=args.log_dir,
+        supervise=not args.no_restart,
     )
 
 
-def mesh_addresses(mesh: Mesh, control: str) -> dict[str, object]:
+def mesh_addresses(mesh: Mesh, control: str, own_metrics: str = "") -> dict[str, object]:
     """What `kvmesh up` prints and records: every address a client or an operator needs."""
+    metrics = {s.name: s.metrics_url for s in mesh.services if s.metrics_url}
     return {
         "gateway": mesh.gateway_address,
         "http": mesh.http_url,
@@ -139,7 +139,7 @@ def mesh_addresses(mesh: Mesh, control: str) -> dict[str, object]:
         "redis": mesh.redis_url or "",
         "control": control,
         "logs": mesh.log_dir,
-        "metrics": {s.name: s.metrics_url for s in mesh.services if s.metrics_url},
+        "metrics": {"kvmesh-up": own_metrics, **metrics} if own_metrics else metrics,
     }
 
 
@@ -162,7 +162,12 @@ def run_up(args: argparse.Namespace) -> int:
         if args.control_port >= 0 and not args.prompt:  # --prompt: stopped right after
             control_address = f"{args.host}:{args.control_port or free_port(args.host)}"
             control = serve_control(RolloutController(mesh), control_address)
-        addresses = mesh_addresses(mesh, control_address)
+        own_metrics = ""
+        if args.metrics_port >= 0 and not args.prompt:
+            port = args.metrics_port or free_port(args.host)
+            start_http_server(port, addr=args.host)
+            own_metrics = f"http://{args.host}:{port}/metrics"
+        addresses = mesh_addresses(mesh, control_address, own_metrics)
         recorded = run_file.write(addresses)
         print(f"kvmesh: ready in {time.perf_counter() - started:.1f}s", file=sys.stderr)
         for name, value in addresses.items():
@@ -196,94 +201,3 @@ def run_up(args: argparse.Namespace) -> int:
             control.stop(grace=1.0)
         mesh.stop()
     return 0
-
-
-def stream_to_terminal(
-    address: str, request: inference_pb2.GenerateRequest, timeout: float | None
-) -> int:
-    """Streams one answer to stdout; a summary line to stderr. Exit 2 on any failure."""
-    with MeshClient(address) as client:
-        for event in client.stream(request, timeout=timeout):
-            kind = event.WhichOneof("event")
-            if kind == "delta":
-                sys.stdout.write(event.delta.text)
-                sys.stdout.flush()
-            elif kind == "completed":
-                done = event.completed
-                reason = finish_reason_label(done.finish_reason)
-                sys.stdout.write("\n")
-                moved = done.execution.handover
-                handover = (
-                    f"; {moved.blocks} blocks handed over from {moved.prefill_worker} "
-                    f"({moved.outcome})"
-                    if done.execution.HasField("handover")
-                    else ""
-                )
-                print(
-                    f"[{reason}; "
-                    f"{done.usage.prompt_tokens} prompt + {done.usage.completion_tokens} "
-                    f"tokens; ttft {done.timings.ttft_ms:.0f} ms, "
-                    f"total {done.timings.total_ms:.0f} ms{handover}]",
-                    file=sys.stderr,
-                )
-            elif kind == "cancelled":
-                print("\n[cancelled]", file=sys.stderr)
-                return 2
-            elif kind == "failed":
-                error = event.failed.error
-                print(f"\nkvmesh: error: {error.reason}: {error.message}", file=sys.stderr)
-                return 2
-    return 0
-
-
-def run_remote_generate(args: argparse.Namespace, sampling: dict) -> int:
-    if args.raw:
-        request = generate_request(args.prompt, stop=args.stop, **sampling)
-    else:
-        messages = [{"role": "user", "content": args.prompt}]
-        request = generate_request(messages=messages, stop=args.stop, **sampling)
-    return stream_to_terminal(args.addr, request, args.timeout)
-
-
-def run_chat(args: argparse.Namespace, sampling: dict) -> int:
-    """A conversation: each line you type is a user turn; the history goes with every call."""
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    with MeshClient(args.addr) as client:
-        while True:
-            try:
-                line = input("> ")
-            except EOFError:
-                return 0
-            if not line.strip():
-                continue
-            messages.append({"role": "user", "content": line})
-            request = generate_request(messages=messages, stop=args.stop, **sampling)
-            answer = _stream_answer(client, request, args.timeout)
-            if answer is None:
-                messages.pop()  # a failed turn is not part of the conversation
-                continue
-            messages.append({"role": "assistant", "content": answer})
-
-
-def _stream_answer(
-    client: MeshClient, request: inference_pb2.GenerateRequest, timeout: float | None
-) -> str | None:
-    answer: list[str] = []
-    try:
-        for event in client.stream(request, timeout=timeout):
-            kind = event.WhichOneof("event")
-            if kind == "delta":
-                answer.append(event.delta.text)
-                sys.stdout.write(event.delta.text)
-                sys.stdout.flush()
-            elif kind == "failed":
-                error = event.failed.error
-                print(f"\nkvmesh: error: {error.reason}: {error.message}", file=sys.stderr)
-                return None
-    except KvmeshError as error:
-        print(f"kvmesh: error: {error}", file=sys.stderr)
-        return None
-    sys.stdout.write("\n")
-    return "".join(answer)

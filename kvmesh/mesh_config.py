@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmesh.service_process import ServiceProcess
+from kvmesh.supervisor import BackOff
 from shared.step_limit_flags import step_limit_args_of
 
 
@@ -38,6 +39,10 @@ class MeshConfig:
     ready_timeout_s: float = 1200.0
     drain_seconds: float = 10.0
     tracing: bool = True  # every service sends spans to the mesh's trace-collector
+    # Restart a service that exits (kvmesh/supervisor.py); `kvmesh up` does, tests that kill
+    # services on purpose do not.
+    supervise: bool = False
+    back_off: BackOff = field(default_factory=BackOff)
 
     @property
     def pair_worker_args(self) -> list[str]:

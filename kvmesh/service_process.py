@@ -9,8 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -77,6 +78,9 @@ class ServiceProcess:
     command: list[str]
     env: dict[str, str]
     metrics_url: str | None = None  # its Prometheus endpoint
+    stopping: bool = False  # stopped on purpose: never restarted by the supervisor
+    # Held while its process is replaced: a supervisor's restart and a caller's never overlap.
+    _replacing: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @classmethod
     def start(
@@ -96,10 +100,21 @@ class ServiceProcess:
 
     def restart(self) -> None:
         """Same command, same port (SIGKILL first if it still runs)."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        self.process = _spawn(self.command, self.env, self.log_path)
+        with self._replacing:
+            if self.process.poll() is None:
+                self.process.kill()
+            self.process.wait()
+            self.stopping = False
+            self.process = _spawn(self.command, self.env, self.log_path)
+
+    def revive(self) -> bool:
+        """Starts it again, same command and port, if it exited and was not stopped on
+        purpose; whether it did."""
+        with self._replacing:
+            if self.stopping or self.process.poll() is None:
+                return False
+            self.process = _spawn(self.command, self.env, self.log_path)
+            return True
 
     def wait_ready(self, deadline: float, health_name: str = "") -> None:
         """Until its health says SERVING (`health_name` "": ready; LIVENESS: listening);
@@ -128,6 +143,7 @@ class ServiceProcess:
                 time.sleep(0.1)
 
     def terminate(self, timeout_s: float) -> None:
+        self.stopping = True
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:

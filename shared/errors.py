@@ -28,6 +28,9 @@ class Reason(str, Enum):
     PERMISSION_DENIED = "PERMISSION_DENIED"  # a valid key without the right (admin calls)
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # the request's deadline passed first
     WORKER_LOST = "WORKER_LOST"  # the scheduler or engine-worker serving it stopped responding
+    # The model was served, and no replica is ready now (down, restarting, draining, its
+    # circuit breaker open): retry after RetryInfo.
+    WORKER_UNAVAILABLE = "WORKER_UNAVAILABLE"
     # The engine raised computing this request (a grammar, the sampler, non-finite logits): the
     # request ends, the rest of its batch goes on. Not retryable: it would fail again.
     EXECUTION_FAILED = "EXECUTION_FAILED"

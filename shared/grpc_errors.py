@@ -29,6 +29,7 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.MODEL_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Reason.TRACE_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Reason.MODEL_NOT_READY: grpc.StatusCode.UNAVAILABLE,
+    Reason.WORKER_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     Reason.KV_CACHE_TOO_SMALL: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.MODEL_DOES_NOT_FIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -27,6 +27,7 @@ from services.gateway.policy import GatewayPolicy
 from services.gateway.rate_limits import Grant
 from services.gateway.request_record import ActiveRequest, Admitted
 from services.gateway.request_sampling import for_completion, num_completions, resolve_sampling
+from services.gateway.request_telemetry import span_seed
 from services.gateway.router import Routed, RouteDecision
 from services.gateway.stop_strings import check_stop_strings
 from services.gateway.tokenizer_link import TokenizerLink
@@ -135,7 +136,7 @@ class Admission:
                 "gen_ai.request.max_tokens": sampling.max_tokens,
                 "gen_ai.request.temperature": sampling.temperature,
                 "gen_ai.request.top_p": sampling.top_p,
-                "gen_ai.request.seed": admitted.sampling_pb.seed,
+                "gen_ai.request.seed": span_seed(admitted.sampling_pb.seed),
                 "gen_ai.usage.input_tokens": len(token_ids),
                 "kvmesh.tenant": checked.tenant.name,
                 **route.span_attributes(),

@@ -50,6 +50,8 @@ class ModelCatalog:
         requested_name, _, version = model.partition("@")
         name = self.canonical(requested_name, task)
         own = self._backends(task)
+        if task == "embed" and not own and not requested_name:
+            raise KvmeshError(Reason.MODEL_NOT_FOUND, "this mesh serves no embedding model")
         other = self._backends("generate" if task == "embed" else "embed")
         if not any(b.name == name for b in own) and any(b.name == name for b in other):
             use = "Embed (/v1/embeddings)" if task == "generate" else "Generate"
@@ -64,8 +66,16 @@ class ModelCatalog:
             # A backend not ready yet (or not yet resolved from DNS) may turn out to serve it:
             # not ready rather than unknown.
             discovering = any(d.name in ("", name) for d in self.registry.discoveries)
+            what = f"model {model!r}" if model else "the default model"
+            if any(b.last_name and b.last_name == (name or b.last_name) for b in live):
+                raise KvmeshError(
+                    Reason.WORKER_UNAVAILABLE,
+                    f"{what} has no ready replica: its engine-workers are down, restarting or "
+                    "draining",
+                    retryable=True,
+                    retry_after_ms=1000,
+                )
             if known or not name or discovering or any(not b.name for b in live):
-                what = f"model {model!r}" if model else "the default model"
                 raise KvmeshError(
                     Reason.MODEL_NOT_READY,
                     f"{what} is loading: no scheduler serving it is ready yet",

@@ -58,6 +58,7 @@ class ModelBackend:
         self.declared_version = declared_version
         self.retired = False  # removed: no new requests, its streams finish
         self.in_flight = 0  # streams this gateway has open there (a removal waits for them)
+        self.last_name = ""  # the model it served last: a backend down now is not "loading"
 
     @classmethod
     def from_spec(cls, spec: str) -> Self:
@@ -94,6 +95,8 @@ class ModelBackend:
         async def on_status(serving: bool) -> None:
             was = self.model
             self.model = await self.fetch_model() if serving else None
+            if self.model is not None:
+                self.last_name = self.model.name
             if serving or was is not None:
                 await on_change()
 

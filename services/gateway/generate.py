@@ -34,7 +34,7 @@ from services.gateway.stall import ClientStalled
 from services.gateway.tenants import end_user_digest
 from services.gateway.text_stream import TextStream
 from services.gateway.tokenizer_link import TokenizerLink
-from shared.errors import KvmeshError
+from shared.errors import KvmeshError, Reason
 from shared.logs import bind_request
 from shared.pb.kvmesh.v1 import inference_pb2, scheduler_pb2
 from shared.service import ServiceRuntime
@@ -42,6 +42,7 @@ from shared.service import ServiceRuntime
 log = logging.getLogger("kvmesh.gateway")
 Event = inference_pb2.GenerateEvent
 TERMINAL = ("completed", "cancelled", "failed")
+MAX_REQUEST_ID_CHARS = 256  # a client id is a key and a log field, not a payload
 MAX_ATTEMPTS = 2  # the first placement and one fail-over
 
 
@@ -65,6 +66,12 @@ class GenerateHandler:
         return self.admission.active
 
     def _start(self, request: inference_pb2.GenerateRequest, context: CallContext) -> GenerateCall:
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # before any log line carries it
+            raise KvmeshError(
+                Reason.INVALID_ARGUMENT,
+                f"request_id is {len(request.request_id)} characters; at most "
+                f"{MAX_REQUEST_ID_CHARS}",
+            )
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         bind_request(request_id)
         telemetry = RequestTelemetry(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -171,6 +172,7 @@ def terminal_reason(event: inference_pb2.GenerateEvent) -> str:
     return event.failed.error.reason or "internal"
 
 
+log = logging.getLogger("kvmesh.gateway")
 LOST_PEER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL)
 
 
@@ -185,9 +187,11 @@ def upstream_failure(error: grpc.RpcError | KvmeshError, emitted: bool) -> Kvmes
     else:
         failure = grpc_errors.from_rpc_error(error)
         if error.code() in LOST_PEER_CODES and grpc_errors.rich_status_of(error) is None:
+            # gRPC's detail names addresses: the log has it, the client a plain sentence.
+            log.warning("upstream lost", extra={"detail": failure.message})
             failure = KvmeshError(
                 Reason.WORKER_LOST,
-                f"a service on the request's path stopped responding: {failure.message}",
+                "a service on the request's path stopped responding",
                 retryable=True,
                 retry_after_ms=1000,
             )

@@ -164,3 +164,9 @@ class RequestTelemetry:
             self._delivery.end()
         self.root.set_status(status)
         self.root.end()
+
+
+def span_seed(seed: int) -> int | str:
+    """A seed as a span attribute: OTLP integers are signed 64-bit, and a seed may use all 64
+    bits (a larger one would fail the whole export batch), so those go as text."""
+    return seed if seed < 1 << 63 else str(seed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 
@@ -11,6 +12,8 @@ import grpc
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+
+log = logging.getLogger("kvmesh.gateway")
 
 
 class TextStream:
@@ -79,9 +82,10 @@ def tokenizer_failure(error: grpc.RpcError) -> KvmeshError:
     failure = grpc_errors.from_rpc_error(error)
     lost_codes = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL)
     if error.code() in lost_codes and grpc_errors.rich_status_of(error) is None:
+        log.warning("tokenizer lost", extra={"detail": failure.message})  # never to a client
         return KvmeshError(
             Reason.TOKENIZER_LOST,
-            f"the tokenizer service is unreachable: {failure.message}",
+            "the tokenizer service is unreachable",
             retryable=True,
             retry_after_ms=1000,
         )

@@ -101,7 +101,9 @@ class StepLoop:
                 await self._step_until_lost(self.scheduler)
             except WorkerLost as lost:
                 await self.set_ready(False)
-                self._fail_all(str(lost))
+                # The address and gRPC's detail go to this log, never to a client.
+                log.warning("worker lost", extra={"detail": str(lost), "open": len(self.tracked)})
+                self._fail_all()
             except WorkerDrained:
                 log.info("worker drained: released it; waiting for a worker to serve again")
             self.scheduler = None
@@ -252,11 +254,11 @@ class StepLoop:
             tracked.timer.cancel()
         self.tracked.pop(tracked.request_id, None)
 
-    def _fail_all(self, detail: str) -> None:
+    def _fail_all(self) -> None:
         """Every open request fails with WORKER_LOST; only those that emitted no token are
         safe for a client to resend as they are."""
         for tracked in list(self.tracked.values()):
-            error = worker_lost_error(detail, emitted_tokens=tracked.output_tokens > 0)
+            error = worker_lost_error(emitted_tokens=tracked.output_tokens > 0)
             self._close(tracked, scheduler_pb2.SubmitEvent(failed=grpc_errors.to_pb(error)))
 
     def abort(self, request_id: str) -> bool:

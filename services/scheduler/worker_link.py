@@ -191,12 +191,13 @@ class WorkerLink:
             self._channel = None
 
 
-def worker_lost_error(detail: str, *, emitted_tokens: bool) -> KvmeshError:
+def worker_lost_error(*, emitted_tokens: bool) -> KvmeshError:
     """Retryable only before the first token: a resent request that already streamed tokens
-    would show its client those tokens twice (or, sampled, different ones)."""
+    would show its client those tokens twice (or, sampled, different ones). The message names
+    no address: the scheduler's log has it."""
     return KvmeshError(
         Reason.WORKER_LOST,
-        f"the engine-worker stopped responding ({detail})",
+        "the engine-worker computing this request stopped responding",
         retryable=not emitted_tokens,
         retry_after_ms=0 if emitted_tokens else 1000,
     )

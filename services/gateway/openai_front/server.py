@@ -55,6 +55,7 @@ HTTP_STATUS = {
     Reason.RATE_LIMITED: 429,  # the tenant's own limits
     Reason.OVERLOADED: 503,  # the mesh's capacity: OpenAI's "engine overloaded"
     Reason.MODEL_NOT_READY: 503,
+    Reason.WORKER_UNAVAILABLE: 503,
     Reason.WORKER_LOST: 503,
     Reason.TOKENIZER_LOST: 503,
     Reason.UNREACHABLE: 503,
