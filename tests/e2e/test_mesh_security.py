@@ -5,6 +5,7 @@ mesh with auth on; the content check runs on the real model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import pathlib
 import statistics
@@ -238,6 +239,44 @@ async def test_a_tenant_whose_requests_keep_failing_is_refused_and_the_others_se
     listed = await inference.ListModels(inference_pb2.ListModelsRequest(), metadata=BETA)
     assert sum(v.ready_replicas for v in listed.versions) == 1  # the breaker never tripped
     await assert_mesh_idle(guarded_mesh)
+
+
+async def test_a_huge_request_id_is_refused_before_any_log_holds_it(
+    guarded_mesh: Mesh, inference
+) -> None:
+    request = ids_request([1, 2], max_tokens=2)
+    request.request_id = "x" * 1_000_000
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await collect_as(inference, ACME, request)
+    error = rich_error(refused.value)
+    assert (error.code, error.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT")
+    gateway_log = pathlib.Path(guarded_mesh.service("gateway").log_path).read_text()
+    assert "x" * 1000 not in gateway_log
+
+
+async def test_a_seed_using_all_64_bits_is_traced_like_any_other(
+    guarded_mesh: Mesh, inference
+) -> None:
+    """OTLP integers are signed: the gateway's span export once failed on such a seed."""
+    request = ids_request([1, 2], max_tokens=2, seed=(1 << 64) - 1)
+    request.request_id = "seed-64"
+    events = await collect_as(inference, BETA, request)  # acme may be refused: its failures
+    assert events[-1].completed.execution.sampling.seed == (1 << 64) - 1
+    async with grpc.aio.insecure_channel(guarded_mesh.collector_address) as channel:
+        traces = traces_pb2_grpc.TracesStub(channel)
+        for _ in range(100):  # spans are exported in batches
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                query = traces_pb2.GetTraceRequest(request_id=events[0].accepted.request_id)
+                trace = await traces.GetTrace(query)
+                if any(s.service == "gateway" and s.name == "kvmesh.Generate" for s in trace.spans):
+                    break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the gateway's span never arrived")
+    root = next(s for s in trace.spans if s.name == "kvmesh.Generate")
+    assert root.attributes["gen_ai.request.seed"] == str((1 << 64) - 1)
+    gateway_log = pathlib.Path(guarded_mesh.service("gateway").log_path).read_text()
+    assert "Traceback" not in gateway_log
 
 
 def test_api_keys_never_reach_a_log(guarded_mesh: Mesh) -> None:
