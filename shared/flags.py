@@ -215,6 +215,12 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
         "control holds the rest back; 0: never)",
     )
     group.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=float(env_default("body-timeout-s", "30") or 30),
+        help="an HTTP request body not read whole within this is refused (408)",
+    )
+    group.add_argument(
         "--handover-min-tokens",
         type=int,
         default=env_int("handover-min-tokens", 256),
@@ -244,6 +250,7 @@ def gateway_flag_args(args: argparse.Namespace) -> list[str]:
     forwarded += ["--max-total-tokens", str(args.max_total_tokens)]
     forwarded += ["--tenant-failures-per-minute", str(args.tenant_failures_per_minute)]
     forwarded += ["--stall-timeout-s", str(args.stall_timeout_s)]
+    forwarded += ["--body-timeout-s", str(args.body_timeout_s)]
     forwarded += ["--handover-min-tokens", str(args.handover_min_tokens)]
     forwarded += ["--trace-content"] if args.trace_content else []
     return forwarded + (["--api-keys-file", args.api_keys_file] if args.api_keys_file else [])

@@ -54,6 +54,19 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+# The public port (the gateway) also bounds what one client connection holds: it is closed
+# after 5 idle minutes, told to go away after an hour (its streams get 10 more minutes to
+# end), and carries at most 1,024 streams at once. Mesh-internal links stay open: a scheduler's
+# step stream lives as long as its worker.
+PUBLIC_SERVER_OPTIONS = [
+    *SERVER_OPTIONS,
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.max_connection_idle_ms", 5 * 60_000),
+    ("grpc.max_connection_age_ms", 60 * 60_000),
+    ("grpc.max_connection_age_grace_ms", 10 * 60_000),
+    ("grpc.max_concurrent_streams", 1024),
+]
 
 log = logging.getLogger("kvmesh.service")
 
@@ -96,7 +109,8 @@ class ServiceRuntime:
         # Undecodable bytes are refused first; a KvmeshError raised by any servicer becomes the
         # rich status in one place (servicers raise, they never abort by hand).
         interceptors = [UndecodableRequests(), KvmeshErrors()]
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        options = PUBLIC_SERVER_OPTIONS if public else SERVER_OPTIONS
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.draining = False

@@ -60,6 +60,7 @@ def gateway_policy(args: argparse.Namespace, link: RedisLink | None) -> GatewayP
         limits=RequestLimits(args.max_request_bytes, args.max_prompt_tokens, args.max_total_tokens),
         tenant_failures=TenantFailures(args.tenant_failures_per_minute),
         stall_timeout_s=args.stall_timeout_s,
+        body_timeout_s=args.body_timeout_s,
         trace_content=args.trace_content,
         handover_min_tokens=args.handover_min_tokens,
     )

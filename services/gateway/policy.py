@@ -21,6 +21,7 @@ class GatewayPolicy:
     # Refuses a tenant whose requests keep failing in the engine (the breaker does not count them).
     tenant_failures: TenantFailures = field(default_factory=TenantFailures)
     stall_timeout_s: float = 30.0  # a client that takes no event this long is cancelled
+    body_timeout_s: float = 30.0  # an HTTP body not read whole by then: 408
     trace_content: bool = False  # prompt and completion text in spans (off: never)
     # With prefill and decode pairs: fewer tokens to compute than this skip the prefill pair.
     handover_min_tokens: int = 256

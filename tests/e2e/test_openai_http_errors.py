@@ -24,6 +24,10 @@ keys = ["sk-acme"]
 [tenants.limited]
 keys = ["sk-limited"]
 requests_per_second = 0.5
+
+[tenants.ops]
+keys = ["sk-ops"]
+admin = true
 """
 PROMPT = [5, 17, 42, 99, 7]
 
@@ -121,14 +125,38 @@ async def test_a_deadline_that_passes_is_504(mesh: Mesh) -> None:
     assert raised.value.status_code == 504 and raised.value.code == "DEADLINE_EXCEEDED"
 
 
-def test_health_and_metrics_need_no_key(mesh: Mesh) -> None:
+def get(url: str, key: str | None = None, body: dict | None = None) -> int:
+    """The status of a GET (or, with a body, a POST)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as refused:
+        return refused.code
+
+
+def test_health_needs_no_key_and_metrics_an_admins(mesh: Mesh) -> None:
     root = mesh.http_url.removesuffix("/v1")
     with urllib.request.urlopen(f"{root}/health", timeout=10) as response:
         assert response.status == 200 and json.load(response) == {"status": "serving"}
-    with urllib.request.urlopen(f"{root}/metrics", timeout=10) as response:
+    assert get(f"{root}/metrics") == 401
+    assert get(f"{root}/metrics", "sk-acme") == 403  # every tenant's series: admins only
+    request = urllib.request.Request(f"{root}/metrics", headers={"Authorization": "Bearer sk-ops"})
+    with urllib.request.urlopen(request, timeout=10) as response:
         text = response.read().decode()
     assert "kvmesh_time_to_first_token_seconds_bucket" in text
     assert "kvmesh_requests_total{" in text
+
+
+def test_no_key_is_401_before_any_model_is_looked_up(mesh: Mesh) -> None:
+    """Without a key an unknown model and a real one answer alike: names cannot be probed."""
+    assert get(f"{mesh.http_url}/models/no-such-model") == 401
+    assert get(f"{mesh.http_url}/models/no-such-model", "sk-acme") == 404
+    chat = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}
+    assert get(f"{mesh.http_url}/chat/completions", body=chat) == 401
+    assert get(f"{mesh.http_url}/chat/completions", "sk-acme", chat) == 404
 
 
 async def test_extreme_sampling_values_run_finite_or_are_400(mesh: Mesh) -> None:

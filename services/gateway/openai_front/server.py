@@ -3,13 +3,14 @@
     POST /v1/chat/completions   POST /v1/completions   (stream: server-sent events)
     GET  /v1/models   GET /v1/models/{model}   GET /health   GET /metrics
 
-Each request goes through the same GenerateHandler as a gRPC Generate call: the same
-admission, Bearer-key auth, rate limits, routing, tracing (a `traceparent` header joins the
-client's trace) and errors. Errors are OpenAI error objects whose `code` is the kvmesh reason,
-plus `retryable`; retryable ones carry `Retry-After` (seconds) and `retry-after-ms`, which the
-official client honours. A client that closes the connection cancels the request upstream:
-the handler task is cancelled (aiohttp's handler_cancellation) or its next write fails, and
-closing the event iterator cancels the scheduler's stream, which frees the KV blocks.
+Each request goes through the same GenerateHandler as a gRPC Generate call: the same admission,
+Bearer-key auth (checked first, on every path but /health: guards.py), rate limits, routing,
+tracing (a `traceparent` header joins the client's trace) and errors. Errors are OpenAI error
+objects whose `code` is the kvmesh reason, plus `retryable`; retryable ones carry `Retry-After`
+(seconds) and `retry-after-ms`, which the official client honours. A client that closes the
+connection cancels the request upstream: the handler task is cancelled (aiohttp's
+handler_cancellation) or its next write fails, and closing the event iterator cancels the
+scheduler's stream, which frees the KV blocks.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from services.gateway.catalog import ModelCatalog
 from services.gateway.embed import embed
 from services.gateway.generate import GenerateHandler
 from services.gateway.openai_front.embeddings import parse_embeddings
+from services.gateway.openai_front.guards import body_of, guards
 from services.gateway.openai_front.protocol import (
     OpenAIRequest,
     parse_body,
@@ -78,6 +80,9 @@ ERROR_TYPES = {
 }
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SSE_DONE = b"data: [DONE]\n\n"
+# After an error answered before its body was read, aiohttp reads on this long (10 s by
+# default) before it closes: a client holding a partial body is let go sooner.
+LINGER_S = 1.0
 
 
 def http_status(error: KvmeshError) -> int:
@@ -125,6 +130,8 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
         problem = f"{request.method} {request.path}: {error.reason}"
         response = error_response(KvmeshError(Reason.INVALID_ARGUMENT, problem))
         response.set_status(error.status)
+        if error.status == web.HTTPRequestTimeout.status_code:
+            response.force_close()  # the rest of that body is never read: let the client go
         return response
     except Exception:  # a bug: its traceback to the log, the API's error shape to the client
         log.exception("unexpected error in the HTTP front", extra={"path": request.path})
@@ -139,8 +146,10 @@ class OpenAIFront:
         self._runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
-        max_bytes = self.generate.policy.limits.max_request_bytes
-        app = web.Application(middlewares=[openai_errors], client_max_size=max_bytes)
+        policy = self.generate.policy
+        max_bytes = policy.limits.max_request_bytes
+        checked = guards(policy.api_keys, policy.body_timeout_s)
+        app = web.Application(middlewares=[openai_errors, checked], client_max_size=max_bytes)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
@@ -152,7 +161,9 @@ class OpenAIFront:
 
     async def start(self, host: str, port: int) -> None:
         # handler_cancellation: a client that hangs up cancels its handler, and the request.
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            self.app(), handler_cancellation=True, access_log=None, lingering_time=LINGER_S
+        )
         await self._runner.setup()
         tls = tls_config()
         context = http_ssl_context(tls) if tls is not None else None
@@ -168,19 +179,17 @@ class OpenAIFront:
         return HttpCall(list(request.headers.items()))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = parse_body(await request.read())
-        parsed = parse_chat(body, self._max_model_len)
+        parsed = parse_chat(parse_body(body_of(request)), self._max_model_len)
         return await self._serve(request, parsed)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, parse_completion(parse_body(await request.read())))
+        return await self._serve(request, parse_completion(parse_body(body_of(request))))
 
     async def embeddings(self, request: web.Request) -> web.Response:
         runtime = self.generate.runtime
-        self.generate.policy.api_keys.authenticate(self._call(request).invocation_metadata())
         with runtime.in_flight():
             runtime.refuse_if_draining()
-            parsed = parse_embeddings(parse_body(await request.read()))
+            parsed = parse_embeddings(parse_body(body_of(request)))
             reply = await embed(self.catalog, parsed.embed, timeout=None)
         return web.json_response(parsed.response(reply))
 
@@ -255,7 +264,6 @@ class OpenAIFront:
         raise KvmeshError(Reason.INTERNAL, "the request ended without a terminal event")
 
     async def list_models(self, request: web.Request) -> web.Response:
-        self.generate.policy.api_keys.authenticate(self._call(request).invocation_metadata())
         # Each model by name (its traffic split chooses the version), then each version.
         served = self.catalog.models()
         by_name: dict[str, dict[str, Any]] = {}
@@ -265,7 +273,6 @@ class OpenAIFront:
         return web.json_response({"object": "list", "data": [*by_name.values(), *versions]})
 
     async def get_model(self, request: web.Request) -> web.Response:
-        self.generate.policy.api_keys.authenticate(self._call(request).invocation_metadata())
         name = request.match_info["model"]
         return web.json_response(self._model(self.catalog.pick(name).served_model(), name))
 

@@ -1,0 +1,52 @@
+"""What every HTTP request passes before its handler: the key, then a bounded body read.
+
+One place for auth, as gRPC's interceptors are for the gRPC port: with auth on, every path but
+`/health` needs a valid key before anything else is looked at (an unknown model is 401 to a
+client without a key, never 404), and `/metrics` needs an admin tenant's key. The body is then
+read within `body_timeout_s`: a client that holds a partial body holds a connection that long,
+no longer (408).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from services.gateway.call_context import HttpCall
+from services.gateway.tenants import ApiKeys
+from shared.errors import KvmeshError, Reason
+
+OPEN_PATHS = frozenset({"/health"})  # probes: no key, no body
+ADMIN_PATHS = frozenset({"/metrics"})  # every tenant's series
+BODY_KEY = "kvmesh.body"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def guards(api_keys: ApiKeys, body_timeout_s: float) -> Any:
+    @web.middleware
+    async def guarded(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS:
+            metadata = HttpCall(list(request.headers.items())).invocation_metadata()
+            tenant = api_keys.authenticate(metadata)
+            if request.path in ADMIN_PATHS and api_keys.enabled and not tenant.admin:
+                raise KvmeshError(
+                    Reason.PERMISSION_DENIED, f"tenant {tenant.name!r} may not read {request.path}"
+                )
+        if request.can_read_body:
+            try:
+                request[BODY_KEY] = await asyncio.wait_for(request.read(), body_timeout_s)
+            except TimeoutError:
+                reason = f"the body did not arrive within {body_timeout_s:g} s"
+                raise web.HTTPRequestTimeout(reason=reason) from None
+        return await handler(request)
+
+    return guarded
+
+
+def body_of(request: web.Request) -> bytes:
+    """The body the guards read (b"" for a request without one)."""
+    body: bytes = request.get(BODY_KEY, b"")
+    return body

@@ -1,0 +1,61 @@
+"""The HTTP front's guards on its real aiohttp server: a body held back past its timeout is 408
+in the OpenAI error shape and the connection is let go within a second or two (aiohttp alone
+would read on for 10 s); with auth on, no key is 401 before the body is waited for."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import types
+
+from kvmesh.service_process import free_port
+from services.gateway.openai_front.server import OpenAIFront
+from services.gateway.policy import GatewayPolicy
+from services.gateway.tenants import ApiKeys
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
+
+
+async def front_on(keys: ApiKeys) -> tuple[OpenAIFront, int]:
+    policy = GatewayPolicy(api_keys=keys, body_timeout_s=0.3)
+    front = OpenAIFront(types.SimpleNamespace(policy=policy), None)  # type: ignore[arg-type]
+    port = free_port()
+    await front.start("127.0.0.1", port)
+    return front, port
+
+
+async def held_body(port: int, head: bytes) -> tuple[bytes, float]:
+    """Headers and 10 of 1000 body bytes, never more: the reply, and when the server closed."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    started = time.monotonic()
+    writer.write(head + b"\r\n" + b"{" * 10)
+    await writer.drain()
+    reply = b""
+    while chunk := await asyncio.wait_for(reader.read(65536), 15):
+        reply += chunk
+    writer.close()
+    return reply, time.monotonic() - started
+
+
+async def test_a_held_back_body_is_408_and_the_connection_let_go() -> None:
+    front, port = await front_on(ApiKeys())
+    try:
+        reply, closed_after = await held_body(port, HEAD)
+    finally:
+        await front.close()
+    status, _, rest = reply.partition(b"\r\n")
+    assert b" 408 " in status
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert "did not arrive within 0.3 s" in error["message"]
+    assert closed_after < 3
+
+
+async def test_with_auth_on_no_key_is_401_before_the_body_is_waited_for() -> None:
+    front, port = await front_on(ApiKeys.from_env("acme=sk-acme"))
+    try:
+        reply, _ = await held_body(port, HEAD)
+    finally:
+        await front.close()
+    assert b" 401 " in reply.partition(b"\r\n")[0]
+    assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == "UNAUTHENTICATED"
