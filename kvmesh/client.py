@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +40,12 @@ def generate_request(
     return request
 
 
+def key_metadata() -> tuple[tuple[str, str], ...]:
+    """`KVMESH_API_KEY` as gRPC metadata (the CLI's key for a mesh with auth on), or none."""
+    key = os.environ.get("KVMESH_API_KEY", "")
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
 class MeshClient:
     def __init__(self, address: str) -> None:
         self.address = address
@@ -59,9 +66,12 @@ class MeshClient:
     ) -> Iterator[inference_pb2.GenerateEvent]:
         """Events of one Generate call; a refused request raises KvmeshError with its reason."""
         try:
-            yield from self.stub.Generate(request, timeout=timeout)
+            yield from self.stub.Generate(request, timeout=timeout, metadata=key_metadata())
         except grpc.RpcError as error:
             raise grpc_errors.from_call_to(error, "gateway", self.address) from None
 
     def models(self) -> list[common_pb2.ModelInfo]:
-        return list(self.stub.ListModels(inference_pb2.ListModelsRequest(), timeout=10).models)
+        listed = self.stub.ListModels(
+            inference_pb2.ListModelsRequest(), timeout=10, metadata=key_metadata()
+        )
+        return list(listed.models)

@@ -7,6 +7,7 @@ import sys
 
 import grpc
 
+from kvmesh.client import key_metadata
 from shared import grpc_errors
 from shared.pb.kvmesh.v1 import mesh_control_pb2, mesh_control_pb2_grpc
 from shared.tls import sync_channel
@@ -19,9 +20,10 @@ def run_control_command(args: argparse.Namespace) -> int:
             request = mesh_control_pb2.DeployRequest(model=args.name, version=args.version)
             if args.canary is not None:
                 request.canary_percent = args.canary
-            events = control.Deploy(request)
+            events = control.Deploy(request, metadata=key_metadata())
         else:
-            events = control.Rollback(mesh_control_pb2.RollbackRequest(model=args.name))
+            rollback = mesh_control_pb2.RollbackRequest(model=args.name)
+            events = control.Rollback(rollback, metadata=key_metadata())
         try:
             for event in events:
                 print(f"kvmesh: {event.message}", flush=True)

@@ -11,23 +11,40 @@ from kvmesh.rollout import RolloutController, RolloutStep
 from shared import grpc_errors
 from shared.errors import KvmeshError
 from shared.pb.kvmesh.v1 import mesh_control_pb2, mesh_control_pb2_grpc
+from shared.tenants import ApiKeys
 from shared.tls import server_credentials, tls_config
 
 
 class MeshControlService(mesh_control_pb2_grpc.MeshControlServicer):
-    def __init__(self, controller: RolloutController) -> None:
+    """With auth on (the gateway's API keys), only an admin tenant's key rolls out."""
+
+    def __init__(self, controller: RolloutController, api_keys: ApiKeys) -> None:
         self.controller = controller
+        self.api_keys = api_keys
+
+    def _admit(self, context: grpc.ServicerContext) -> None:
+        try:
+            self.api_keys.require_admin(context.invocation_metadata(), "roll out models")
+        except KvmeshError as error:
+            _abort(context, error)
 
     def Deploy(
         self, request: mesh_control_pb2.DeployRequest, context: grpc.ServicerContext
     ) -> Iterator[mesh_control_pb2.RolloutEvent]:
+        self._admit(context)
         canary = request.canary_percent if request.HasField("canary_percent") else None
         yield from _events(self.controller.deploy(request.model, request.version, canary), context)
 
     def Rollback(
         self, request: mesh_control_pb2.RollbackRequest, context: grpc.ServicerContext
     ) -> Iterator[mesh_control_pb2.RolloutEvent]:
+        self._admit(context)
         yield from _events(self.controller.rollback(request.model), context)
+
+
+def _abort(context: grpc.ServicerContext, error: KvmeshError) -> None:
+    context.set_trailing_metadata(grpc_errors.trailing_metadata(error))
+    context.abort(grpc_errors.status_code(error), error.message)
 
 
 def _events(
@@ -39,14 +56,16 @@ def _events(
                 message=step.message, traffic=step.traffic, done=step.done
             )
     except KvmeshError as error:
-        context.set_trailing_metadata(grpc_errors.trailing_metadata(error))
-        context.abort(grpc_errors.status_code(error), error.message)
+        _abort(context, error)
 
 
-def serve_control(controller: RolloutController, address: str) -> grpc.Server:
+def serve_control(
+    controller: RolloutController, address: str, api_keys: ApiKeys | None = None
+) -> grpc.Server:
     """Started and returned; `server.stop(grace)` ends it."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    mesh_control_pb2_grpc.add_MeshControlServicer_to_server(MeshControlService(controller), server)
+    service = MeshControlService(controller, api_keys or ApiKeys())
+    mesh_control_pb2_grpc.add_MeshControlServicer_to_server(service, server)
     tls = tls_config()
     if tls is not None:
         bound = server.add_secure_port(address, server_credentials(tls, public=False))

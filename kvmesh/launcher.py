@@ -62,7 +62,9 @@ class Mesh:
         config = self.config
         if self.redis_url is None:
             self.redis_url = self._start_redis()
-        self.collector_address = self._spawn("trace-collector", "services.trace_collector", [])
+        self.collector_address = self._spawn(
+            "trace-collector", "services.trace_collector", config.collector_args
+        )
         all_entries = [self.repository.resolve(spec) for spec in config.models]
         entries = [e for e in all_entries if not is_encoder(e.artifact_path)]
         if entries:  # a tokenizer per model name (its versions share it)
@@ -125,15 +127,8 @@ class Mesh:
             "gateway",
             "services.gateway",
             [
-                "--tokenizer",
-                self.tokenizer_address,
-                "--scheduler",
-                ",".join(schedulers),
-                "--redis",
-                self.redis_url,
-                *default,
-                *http,
-                *config.gateway_args,
+                *("--tokenizer", self.tokenizer_address, "--scheduler", ",".join(schedulers)),
+                *("--redis", self.redis_url, *default, *http, *config.gateway_args),
             ],
             port=config.gateway_port or None,
         )

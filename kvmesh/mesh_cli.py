@@ -8,7 +8,6 @@ import sys
 import time
 
 import grpc
-from prometheus_client import start_http_server
 
 from kvmesh import run_file
 from kvmesh.client import generate_request
@@ -27,7 +26,9 @@ from shared.flags import (
     gateway_flag_args,
 )
 from shared.handover_flags import add_handover_flags, handover_flag_args
+from shared.metrics import serve_metrics
 from shared.model_repository import ModelRepository
+from shared.tenants import ApiKeys
 
 
 def add_up_parser(commands: argparse._SubParsersAction) -> None:
@@ -161,11 +162,12 @@ def run_up(args: argparse.Namespace) -> int:
         control_address = ""
         if args.control_port >= 0 and not args.prompt:  # --prompt: stopped right after
             control_address = f"{args.host}:{args.control_port or free_port(args.host)}"
-            control = serve_control(RolloutController(mesh), control_address)
+            keys = ApiKeys.configured(args.api_keys_file)
+            control = serve_control(RolloutController(mesh), control_address, keys)
         own_metrics = ""
         if args.metrics_port >= 0 and not args.prompt:
             port = args.metrics_port or free_port(args.host)
-            start_http_server(port, addr=args.host)
+            serve_metrics(args.host, port)
             own_metrics = f"http://{args.host}:{port}/metrics"
         addresses = mesh_addresses(mesh, control_address, own_metrics)
         recorded = run_file.write(addresses)

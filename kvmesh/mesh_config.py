@@ -51,6 +51,13 @@ class MeshConfig:
         return [*self.worker_args, *step_limit_args_of(self.scheduler_args)]
 
     @property
+    def collector_args(self) -> list[str]:
+        """The gateway's API keys file, if any: with auth on, only an admin reads traces."""
+        if "--api-keys-file" not in self.gateway_args:
+            return []
+        return self.gateway_args[self.gateway_args.index("--api-keys-file") :][:2]
+
+    @property
     def roles(self) -> list[str]:
         """Each pair's role, in start order (per model, with `models`)."""
         if self.prefill_workers or self.decode_workers:

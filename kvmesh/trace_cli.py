@@ -10,6 +10,7 @@ import os
 import grpc
 
 from kvmesh import run_file
+from kvmesh.client import key_metadata
 from shared import grpc_errors
 from shared.pb.kvmesh.v1 import traces_pb2, traces_pb2_grpc
 
@@ -52,7 +53,8 @@ def run_trace(args: argparse.Namespace) -> int:
         try:
             if args.summary:
                 stats = stub.GetPhaseStats(
-                    traces_pb2.PhaseStatsRequest(window_s=args.window, model=args.model)
+                    traces_pb2.PhaseStatsRequest(window_s=args.window, model=args.model),
+                    metadata=key_metadata(),
                 )
                 print(format_summary(stats))
                 return 0
@@ -60,7 +62,8 @@ def run_trace(args: argparse.Namespace) -> int:
                 slowest = stub.ListSlowest(
                     traces_pb2.SlowestRequest(
                         window_s=args.window, model=args.model, limit=args.slowest, phase=args.phase
-                    )
+                    ),
+                    metadata=key_metadata(),
                 )
                 print(format_slowest(slowest))
                 return 0
@@ -84,7 +87,7 @@ def _get_trace(stub: traces_pb2_grpc.TracesStub, key: str) -> traces_pb2.Trace:
         if looks_like_trace_id
         else traces_pb2.GetTraceRequest(request_id=key)
     )
-    return stub.GetTrace(request)
+    return stub.GetTrace(request, metadata=key_metadata())
 
 
 def _depths(trace: traces_pb2.Trace) -> dict[str, int]:

@@ -8,9 +8,15 @@ Histograms take the request's trace id as an exemplar, shown in the OpenMetrics 
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from wsgiref.simple_server import make_server
 
-from prometheus_client import start_http_server
+from prometheus_client import make_wsgi_app, start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 
 log = logging.getLogger("kvmesh.metrics")
 # Request-scale latencies (queue, TTFT, E2E): 5 ms to a minute.
@@ -19,9 +25,32 @@ REQUEST_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TOKEN_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 
+def scrape_token() -> str:
+    """`KVMESH_METRICS_TOKEN`: when set, every metrics endpoint wants it as a Bearer token
+    (Prometheus' `authorization` scrape setting); unset, they answer anyone who reaches them."""
+    return os.environ.get("KVMESH_METRICS_TOKEN", "")
+
+
+def is_scrape_token(authorization: str) -> bool:
+    token = scrape_token()
+    return bool(token) and hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode())
+
+
 def serve_metrics(host: str, port: int) -> None:
-    """`GET http://HOST:PORT/metrics` from a daemon thread."""
-    start_http_server(port, addr=host)
+    """`GET http://HOST:PORT/metrics` from a daemon thread; with a scrape token, 401 without."""
+    if not scrape_token():
+        start_http_server(port, addr=host)
+    else:
+        app = make_wsgi_app()
+
+        def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
+            if not is_scrape_token(environ.get("HTTP_AUTHORIZATION", "")):
+                start_response("401 Unauthorized", [("Content-Type", "text/plain")])
+                return [b"KVMESH_METRICS_TOKEN is required as a Bearer token\n"]
+            return app(environ, start_response)
+
+        server = make_server(host, port, guarded, ThreadingWSGIServer, _SilentHandler)
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     log.info("metrics", extra={"address": f"http://{host}:{port}/metrics"})
 
 

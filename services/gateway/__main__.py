@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 
 from services.gateway.catalog import ModelCatalog
 from services.gateway.engine_failures import TenantFailures
@@ -17,7 +16,6 @@ from services.gateway.rate_limits import RateLimiter
 from services.gateway.registry import BackendRegistry
 from services.gateway.router import Router, Watermarks
 from services.gateway.server import InferenceService
-from services.gateway.tenants import ApiKeys
 from services.gateway.tokenizer_link import TokenizerLink
 from shared.flag_env import env_default, env_int
 from shared.flags import add_gateway_flags
@@ -25,6 +23,7 @@ from shared.logs import configure_logging
 from shared.pb.kvmesh.v1 import inference_pb2_grpc, model_admin_pb2_grpc
 from shared.redis_link import RedisLink
 from shared.service import ServiceRuntime, add_common_flags, start_observability
+from shared.tenants import ApiKeys
 
 SERVICE_NAME = "kvmesh.v1.Inference"
 log = logging.getLogger("kvmesh.gateway")
@@ -34,14 +33,8 @@ DEGRADED = (
 )
 
 
-def api_keys(args: argparse.Namespace) -> ApiKeys:
-    if args.api_keys_file:
-        return ApiKeys.from_toml(args.api_keys_file)
-    return ApiKeys.from_env(os.environ.get("KVMESH_API_KEYS", ""))
-
-
 def gateway_policy(args: argparse.Namespace, link: RedisLink | None) -> GatewayPolicy:
-    keys = api_keys(args)
+    keys = ApiKeys.configured(args.api_keys_file)
     keys.default_max_concurrent(args.max_streams_per_tenant)
     if keys.enabled:
         names = ", ".join(sorted(t.name for t in keys.tenants))

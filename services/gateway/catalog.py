@@ -67,7 +67,8 @@ class ModelCatalog:
             # not ready rather than unknown.
             discovering = any(d.name in ("", name) for d in self.registry.discoveries)
             what = f"model {model!r}" if model else "the default model"
-            if any(b.last_name and b.last_name == (name or b.last_name) for b in live):
+            served = {b.last_served for b in live if not b.ready and b.last_served}
+            if any(n == (name or n) and v == (version or v) for n, v in served):
                 raise KvmeshError(
                     Reason.WORKER_UNAVAILABLE,
                     f"{what} has no ready replica: its engine-workers are down, restarting or "

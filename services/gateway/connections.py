@@ -58,7 +58,8 @@ class ModelBackend:
         self.declared_version = declared_version
         self.retired = False  # removed: no new requests, its streams finish
         self.in_flight = 0  # streams this gateway has open there (a removal waits for them)
-        self.last_name = ""  # the model it served last: a backend down now is not "loading"
+        # The model (name, version) it served last: a backend down now is not "loading".
+        self.last_served: tuple[str, str] | None = None
 
     @classmethod
     def from_spec(cls, spec: str) -> Self:
@@ -96,7 +97,7 @@ class ModelBackend:
             was = self.model
             self.model = await self.fetch_model() if serving else None
             if self.model is not None:
-                self.last_name = self.model.name
+                self.last_served = (self.model.name, self.model.version)
             if serving or was is not None:
                 await on_change()
 

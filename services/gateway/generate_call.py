@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from services.gateway.call_context import CallContext
 from services.gateway.connections import SchedulerBackend
 from services.gateway.request_telemetry import RequestTelemetry
-from services.gateway.tenants import Tenant
 from services.gateway.tools import ToolUse
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
 from shared.sampling import SamplingParams
+from shared.tenants import Tenant
 
 
 @dataclass

@@ -9,10 +9,10 @@ from __future__ import annotations
 import grpc
 
 from services.gateway.catalog import ModelCatalog
-from services.gateway.tenants import ApiKeys
 from shared.errors import KvmeshError, Reason
 from shared.model_entry import check_name
 from shared.pb.kvmesh.v1 import model_admin_pb2, model_admin_pb2_grpc
+from shared.tenants import ApiKeys
 
 DEFAULT_DRAIN_TIMEOUT_S = 60.0
 

@@ -8,7 +8,7 @@ from services.gateway.engine_failures import TenantFailures
 from services.gateway.limits import RequestLimits
 from services.gateway.rate_limits import RateLimiter
 from services.gateway.router import Router
-from services.gateway.tenants import ApiKeys
+from shared.tenants import ApiKeys
 
 
 @dataclass

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import redis.asyncio as redis
 
-from services.gateway.tenants import Tenant
 from shared import redis_keys
 from shared.errors import KvmeshError, Reason
 from shared.redis_link import RedisLink
+from shared.tenants import Tenant
 
 LEASE_MS = 30_000
 CONCURRENCY_RETRY_MS = 250

@@ -11,12 +11,12 @@ import grpc
 from services.gateway.connections import SchedulerBackend
 from services.gateway.rate_limits import Grant
 from services.gateway.router import Routed
-from services.gateway.tenants import Tenant
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.outputs import FinishReason, finish_reason_label
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, scheduler_pb2
 from shared.sampling import SamplingParams
+from shared.tenants import Tenant
 
 
 @dataclass

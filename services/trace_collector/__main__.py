@@ -18,6 +18,7 @@ from shared.logs import configure_logging
 from shared.metrics import serve_metrics
 from shared.pb.kvmesh.v1 import traces_pb2_grpc
 from shared.service import ServiceRuntime, add_common_flags
+from shared.tenants import ApiKeys
 
 SERVICE_NAME = "kvmesh.v1.Traces"
 
@@ -29,7 +30,8 @@ async def serve(args: argparse.Namespace) -> None:
     runtime.add_servicer(
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server, TraceCollector(store, forwarder)
     )
-    runtime.add_servicer(traces_pb2_grpc.add_TracesServicer_to_server, TracesService(store))
+    keys = ApiKeys.configured(args.api_keys_file)
+    runtime.add_servicer(traces_pb2_grpc.add_TracesServicer_to_server, TracesService(store, keys))
     await runtime.start()
     await runtime.set_ready(True)
     forwarding = asyncio.create_task(forwarder.run()) if forwarder else None
@@ -49,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-memory",
         default=env_default("max-memory", "256MiB"),
         help="memory budget for stored spans; past it the oldest traces are evicted",
+    )
+    parser.add_argument(
+        "--api-keys-file",
+        default=env_default("api-keys-file", None),
+        help="the gateway's tenants (or KVMESH_API_KEYS): then only an admin's key reads traces",
     )
     parser.add_argument(
         "--forward",

@@ -20,6 +20,7 @@ from services.trace_collector.phases import PHASES, RequestTiming, request_timin
 from services.trace_collector.span_store import SpanStore, StoredSpan, StoredTrace
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import traces_pb2, traces_pb2_grpc
+from shared.tenants import ApiKeys
 
 log = logging.getLogger("kvmesh.trace_collector")
 SPANS_RECEIVED = Counter("kvmesh_collector_spans_received", "Spans received over OTLP")
@@ -86,8 +87,15 @@ def timing_to_pb(timing: RequestTiming) -> traces_pb2.RequestTiming:
 
 
 class TracesService(traces_pb2_grpc.TracesServicer):
-    def __init__(self, store: SpanStore) -> None:
+    """The queries: every tenant's requests, so with auth on only an admin's key reads them
+    (the OTLP intake stays the mesh's own)."""
+
+    def __init__(self, store: SpanStore, api_keys: ApiKeys | None = None) -> None:
         self.store = store
+        self.api_keys = api_keys or ApiKeys()
+
+    def _admit(self, context: grpc.aio.ServicerContext) -> None:
+        self.api_keys.require_admin(context.invocation_metadata(), "read traces")
 
     def _timings(self, window_s: float, model: str) -> list[RequestTiming]:
         since_ns = time.time_ns() - round(window_s * 1e9) if window_s > 0 else 0
@@ -103,6 +111,7 @@ class TracesService(traces_pb2_grpc.TracesServicer):
     async def GetTrace(
         self, request: traces_pb2.GetTraceRequest, context: grpc.aio.ServicerContext
     ) -> traces_pb2.Trace:
+        self._admit(context)
         stored: StoredTrace | None
         if request.WhichOneof("key") == "trace_id":
             stored = self.store.trace(request.trace_id)
@@ -127,6 +136,7 @@ class TracesService(traces_pb2_grpc.TracesServicer):
     async def GetPhaseStats(
         self, request: traces_pb2.PhaseStatsRequest, context: grpc.aio.ServicerContext
     ) -> traces_pb2.PhaseStats:
+        self._admit(context)
         timings = self._timings(request.window_s, request.model)
         accepted = [t for t in timings if t.outcome != "rejected"]
         return traces_pb2.PhaseStats(
@@ -148,6 +158,7 @@ class TracesService(traces_pb2_grpc.TracesServicer):
     async def ListSlowest(
         self, request: traces_pb2.SlowestRequest, context: grpc.aio.ServicerContext
     ) -> traces_pb2.SlowestResponse:
+        self._admit(context)
         phase = request.phase or "e2e"
         if phase not in PHASES or phase == "itl":
             raise KvmeshError(Reason.INVALID_ARGUMENT, f"phase must be one of {PHASES[:-2]}")

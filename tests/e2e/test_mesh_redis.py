@@ -13,13 +13,13 @@ import grpc
 import pytest
 
 from kvmesh.launcher import Mesh, MeshConfig
-from services.gateway.tenants import Tenant
 from shared.pb.kvmesh.v1 import (
     inference_pb2,
     inference_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from shared.tenants import Tenant
 from tests.e2e.mesh_helpers import (
     assert_one_terminal,
     ids_request,

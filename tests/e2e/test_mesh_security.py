@@ -267,7 +267,7 @@ async def test_a_seed_using_all_64_bits_is_traced_like_any_other(
         for _ in range(100):  # spans are exported in batches
             with contextlib.suppress(grpc.aio.AioRpcError):
                 query = traces_pb2.GetTraceRequest(request_id=events[0].accepted.request_id)
-                trace = await traces.GetTrace(query)
+                trace = await traces.GetTrace(query, metadata=OPS)
                 if any(s.service == "gateway" and s.name == "kvmesh.Generate" for s in trace.spans):
                     break
             await asyncio.sleep(0.1)
@@ -277,6 +277,18 @@ async def test_a_seed_using_all_64_bits_is_traced_like_any_other(
     assert root.attributes["gen_ai.request.seed"] == str((1 << 64) - 1)
     gateway_log = pathlib.Path(guarded_mesh.service("gateway").log_path).read_text()
     assert "Traceback" not in gateway_log
+
+
+async def test_traces_are_read_with_an_admins_key_only(guarded_mesh: Mesh) -> None:
+    """Every tenant's requests are in the collector: no key, no listing; a tenant's key, no."""
+    async with grpc.aio.insecure_channel(guarded_mesh.collector_address) as channel:
+        traces = traces_pb2_grpc.TracesStub(channel)
+        slowest = traces_pb2.SlowestRequest(limit=5)
+        for metadata, code in ((None, "UNAUTHENTICATED"), (ACME, "PERMISSION_DENIED")):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await traces.ListSlowest(slowest, metadata=metadata)
+            assert rich_error(refused.value).reason == code
+        await traces.ListSlowest(slowest, metadata=OPS)
 
 
 def test_api_keys_never_reach_a_log(guarded_mesh: Mesh) -> None:

@@ -24,13 +24,14 @@ async def test_a_model_served_before_and_down_now_is_worker_unavailable() -> Non
     [scheduler] = backends.schedulers
     assert refusal(catalog, "").reason is Reason.MODEL_NOT_READY  # never served yet: loading
     scheduler.model = common_pb2.ModelInfo(name="smollm2", version="1")
-    scheduler.last_name = "smollm2"
+    scheduler.last_served = ("smollm2", "1")
     assert catalog.serving("") == [scheduler]
     scheduler.model = None  # its health turned: down, restarting, its breaker open
-    for model in ("", "smollm2"):
+    for model in ("", "smollm2", "smollm2@1"):
         error = refusal(catalog, model)
         assert (error.reason, error.retryable) == (Reason.WORKER_UNAVAILABLE, True)
         assert "127.0.0.1" not in error.message
+    assert refusal(catalog, "smollm2@9").reason is Reason.MODEL_NOT_READY  # not that version
     error = refusal(catalog, "", task="embed")
     assert (error.reason, error.retryable) == (Reason.MODEL_NOT_FOUND, False)
     await backends.close()

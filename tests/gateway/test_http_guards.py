@@ -12,7 +12,7 @@ import types
 from kvmesh.service_process import free_port
 from services.gateway.openai_front.server import OpenAIFront
 from services.gateway.policy import GatewayPolicy
-from services.gateway.tenants import ApiKeys
+from shared.tenants import ApiKeys
 
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from services.gateway.rate_limits import RateLimiter
-from services.gateway.tenants import Tenant, TenantLimits
 from shared.errors import KvmeshError, Reason
 from shared.redis_link import RedisLink
+from shared.tenants import Tenant, TenantLimits
 from tests.redis_server import RedisServer
 
 

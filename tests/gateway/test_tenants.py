@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
-from services.gateway.tenants import ApiKeys, TenantLimits, end_user_digest
 from shared.errors import KvmeshError, Reason
+from shared.tenants import ApiKeys, TenantLimits, end_user_digest
 
 KEYS_FILE = """
 [tenants.acme]

@@ -2,7 +2,8 @@
 
 One place for auth, as gRPC's interceptors are for the gRPC port: with auth on, every path but
 `/health` needs a valid key before anything else is looked at (an unknown model is 401 to a
-client without a key, never 404), and `/metrics` needs an admin tenant's key. The body is then
+client without a key, never 404), and `/metrics` needs an admin tenant's key or the scrape
+token (`KVMESH_METRICS_TOKEN`). The body is then
 read within `body_timeout_s`: a client that holds a partial body holds a connection that long,
 no longer (408).
 """
@@ -16,8 +17,9 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway.call_context import HttpCall
-from services.gateway.tenants import ApiKeys
 from shared.errors import KvmeshError, Reason
+from shared.metrics import is_scrape_token
+from shared.tenants import ApiKeys
 
 OPEN_PATHS = frozenset({"/health"})  # probes: no key, no body
 ADMIN_PATHS = frozenset({"/metrics"})  # every tenant's series
@@ -28,7 +30,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def guards(api_keys: ApiKeys, body_timeout_s: float) -> Any:
     @web.middleware
     async def guarded(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS:
+        scraping = request.path in ADMIN_PATHS and is_scrape_token(
+            request.headers.get("Authorization", "")
+        )
+        if request.path not in OPEN_PATHS and not scraping:
             metadata = HttpCall(list(request.headers.items())).invocation_metadata()
             tenant = api_keys.authenticate(metadata)
             if request.path in ADMIN_PATHS and api_keys.enabled and not tenant.admin:

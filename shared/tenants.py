@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -122,6 +123,22 @@ class ApiKeys:
             tenant = Tenant(name, limits, admin, highest_priority, weight)
             entries += [(key, tenant) for key in keys]
         return cls(entries)
+
+    @classmethod
+    def configured(cls, path: str | None) -> ApiKeys:
+        """From `--api-keys-file PATH`, else `KVMESH_API_KEYS`; none: auth off."""
+        if path:
+            return cls.from_toml(path)
+        return cls.from_env(os.environ.get("KVMESH_API_KEYS", ""))
+
+    def require_admin(self, metadata: Iterable[tuple[str, str | bytes]] | None, what: str) -> None:
+        """With auth on: UNAUTHENTICATED without a valid key, PERMISSION_DENIED for a tenant
+        that is not an admin. With auth off: nothing."""
+        if not self.enabled:
+            return
+        tenant = self.authenticate(metadata)
+        if not tenant.admin:
+            raise KvmeshError(Reason.PERMISSION_DENIED, f"tenant {tenant.name!r} may not {what}")
 
     @classmethod
     def from_env(cls, text: str) -> ApiKeys:
