@@ -205,7 +205,7 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=env_int("tenant-failures-per-minute", 8),
         help="a tenant's requests that may fail in the engine (EXECUTION_FAILED, OUT_OF_MEMORY, "
-        "INVALID_SAMPLING_PARAMS) within a minute; past it, RATE_LIMITED (0: no limit)",
+        "their sampling parameters or format) within a minute; past it, RATE_LIMITED (0: off)",
     )
     group.add_argument(
         "--stall-timeout-s",

@@ -25,6 +25,7 @@ from prometheus_client import Histogram
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
+from services.engine_worker.step_failures import GrammarFailed
 from shared.errors import KvmeshError, Reason
 from shared.metrics import TOKEN_SECONDS
 from shared.sampling import ResponseFormat
@@ -88,6 +89,10 @@ class GrammarCompiler:
         pristine = llguidance.LLMatcher(self.tokenizer, grammar_of(response_format))
         if pristine.is_error():
             raise _invalid(response_format, pristine.get_error())
+        probe = pristine.deep_copy()  # a schema that admits no output fails at its first mask
+        allowed_tokens(probe, self.vocab_size, raising=False)
+        if probe.is_error():
+            raise _invalid(response_format, f"it admits no output ({_first_line(probe)})")
         with self._lock:
             self._compiled[response_format] = pristine
             if len(self._compiled) > MAX_CACHED_FORMATS:
@@ -95,12 +100,21 @@ class GrammarCompiler:
         return pristine.deep_copy()
 
 
-def allowed_tokens(matcher: llguidance.LLMatcher, vocab_size: int) -> torch.Tensor:
-    """(vocab,) bool: the tokens the matcher allows next."""
+def _first_line(matcher: llguidance.LLMatcher) -> str:
+    return matcher.get_error().splitlines()[0] if matcher.get_error() else "error"
+
+
+def allowed_tokens(
+    matcher: llguidance.LLMatcher, vocab_size: int, raising: bool = True
+) -> torch.Tensor:
+    """(vocab,) bool: the tokens the matcher allows next; GrammarFailed if it can go no
+    further (never a free sample past a broken grammar)."""
     started = time.perf_counter()
     bits = np.unpackbits(
         np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little"
     )
+    if raising and matcher.is_error():
+        raise GrammarFailed(f"the response format's grammar failed: {_first_line(matcher)}")
     allowed = torch.from_numpy(bits[:vocab_size].astype(bool))
     MASK_SECONDS.observe(time.perf_counter() - started)
     return allowed

@@ -35,6 +35,11 @@ class NoSamplingMass(ArithmeticError):
     the request's parameters, not the worker (INVALID_SAMPLING_PARAMS, never the breaker's)."""
 
 
+class GrammarFailed(RuntimeError):
+    """The request's own response format can go no further: INVALID_SCHEMA, never a free
+    sample past a broken grammar, never the breaker's."""
+
+
 class InjectedFault(RuntimeError):
     """Raised by the fault injector (tests only)."""
 
@@ -46,16 +51,22 @@ def _is_out_of_memory(error: BaseException) -> bool:
     return type(error).__name__ == "OutOfMemoryError"
 
 
+# Failures a request's own input causes on any worker: never the breaker's to count.
+NOT_THE_WORKERS = frozenset({Reason.INVALID_SAMPLING_PARAMS.value, Reason.INVALID_SCHEMA.value})
+
+
 def _reason_of(error: BaseException) -> Reason:
     if isinstance(error, NoSamplingMass):
         return Reason.INVALID_SAMPLING_PARAMS
+    if isinstance(error, GrammarFailed):
+        return Reason.INVALID_SCHEMA
     return Reason.OUT_OF_MEMORY if _is_out_of_memory(error) else Reason.EXECUTION_FAILED
 
 
 def failure_of(request_id: str, error: BaseException) -> FailedRequest:
     """Logs the exception with its traceback (the class travels on; the text stays here)."""
     reason = _reason_of(error)
-    own_input = isinstance(error, NoSamplingMass)  # the request's doing: no traceback, a warning
+    own_input = _reason_of(error).value in NOT_THE_WORKERS  # no traceback, a warning
     log.log(
         logging.WARNING if own_input else logging.ERROR,
         "request failed in a step",
@@ -129,10 +140,6 @@ def run_isolated(run: Callable[[Scheduled], StepOutcome], scheduled: Scheduled) 
         sampled += one_sampled
         failed += one_failed
     return sampled, failed
-
-
-# Failures a request's own input causes on any worker: never the breaker's to count.
-NOT_THE_WORKERS = frozenset({Reason.INVALID_SAMPLING_PARAMS.value})
 
 
 class BreakerDefaults:

@@ -23,6 +23,7 @@ ENGINE_FAILURES = frozenset(
         Reason.EXECUTION_FAILED.value,
         Reason.OUT_OF_MEMORY.value,
         Reason.INVALID_SAMPLING_PARAMS.value,
+        Reason.INVALID_SCHEMA.value,
     }
 )
 

@@ -45,6 +45,7 @@ FAILURE_MESSAGES = {  # what a client is told of a request the worker could not 
     Reason.KV_HANDOVER_FAILED: "its prefilled blocks did not load whole (--kv-load-failure fail)",
     Reason.INVALID_SAMPLING_PARAMS: "its sampling parameters left no finite probability to "
     "sample from; it was stopped and its batch went on",
+    Reason.INVALID_SCHEMA: "its response format's grammar could go no further",
     None: "the engine could not compute this request; it was stopped and its batch went on",
 }
 

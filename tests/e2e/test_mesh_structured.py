@@ -46,7 +46,15 @@ async def test_constrained_and_free_requests_share_the_mesh(mesh: Mesh) -> None:
     assert assert_one_terminal(streams[-1]) == "completed"
 
 
-@pytest.mark.parametrize("spec", ['{"type": "objekt"}', "{not json"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        '{"type": "objekt"}',
+        "{not json",
+        '{"$ref": "#"}',  # admits no output: once a free sample, then INVALID_OUTPUT
+        '{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}',
+    ],
+)
 async def test_an_invalid_schema_is_refused_before_acceptance(mesh: Mesh, spec: str) -> None:
     async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
         inference = inference_pb2_grpc.InferenceStub(channel)

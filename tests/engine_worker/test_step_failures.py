@@ -7,10 +7,12 @@ pass that raises only with one request in it, and the circuit breaker's counting
 
 from __future__ import annotations
 
+import llguidance
 import pytest
 import torch
 
 from kvmesh.engine import Engine
+from services.engine_worker.grammar import GrammarCompiler, grammar_of
 from services.engine_worker.sampler import sample
 from services.engine_worker.step_failures import (
     CircuitBreaker,
@@ -20,8 +22,10 @@ from services.engine_worker.step_failures import (
 )
 from services.engine_worker.step_inputs import RequestState
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig
-from shared.sampling import SamplingParams
+from shared.errors import KvmeshError, Reason
+from shared.sampling import ResponseFormat, SamplingParams
 from shared.step import FailedRequest, SampledToken
+from shared.text_tokenizer import load_tokenizer
 
 POISON = 7777  # a token id only the poisoned prompt holds
 PROMPTS = [[100 + 37 * i + j for j in range(20 + 3 * i)] for i in range(8)]
@@ -151,6 +155,25 @@ def test_a_row_whose_own_parameters_leave_no_finite_mass_fails_alone() -> None:
         "INVALID_SAMPLING_PARAMS",
         "NoSamplingMass",
     )
+    assert all(isinstance(o, SampledToken) for o in outcomes[1:])
+
+
+def test_a_grammar_that_can_go_no_further_fails_its_row_alone(default_model_path: str) -> None:
+    """Never a free sample past a broken grammar (that was a 500 INVALID_OUTPUT at the end):
+    the row fails INVALID_SCHEMA, which the breaker never counts; the others sample."""
+    tokenizer = load_tokenizer(default_model_path)
+    assert tokenizer is not None
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, [2])
+    broken = ResponseFormat("json_schema", '{"$ref": "#"}')
+    with pytest.raises(KvmeshError) as refused:
+        compiler.matcher(broken)  # refused where it is compiled, before any request runs it
+    assert refused.value.reason is Reason.INVALID_SCHEMA and "no output" in refused.value.message
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    states = [RequestState(f"r{i}", [1, 2], [0], 1, params, 2) for i in range(3)]
+    states[0].matcher = llguidance.LLMatcher(compiler.tokenizer, grammar_of(broken))
+    outcomes = sample(torch.randn(3, tokenizer.vocab_size), states, torch.Generator())
+    assert isinstance(outcomes[0], FailedRequest)
+    assert (outcomes[0].reason, outcomes[0].error_type) == ("INVALID_SCHEMA", "GrammarFailed")
     assert all(isinstance(o, SampledToken) for o in outcomes[1:])
 
 
