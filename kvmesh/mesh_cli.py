@@ -18,13 +18,8 @@ from kvmesh.rollout import RolloutController
 from kvmesh.service_process import free_port
 from shared.errors import KvmeshError, Reason
 from shared.flag_forwarding import scheduler_flag_args, worker_flag_args
-from shared.flags import (
-    add_gateway_flags,
-    add_scheduler_flags,
-    add_worker_flags,
-    env_default,
-    gateway_flag_args,
-)
+from shared.flags import add_scheduler_flags, add_worker_flags, env_default
+from shared.gateway_flags import add_gateway_flags, gateway_flag_args
 from shared.handover_flags import add_handover_flags, handover_flag_args
 from shared.metrics import serve_metrics
 from shared.model_repository import ModelRepository

@@ -39,9 +39,9 @@ def _make_targets() -> set[str]:
 
 def _http_routes() -> list[tuple[str, re.Pattern[str]]]:
     from services.gateway.openai_front.server import OpenAIFront
+    from services.gateway.policy import GatewayPolicy
 
-    limits = SimpleNamespace(max_request_bytes=1)
-    front = OpenAIFront(SimpleNamespace(policy=SimpleNamespace(limits=limits)), None)
+    front = OpenAIFront(SimpleNamespace(policy=GatewayPolicy()), None)
     routes = []
     for route in front.app().router.routes():
         path = route.resource.canonical if route.resource is not None else ""

@@ -18,7 +18,7 @@ from services.gateway.router import Router, Watermarks
 from services.gateway.server import InferenceService
 from services.gateway.tokenizer_link import TokenizerLink
 from shared.flag_env import env_default, env_int
-from shared.flags import add_gateway_flags
+from shared.gateway_flags import add_gateway_flags
 from shared.logs import configure_logging
 from shared.pb.kvmesh.v1 import inference_pb2_grpc, model_admin_pb2_grpc
 from shared.redis_link import RedisLink
@@ -54,6 +54,7 @@ def gateway_policy(args: argparse.Namespace, link: RedisLink | None) -> GatewayP
         tenant_failures=TenantFailures(args.tenant_failures_per_minute),
         stall_timeout_s=args.stall_timeout_s,
         body_timeout_s=args.body_timeout_s,
+        max_http_per_client=args.max_http_requests_per_client,
         trace_content=args.trace_content,
         handover_min_tokens=args.handover_min_tokens,
     )

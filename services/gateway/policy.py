@@ -22,6 +22,7 @@ class GatewayPolicy:
     tenant_failures: TenantFailures = field(default_factory=TenantFailures)
     stall_timeout_s: float = 30.0  # a client that takes no event this long is cancelled
     body_timeout_s: float = 30.0  # an HTTP body not read whole by then: 408
+    max_http_per_client: int = 256  # HTTP requests one client address has open; 0: no limit
     trace_content: bool = False  # prompt and completion text in spans (off: never)
     # With prefill and decode pairs: fewer tokens to compute than this skip the prefill pair.
     handover_min_tokens: int = 256

@@ -31,7 +31,7 @@ from services.gateway.connections import SchedulerBackend
 from shared import redis_keys
 from shared.block_hash import hash_full_blocks
 from shared.errors import KvmeshError, Reason
-from shared.flags import ROUTING_POLICIES
+from shared.gateway_flags import ROUTING_POLICIES
 from shared.pb.kvmesh.v1 import inference_pb2
 from shared.queue_time import queue_time_s
 from shared.redis_link import RedisLink

@@ -1,6 +1,7 @@
 """The HTTP front's guards on its real aiohttp server: a body held back past its timeout is 408
 in the OpenAI error shape and the connection is let go within a second or two (aiohttp alone
-would read on for 10 s); with auth on, no key is 401 before the body is waited for."""
+would read on for 10 s); with auth on, no key is 401 before the body is waited for; one client
+address holds at most its share of open requests."""
 
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ from shared.tenants import ApiKeys
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
 
 
-async def front_on(keys: ApiKeys) -> tuple[OpenAIFront, int]:
-    policy = GatewayPolicy(api_keys=keys, body_timeout_s=0.3)
+async def front_on(
+    keys: ApiKeys, body_timeout_s: float = 0.3, per_client: int = 0
+) -> tuple[OpenAIFront, int]:
+    policy = GatewayPolicy(
+        api_keys=keys, body_timeout_s=body_timeout_s, max_http_per_client=per_client
+    )
     front = OpenAIFront(types.SimpleNamespace(policy=policy), None)  # type: ignore[arg-type]
     port = free_port()
     await front.start("127.0.0.1", port)
@@ -59,3 +64,22 @@ async def test_with_auth_on_no_key_is_401_before_the_body_is_waited_for() -> Non
         await front.close()
     assert b" 401 " in reply.partition(b"\r\n")[0]
     assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == "UNAUTHENTICATED"
+
+
+async def test_one_client_holds_at_most_its_share_of_open_requests() -> None:
+    front, port = await front_on(ApiKeys(), body_timeout_s=5.0, per_client=2)
+    held = []
+    try:
+        for _ in range(2):  # two requests stuck reading their bodies
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(HEAD + b"\r\n" + b"{")
+            await writer.drain()
+            held.append((reader, writer))
+        await asyncio.sleep(0.2)
+        reply, _ = await held_body(port, HEAD)  # a third: refused at once
+        assert b" 429 " in reply.partition(b"\r\n")[0]
+        assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == "RATE_LIMITED"
+    finally:
+        for _, writer in held:
+            writer.close()
+        await front.close()

@@ -5,12 +5,13 @@ One place for auth, as gRPC's interceptors are for the gRPC port: with auth on, 
 client without a key, never 404), and `/metrics` needs an admin tenant's key or the scrape
 token (`KVMESH_METRICS_TOKEN`). The body is then
 read within `body_timeout_s`: a client that holds a partial body holds a connection that long,
-no longer (408).
+no longer (408). One client address has at most `max_per_client` requests open at once (429).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,9 +28,28 @@ BODY_KEY = "kvmesh.body"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def guards(api_keys: ApiKeys, body_timeout_s: float) -> Any:
+def guards(api_keys: ApiKeys, body_timeout_s: float, max_per_client: int = 0) -> Any:
+    open_requests: collections.Counter[str] = collections.Counter()
+
     @web.middleware
     async def guarded(request: web.Request, handler: Handler) -> web.StreamResponse:
+        client = request.remote or ""
+        if max_per_client and open_requests[client] >= max_per_client:
+            raise KvmeshError(
+                Reason.RATE_LIMITED,
+                f"this client address has {max_per_client} requests open already",
+                retryable=True,
+                retry_after_ms=1000,
+            )
+        open_requests[client] += 1
+        try:
+            return await _checked(request, handler)
+        finally:
+            open_requests[client] -= 1
+            if not open_requests[client]:
+                del open_requests[client]
+
+    async def _checked(request: web.Request, handler: Handler) -> web.StreamResponse:
         scraping = request.path in ADMIN_PATHS and is_scrape_token(
             request.headers.get("Authorization", "")
         )

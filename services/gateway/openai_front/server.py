@@ -148,7 +148,7 @@ class OpenAIFront:
     def app(self) -> web.Application:
         policy = self.generate.policy
         max_bytes = policy.limits.max_request_bytes
-        checked = guards(policy.api_keys, policy.body_timeout_s)
+        checked = guards(policy.api_keys, policy.body_timeout_s, policy.max_http_per_client)
         app = web.Application(middlewares=[openai_errors, checked], client_max_size=max_bytes)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
