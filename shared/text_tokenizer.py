@@ -54,7 +54,7 @@ class TextTokenizer:
         self.add_bos = add_bos
         self._bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
         added = tokenizer.get_added_tokens_decoder().values()
-        self._special = special_pattern(token.content for token in added)
+        self._special = special_pattern(token.content for token in added if token.special)
         # The same vocabulary with special-token strings read as text: a chat's own strings.
         self._as_text = Tokenizer.from_str(tokenizer.to_str())
         self._as_text.encode_special_tokens = True

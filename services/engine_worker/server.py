@@ -164,14 +164,15 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
                     record_step(message, seconds, started_ns, self.runtime.address, loads)
                     yield result_to_pb(result, seconds * 1e3)
                     if result.failed or result.sampled:
-                        await self._count_failures(result)
+                        await self._judge_step(result)
             finally:
                 # Queued behind a step still running in the torch thread, never beside it.
                 self._torch_thread.submit(worker.requests.clear)  # the next scheduler: empty
                 self._driven = False
                 log.info("scheduler detached")
 
-    async def _count_failures(self, result: StepResult) -> None:
+    async def _judge_step(self, result: StepResult) -> None:
+        """Failures counted, and the breaker told what the step says of this worker."""
         for failure in result.failed:
             STEP_FAILURES.labels(failure.reason).inc()
         if not self.breaker.record(result.failed, len(result.sampled)):

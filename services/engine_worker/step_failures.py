@@ -66,7 +66,7 @@ def _reason_of(error: BaseException) -> Reason:
 def failure_of(request_id: str, error: BaseException) -> FailedRequest:
     """Logs the exception with its traceback (the class travels on; the text stays here)."""
     reason = _reason_of(error)
-    own_input = _reason_of(error).value in NOT_THE_WORKERS  # no traceback, a warning
+    own_input = reason.value in NOT_THE_WORKERS  # the request's doing: a warning, no traceback
     log.log(
         logging.WARNING if own_input else logging.ERROR,
         "request failed in a step",
@@ -151,8 +151,8 @@ class BreakerDefaults:
 class CircuitBreaker:
     """Judges the worker, not the requests: trips when `max_failures` requests failed within
     `window_s` with no request sampled in between. A failure beside a request that sampled, or
-    one of the request's own parameters (INVALID_SAMPLING_PARAMS), says nothing of the worker
-    and is not counted; any sampled token starts the count over. Tripped, the worker reports
+    one of the request's own parameters or format (NOT_THE_WORKERS), says nothing of the
+    worker and is not counted; any sampled token starts the count over. Tripped, the worker reports
     itself not ready (the scheduler drains it, the gateway routes elsewhere) for `cooldown_s`,
     then serves again. max_failures 0 turns it off."""
 
