@@ -89,7 +89,8 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
         "--body-timeout-s",
         type=float,
         default=float(env_default("body-timeout-s", "30") or 30),
-        help="an HTTP request body not read whole within this is refused (408)",
+        help="an HTTP request's headers or body not arrived within this: the connection is "
+        "closed (a body: 408 first); also how long an idle kept-alive connection stays open",
     )
     group.add_argument(
         "--handover-min-tokens",

@@ -21,7 +21,7 @@ class GatewayPolicy:
     # Refuses a tenant whose requests keep failing in the engine (the breaker does not count them).
     tenant_failures: TenantFailures = field(default_factory=TenantFailures)
     stall_timeout_s: float = 30.0  # a client that takes no event this long is cancelled
-    body_timeout_s: float = 30.0  # an HTTP body not read whole by then: 408
+    body_timeout_s: float = 30.0  # HTTP headers or body not arrived by then: closed (408)
     max_http_per_client: int = 256  # HTTP requests one client address has open; 0: no limit
     trace_content: bool = False  # prompt and completion text in spans (off: never)
     # With prefill and decode pairs: fewer tokens to compute than this skip the prefill pair.

@@ -6,6 +6,7 @@ chat) complete."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pathlib
 import urllib.error
@@ -166,6 +167,25 @@ async def test_grpc_input(mesh: Mesh, log_marks: dict[str, int], case: tuple) ->
     error = rich_error(refused.value)
     assert error.reason == reason
     assert error.code != grpc.StatusCode.INTERNAL and error.code != grpc.StatusCode.UNKNOWN
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+    ],
+)
+async def test_bytes_that_are_not_http(mesh: Mesh, log_marks: dict[str, int], raw: bytes) -> None:
+    """aiohttp's own 400 (no handler runs), logged in one line, never a traceback."""
+    host, port = mesh.http_url.removeprefix("http://").removesuffix("/v1").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(raw)
+    await writer.drain()
+    reply = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert b" 400 " in reply.partition(b"\r\n")[0]
 
 
 async def test_afterwards_no_traceback_and_nothing_held(

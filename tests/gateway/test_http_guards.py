@@ -1,7 +1,7 @@
 """The HTTP front's guards on its real aiohttp server: a body held back past its timeout is 408
 in the OpenAI error shape and the connection is let go within a second or two (aiohttp alone
 would read on for 10 s); with auth on, no key is 401 before the body is waited for; one client
-address holds at most its share of open requests."""
+address holds at most its share of open requests; headers that never end are not waited for."""
 
 from __future__ import annotations
 
@@ -82,4 +82,18 @@ async def test_one_client_holds_at_most_its_share_of_open_requests() -> None:
     finally:
         for _, writer in held:
             writer.close()
+        await front.close()
+
+
+async def test_headers_that_never_end_are_not_waited_for() -> None:
+    front, port = await front_on(ApiKeys())
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        started = time.monotonic()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, nothing said
+        assert time.monotonic() - started < 3
+        writer.close()
+    finally:
         await front.close()

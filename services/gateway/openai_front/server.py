@@ -24,6 +24,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway.call_context import HttpCall
@@ -138,6 +139,17 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
         return error_response(KvmeshError(Reason.INTERNAL, "internal error"))
 
 
+def _bad_http_in_one_line(record: logging.LogRecord) -> bool:
+    """Bytes that are not HTTP get aiohttp's own plain 400 (no handler, no API runs); its log
+    line says so at info level, without a traceback, whatever a client sends."""
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, BadHttpMessage):
+        record.msg, record.args = f"not HTTP: {str(error.message).splitlines()[0]}", ()
+        record.exc_info, record.exc_text = None, None
+        record.levelno, record.levelname = logging.INFO, "INFO"
+    return True
+
+
 class OpenAIFront:
     def __init__(self, generate: GenerateHandler, catalog: ModelCatalog) -> None:
         self.generate = generate
@@ -160,9 +172,16 @@ class OpenAIFront:
         return app
 
     async def start(self, host: str, port: int) -> None:
+        logging.getLogger("aiohttp.server").addFilter(_bad_http_in_one_line)
         # handler_cancellation: a client that hangs up cancels its handler, and the request.
+        # Headers (and the wait between two requests on a kept-alive connection) are bounded
+        # by aiohttp's keep-alive timer: the same bound as a body's.
         self._runner = web.AppRunner(
-            self.app(), handler_cancellation=True, access_log=None, lingering_time=LINGER_S
+            self.app(),
+            handler_cancellation=True,
+            access_log=None,
+            lingering_time=LINGER_S,
+            keepalive_timeout=self.generate.policy.body_timeout_s,
         )
         await self._runner.setup()
         tls = tls_config()
