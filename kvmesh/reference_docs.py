@@ -101,7 +101,7 @@ def _reason_notes() -> dict[str, str]:
 
 
 def errors() -> str:
-    from services.gateway.openai_front.server import HTTP_STATUS
+    from services.gateway.openai_front.http_errors import HTTP_STATUS
     from shared.errors import Reason
     from shared.grpc_errors import STATUS_CODES
 

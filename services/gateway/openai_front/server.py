@@ -18,13 +18,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway.call_context import HttpCall
@@ -33,6 +31,12 @@ from services.gateway.embed import embed
 from services.gateway.generate import GenerateHandler
 from services.gateway.openai_front.embeddings import parse_embeddings
 from services.gateway.openai_front.guards import body_of, guards
+from services.gateway.openai_front.http_errors import (
+    bad_http_in_one_line,
+    error_object,
+    error_response,
+    openai_errors,
+)
 from services.gateway.openai_front.protocol import (
     OpenAIRequest,
     parse_body,
@@ -49,36 +53,6 @@ from shared.tls import http_ssl_context, tls_config
 log = logging.getLogger("kvmesh.gateway.http")
 Event = inference_pb2.GenerateEvent
 
-# HTTP status per reason; the rest follow their gRPC code (see _http_status).
-HTTP_STATUS = {
-    Reason.MODEL_NOT_FOUND: 404,
-    Reason.TRACE_NOT_FOUND: 404,
-    Reason.UNAUTHENTICATED: 401,
-    Reason.PERMISSION_DENIED: 403,
-    Reason.RATE_LIMITED: 429,  # the tenant's own limits
-    Reason.OVERLOADED: 503,  # the mesh's capacity: OpenAI's "engine overloaded"
-    Reason.MODEL_NOT_READY: 503,
-    Reason.WORKER_UNAVAILABLE: 503,
-    Reason.WORKER_LOST: 503,
-    Reason.TOKENIZER_LOST: 503,
-    Reason.UNREACHABLE: 503,
-    Reason.REQUEST_TOO_LARGE: 413,
-    Reason.DEADLINE_EXCEEDED: 504,
-    Reason.INVALID_OUTPUT: 500,
-    Reason.EXECUTION_FAILED: 500,
-    Reason.OUT_OF_MEMORY: 500,
-    Reason.INTERNAL: 500,
-}
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "overloaded_error",
-    504: "timeout_error",
-}
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SSE_DONE = b"data: [DONE]\n\n"
 # After an error answered before its body was read, aiohttp reads on this long (10 s by
@@ -86,68 +60,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 LINGER_S = 1.0
 
 
-def http_status(error: KvmeshError) -> int:
-    return HTTP_STATUS.get(error.reason, 400)  # the rest are the caller's input
-
-
-def error_object(error: KvmeshError) -> dict[str, Any]:
-    status = http_status(error)
-    return {
-        "error": {
-            "message": error.message,
-            "type": ERROR_TYPES.get(status, "invalid_request_error"),
-            "param": None,
-            "code": error.reason.value,
-            "retryable": error.retryable,
-        }
-    }
-
-
-def error_response(error: KvmeshError) -> web.Response:
-    headers = {}
-    if error.retryable:
-        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_ms / 1e3)))
-        headers["retry-after-ms"] = str(error.retry_after_ms)
-    return web.json_response(error_object(error), status=http_status(error), headers=headers)
-
-
 def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-
-
-@web.middleware
-async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every error, ours or aiohttp's (unknown path, wrong method), as an OpenAI error."""
-    try:
-        return await handler(request)
-    except KvmeshError as error:
-        return error_response(error)
-    except web.HTTPRequestEntityTooLarge as error:
-        return error_response(KvmeshError(Reason.REQUEST_TOO_LARGE, error.text or "too large"))
-    except web.HTTPException as error:
-        if error.status < 400:
-            raise
-        # Not a kvmesh reason's status: a path or method the API does not have.
-        problem = f"{request.method} {request.path}: {error.reason}"
-        response = error_response(KvmeshError(Reason.INVALID_ARGUMENT, problem))
-        response.set_status(error.status)
-        if error.status == web.HTTPRequestTimeout.status_code:
-            response.force_close()  # the rest of that body is never read: let the client go
-        return response
-    except Exception:  # a bug: its traceback to the log, the API's error shape to the client
-        log.exception("unexpected error in the HTTP front", extra={"path": request.path})
-        return error_response(KvmeshError(Reason.INTERNAL, "internal error"))
-
-
-def _bad_http_in_one_line(record: logging.LogRecord) -> bool:
-    """Bytes that are not HTTP get aiohttp's own plain 400 (no handler, no API runs); its log
-    line says so at info level, without a traceback, whatever a client sends."""
-    error = record.exc_info[1] if record.exc_info else None
-    if isinstance(error, BadHttpMessage):
-        record.msg, record.args = f"not HTTP: {str(error.message).splitlines()[0]}", ()
-        record.exc_info, record.exc_text = None, None
-        record.levelno, record.levelname = logging.INFO, "INFO"
-    return True
 
 
 class OpenAIFront:
@@ -172,7 +86,7 @@ class OpenAIFront:
         return app
 
     async def start(self, host: str, port: int) -> None:
-        logging.getLogger("aiohttp.server").addFilter(_bad_http_in_one_line)
+        logging.getLogger("aiohttp.server").addFilter(bad_http_in_one_line)
         # handler_cancellation: a client that hangs up cancels its handler, and the request.
         # Headers (and the wait between two requests on a kept-alive connection) are bounded
         # by aiohttp's keep-alive timer: the same bound as a body's.
