@@ -45,7 +45,7 @@ def _pieces(text: str) -> list[str]:
 
 def check_length(tokenizer: Tokenizer, text: str, limit: int, longest: int) -> None:
     """PROMPT_TOO_LONG when `text` certainly has more than `limit` tokens (0: no limit)."""
-    if limit <= 0:
+    if limit <= 0 or 4 * len(text) + 2 <= limit:  # UTF-8 takes at most 4 bytes a character
         return
     num_bytes = len(text.encode("utf-8", "surrogatepass"))
     if num_bytes + 2 <= limit:

@@ -112,8 +112,9 @@ class TextTokenizer:
         rendered = self.apply_chat_template(
             fence(messages, self._special), fence(tools, self._special) if tools else None
         )
-        unfenced = rendered.replace(OPEN, "").replace(CLOSE, "")
-        check_length(self.tokenizer, unfenced, max_tokens, self.longest_token_bytes)
+        if max_tokens:
+            unfenced = rendered.replace(OPEN, "").replace(CLOSE, "")
+            check_length(self.tokenizer, unfenced, max_tokens, self.longest_token_bytes)
         ids: list[int] = []
         for piece, plain in pieces(rendered):
             encoder = self._as_text if plain else self.tokenizer

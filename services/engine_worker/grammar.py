@@ -101,7 +101,7 @@ class GrammarCompiler:
 
 
 def _first_line(matcher: llguidance.LLMatcher) -> str:
-    return matcher.get_error().splitlines()[0] if matcher.get_error() else "error"
+    return (matcher.get_error().splitlines() or ["error"])[0]
 
 
 def allowed_tokens(

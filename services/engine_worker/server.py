@@ -33,7 +33,6 @@ from shared.heap import freeze_startup_heap
 from shared.metrics import TOKEN_SECONDS
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
 from shared.service import ServiceRuntime
-from shared.step import StepResult
 
 log = logging.getLogger("kvmesh.engine_worker")
 T = TypeVar("T")
@@ -163,20 +162,17 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
                     loads = worker.kv_transfer.step_loads
                     record_step(message, seconds, started_ns, self.runtime.address, loads)
                     yield result_to_pb(result, seconds * 1e3)
-                    if result.failed or result.sampled:
-                        await self._judge_step(result)
+                    for failure in result.failed:
+                        STEP_FAILURES.labels(failure.reason).inc()
+                    if self.breaker.record(result.failed, len(result.sampled)):
+                        await self._open_breaker()
             finally:
                 # Queued behind a step still running in the torch thread, never beside it.
                 self._torch_thread.submit(worker.requests.clear)  # the next scheduler: empty
                 self._driven = False
                 log.info("scheduler detached")
 
-    async def _judge_step(self, result: StepResult) -> None:
-        """Failures counted, and the breaker told what the step says of this worker."""
-        for failure in result.failed:
-            STEP_FAILURES.labels(failure.reason).inc()
-        if not self.breaker.record(result.failed, len(result.sampled)):
-            return
+    async def _open_breaker(self) -> None:
         log.error(
             "circuit breaker open: too many failed requests; not ready",
             extra={

@@ -171,7 +171,8 @@ class CircuitBreaker:
     def record(
         self, failed: Sequence[FailedRequest], num_sampled: int, now: float | None = None
     ) -> bool:
-        """Counts a step's outcome; True when this step tripped the breaker."""
+        """Counts a step's outcome (every step's: a sampled token starts the count over); True
+        when this step tripped the breaker."""
         if num_sampled:
             self._failures.clear()
             return False

@@ -23,9 +23,7 @@ class ModelAdminService(model_admin_pb2_grpc.ModelAdminServicer):
         self.api_keys = api_keys
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        tenant = self.api_keys.authenticate(context.invocation_metadata())
-        if self.api_keys.enabled and not tenant.admin:
-            raise KvmeshError(Reason.PERMISSION_DENIED, f"tenant {tenant.name!r} is not an admin")
+        self.api_keys.require_admin(context.invocation_metadata(), "change the served models")
 
     async def AddBackend(
         self, request: model_admin_pb2.AddBackendRequest, context: grpc.aio.ServicerContext

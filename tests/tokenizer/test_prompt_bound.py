@@ -8,7 +8,7 @@ import pytest
 
 from shared import prompt_bound
 from shared.errors import KvmeshError, Reason
-from shared.text_tokenizer import TextTokenizer, load_tokenizer
+from shared.text_tokenizer import TextTokenizer
 
 LIMIT = 8191
 WORDS = [
@@ -24,13 +24,6 @@ WORDS = [
     "café",
     "🚀",
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path: str) -> TextTokenizer:
-    loaded = load_tokenizer(default_model_path)
-    assert loaded is not None
-    return loaded
 
 
 def refusal(tokenizer: TextTokenizer, text: str, limit: int = LIMIT) -> str:

@@ -19,13 +19,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path: str) -> TextTokenizer:
-    loaded = load_tokenizer(default_model_path)
-    assert loaded is not None
-    return loaded
-
-
 def test_gguf_tokenizer_matches_transformers(
     tokenizer: TextTokenizer, default_model_path: str
 ) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2
-from shared.text_tokenizer import TextTokenizer, load_tokenizer
+from shared.text_tokenizer import TextTokenizer
 from shared.tool_prompt import call_block, function_specs, message_dicts
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -32,13 +32,6 @@ CHAT = common_pb2.Chat(
         )
     ],
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path: str) -> TextTokenizer:
-    loaded = load_tokenizer(default_model_path)
-    assert loaded is not None
-    return loaded
 
 
 def test_a_template_without_tools_gets_the_tool_prompt(tokenizer: TextTokenizer) -> None:

@@ -55,11 +55,10 @@ def guards(api_keys: ApiKeys, body_timeout_s: float, max_per_client: int = 0) ->
         )
         if request.path not in OPEN_PATHS and not scraping:
             metadata = HttpCall(list(request.headers.items())).invocation_metadata()
-            tenant = api_keys.authenticate(metadata)
-            if request.path in ADMIN_PATHS and api_keys.enabled and not tenant.admin:
-                raise KvmeshError(
-                    Reason.PERMISSION_DENIED, f"tenant {tenant.name!r} may not read {request.path}"
-                )
+            if request.path in ADMIN_PATHS:
+                api_keys.require_admin(metadata, f"read {request.path}")
+            else:
+                api_keys.authenticate(metadata)
         if request.can_read_body:
             try:
                 request[BODY_KEY] = await asyncio.wait_for(request.read(), body_timeout_s)
