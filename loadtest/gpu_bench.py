@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import random
@@ -250,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
             engine.worker.manifest.cuda_graphs,
         )
         del engine
+        gc.collect()  # its device arrays back to the pool before the next batch's engine
         row: dict = {"batch": batch, "kvmesh_cupy": cupy.tok_s}
         if default and not args.llama_cpp_only:  # slow peers, only where the model is small
             torch_side, engine = kvmesh_decode(

@@ -12,7 +12,10 @@ def available_bytes(backend: str) -> int:
     if backend == "cupy":
         import cupy
 
-        return int(cupy.cuda.runtime.memGetInfo()[0])
+        # Blocks CuPy's pool keeps after a model is dropped are free to the next one in this
+        # process (a reload, a benchmark's next batch), though the driver counts them as used.
+        pooled = cupy.get_default_memory_pool().free_bytes()
+        return int(cupy.cuda.runtime.memGetInfo()[0]) + int(pooled)
     device = os.environ.get("KVMESH_TORCH_DEVICE", "cpu")
     if device.startswith("cuda"):
         import torch

@@ -93,7 +93,7 @@ def _modules() -> dict[str, types.ModuleType]:
     cuda.runtime = types.SimpleNamespace(  # type: ignore[attr-defined]
         getDeviceCount=lambda: 1,
         memGetInfo=lambda: (
-            device.STATE.free_bytes - device.STATE.allocated_bytes,
+            device.STATE.free_bytes - device.STATE.allocated_bytes - device.STATE.pooled_bytes,
             device.STATE.free_bytes,
         ),
         runtimeGetVersion=lambda: 13000,

@@ -277,6 +277,9 @@ def test_the_fit_check_counts_what_the_runner_allocates_before_allocating(
         assert refused.value.reason == Reason.MODEL_DOES_NOT_FIT
         assert "step workspace" in str(refused.value)
         assert state.allocated_bytes == 0  # refused before the first allocation
+    with installed(free_bytes=loaded + workspace) as state:
+        state.pooled_bytes = loaded  # a dropped model's blocks, kept by CuPy's pool
+        engine(checkpoints["llama"], "cupy")  # they are free to the next model
 
 
 def test_nothing_in_services_calls_cupys_cublas_wrapper() -> None:
