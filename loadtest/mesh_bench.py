@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import statistics
 import time
 
@@ -43,6 +44,20 @@ def summarize(ttfts: list[float], tokens: int, elapsed: float) -> dict:
         "output_tok_s": tokens / elapsed,
         "ttft_p50_ms": statistics.median(ttfts) * 1e3,
         "ttft_p99_ms": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))] * 1e3,
+    }
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def services_cpu(mesh: Mesh) -> dict[str, float]:
+    """Every mesh process's CPU seconds so far, and this one's (the benchmark's client)."""
+    return {s.name: cpu_seconds(s.process.pid) for s in mesh.services} | {
+        "client": time.process_time()
     }
 
 
@@ -163,9 +178,15 @@ def main() -> None:
             # One step per idle request: what is not the worker's compute is the mesh's cost.
             hop_ms += [(ttft - compute) * 1e3 for ttft, compute in samples]
             mesh_idle += [ttft for ttft, _ in samples]
+            before = services_cpu(mesh)
             mesh_rounds.append(
                 asyncio.run(run_mesh(mesh.gateway_address, prompts, args.output_len))
             )
+            after = services_cpu(mesh)
+            per_k = 1e3 / mesh_rounds[-1]["output_tokens"]
+            mesh_rounds[-1]["cpu_ms_per_token"] = {
+                name: (after[name] - before[name]) * per_k for name in before
+            }
         cache = CacheConfig(kv_memory_bytes=parse_bytes(args.kv_memory))
         engine = Engine(EngineConfig(backend=args.backend, cache=cache))
         run_in_process(engine, warmup, 4)
@@ -193,6 +214,8 @@ def main() -> None:
             f"{result['ttft_p50_ms']:>13.1f}{result['ttft_p99_ms']:>13.1f}"
         )
     ratio = mesh_best["output_tok_s"] / engine_best["output_tok_s"]
+    busy = sorted(mesh_best["cpu_ms_per_token"].items(), key=lambda item: -item[1])
+    print("mesh CPU ms per output token: " + ", ".join(f"{n} {ms:.3f}" for n, ms in busy))
     print(f"mesh / in-process throughput: {ratio:.3f}x (goal >= 0.9)")
     if mesh_idle:  # --idle-requests 0 leaves them out
         mesh_idle_ms = statistics.median(mesh_idle) * 1e3

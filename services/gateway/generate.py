@@ -104,11 +104,12 @@ class GenerateHandler:
         self._log_accepted(call, admitted)
         active_key = (admitted.tenant.name, call.request_id)
         self.active[active_key] = [ActiveRequest(m.backend, m.upstream_id) for m in members]
+        traceparent = telemetry.detokenize_traceparent()
         completions = [
             Completion(
                 member.index,
                 [member],  # the current attempt last: a fail-over appends the next one
-                TextStream(self.tokenizer.stub, telemetry.detokenize_metadata(), member.model.name),
+                TextStream(self.tokenizer.lanes, member.model.name, traceparent),
                 Progress(len(member.token_ids), call.received),
             )
             for member in members

@@ -20,7 +20,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.gateway.request_metrics import RequestMetrics
 from shared.errors import KvmeshError
-from shared.telemetry import context_from_metadata, metadata_for, trace_id_hex
+from shared.telemetry import context_from_metadata, metadata_for, trace_id_hex, traceparent_of
 
 tracer = trace.get_tracer("kvmesh.gateway")
 # A long answer's gaps beyond this are summarised by the histogram only.
@@ -82,10 +82,11 @@ class RequestTelemetry:
         """For calls whose server spans are children of the root (Submit)."""
         return metadata_for(self.root)
 
-    def detokenize_metadata(self) -> tuple[tuple[str, str], ...]:
-        """Opens the detokenize span; the tokenizer's Detokenize span becomes its child."""
+    def detokenize_traceparent(self) -> str:
+        """Opens the detokenize span; the tokenizer's span for each completion's lane becomes
+        its child."""
         self._detokenize = tracer.start_span("detokenize", context=self._parent)
-        return metadata_for(self._detokenize)
+        return traceparent_of(self._detokenize)
 
     def detokenize_ended(self, wait_s: float) -> None:
         if self._detokenize is not None:

@@ -1,32 +1,24 @@
-"""Incremental detokenization of one request through the tokenizer service's bidi stream."""
+"""Incremental detokenization of one request: its lane on the gateway's shared
+`DetokenizeLanes` stream (detokenize_lanes.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from collections.abc import Sequence
 
-import grpc
-
+from services.gateway.detokenize_lanes import Call, DetokenizeLanes
 from shared import grpc_errors
-from shared.errors import KvmeshError, Reason
-from shared.pb.kvmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-
-log = logging.getLogger("kvmesh.gateway")
+from shared.pb.kvmesh.v1 import common_pb2, tokenizer_pb2
 
 
 class TextStream:
-    """Incremental detokenization of one request through the tokenizer service."""
-
-    def __init__(
-        self,
-        tokenizer: tokenizer_pb2_grpc.TokenizerStub,
-        metadata: tuple[tuple[str, str], ...] = (),
-        model: str = "",
-    ) -> None:
-        self._call: grpc.aio.StreamStreamCall = tokenizer.Detokenize(metadata=metadata)
-        self._model = model  # whose tokenizer: said in the first message
+    def __init__(self, lanes: DetokenizeLanes, model: str = "", traceparent: str = "") -> None:
+        self._lanes = lanes
+        self._lane = lanes.new_lane()
+        self._model = model  # whose tokenizer: said in the lane's first message
+        self._traceparent = traceparent  # the tokenizer's span for the lane hangs under it
+        self._call: Call | None = None  # the stream the lane opened on
+        self._ended = False
         self.wait_s = 0.0  # time spent waiting on the tokenizer, for the trace
 
     async def push(
@@ -42,51 +34,35 @@ class TextStream:
         piece_ids = [
             i for entry in logprobs for i in (entry.token_id, *(t.token_id for t in entry.top))
         ]
+        entry = tokenizer_pb2.DetokenizeLane(
+            lane=self._lane,
+            request=tokenizer_pb2.DetokenizeRequest(
+                token_ids=token_ids, finish=finish, piece_ids=piece_ids
+            ),
+        )
+        if self._call is None:
+            entry.request.model = self._model
+            entry.traceparent = self._traceparent
+        # The lane's stream is known before the wait: a request cancelled during its first
+        # push still closes the lane it opened.
+        self._call = self._lanes.stream(self._call)
         try:
-            await self._call.write(
-                tokenizer_pb2.DetokenizeRequest(
-                    token_ids=token_ids, finish=finish, piece_ids=piece_ids, model=self._model
-                )
-            )
-            reply = await self._call.read()
-        except (grpc.RpcError, asyncio.InvalidStateError):
-            # A write after the server ended the call raises InvalidStateError: read its status.
-            call = self._call
-            raise tokenizer_failure(
-                grpc.aio.AioRpcError(
-                    await call.code(),
-                    await call.initial_metadata(),
-                    await call.trailing_metadata(),
-                    await call.details(),
-                )
-            ) from None
+            answered = await self._lanes.exchange(entry, self._call)
         finally:
             self.wait_s += time.monotonic() - started
-        if reply is grpc.aio.EOF:
-            return ""
-        pieces = iter(reply.pieces)
-        for entry in logprobs:
-            entry.token_bytes = next(pieces, b"")
-            for top in entry.top:
+        if answered.HasField("error"):
+            self._ended = True  # the tokenizer closed the lane
+            raise grpc_errors.from_pb(answered.error)
+        self._ended = finish
+        pieces = iter(answered.response.pieces)
+        for logprob in logprobs:
+            logprob.token_bytes = next(pieces, b"")
+            for top in logprob.top:
                 top.token_bytes = next(pieces, b"")
-        return reply.text
+        return answered.response.text
 
     def cancel(self) -> None:
-        self._call.cancel()
-
-
-def tokenizer_failure(error: grpc.RpcError) -> KvmeshError:
-    """The tokenizer's own error, or TOKENIZER_LOST when it is unreachable or died: a status
-    without a kvmesh reason that is UNAVAILABLE, CANCELLED or INTERNAL (grpcio's "Internal
-    error from Core" when the peer vanished mid-call)."""
-    failure = grpc_errors.from_rpc_error(error)
-    lost_codes = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL)
-    if error.code() in lost_codes and grpc_errors.rich_status_of(error) is None:
-        log.warning("tokenizer lost", extra={"detail": failure.message})  # never to a client
-        return KvmeshError(
-            Reason.TOKENIZER_LOST,
-            "the tokenizer service is unreachable",
-            retryable=True,
-            retry_after_ms=1000,
-        )
-    return failure
+        """The request ended before its finish: the tokenizer forgets the lane."""
+        if self._call is not None and not self._ended:
+            self._lanes.close(self._lane, self._call)
+        self._ended = True

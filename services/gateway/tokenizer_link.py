@@ -11,7 +11,8 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from services.gateway.connections import watch_health
-from services.gateway.text_stream import tokenizer_failure
+from services.gateway.detokenize_lanes import DetokenizeLanes
+from services.gateway.tokenizer_errors import tokenizer_failure
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from shared.service import CHANNEL_OPTIONS
@@ -23,6 +24,7 @@ class TokenizerLink:
         self.address = address
         self.channel = aio_channel(address, options=CHANNEL_OPTIONS)
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
+        self.lanes = DetokenizeLanes(self.stub)  # every request's detokenizing, one stream
         self.ready = False
 
     async def watch(self, on_change: Callable[[], Awaitable[None]]) -> None:
@@ -80,4 +82,5 @@ class TokenizerLink:
         return ids
 
     async def close(self) -> None:
+        await self.lanes.aclose()
         await self.channel.close()

@@ -13,14 +13,14 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
-from prometheus_client import Counter, Histogram
+from prometheus_client import Histogram
 
-from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.lanes import TOKENS, Lane, Lanes
 from shared.errors import KvmeshError, Reason
 from shared.metrics import TOKEN_SECONDS
 from shared.pb.kvmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from shared.service import ServiceRuntime
-from shared.telemetry import context_from_metadata
+from shared.telemetry import context_from_metadata, context_from_traceparent
 from shared.text_tokenizer import TextTokenizer
 from shared.tool_prompt import function_specs, message_dicts
 
@@ -32,7 +32,6 @@ ENCODE_SECONDS = Histogram(
 # Encodes at once, off the event loop. HF tokenizers hold the GIL while they encode, so these
 # interleave between a long prompt's counted pieces (prompt_bound.py) rather than run together.
 ENCODE_THREADS = 2
-TOKENS = Counter("kvmesh_tokenizer_tokens", "Tokens encoded and detokenized", ["direction"])
 
 
 def chat_messages(chat: common_pb2.Chat) -> list[dict[str, Any]]:
@@ -114,49 +113,37 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
         # Whose tokenizer: the first message says (a stream is one request of one model).
-        tokenizer: TextTokenizer | None = None
-        detokenizer: IncrementalDetokenizer | None = None
-        first = True
-        parent = context_from_metadata(context.invocation_metadata())
-        span = tracer.start_span("tokenizer.Detokenize", parent, SpanKind.SERVER)
-        num_tokens, busy_s, ended = 0, 0.0, False
-
-        def end_span() -> None:  # one span for the stream, however it ends: none per token
-            nonlocal ended
-            if not ended:
-                ended = True
-                TOKENS.labels("detokenize").inc(num_tokens)
-                span.set_attributes(
-                    {"gen_ai.usage.output_tokens": num_tokens, "kvmesh.busy_ms": busy_s * 1e3}
-                )
-                span.end()
-
-        with self.runtime.in_flight():
-            try:
-                async for message in request_iterator:
-                    started = time.perf_counter()
-                    if first:
-                        first = False
-                        tokenizer = self.loaded(message.model).tokenizer
-                        # A model without a tokenizer still serves token-id clients: no text.
-                        detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer else None
-                    text = detokenizer.push(message.token_ids) if detokenizer else ""
-                    if message.finish and detokenizer:
-                        text += detokenizer.flush()
-                    pieces = (
-                        tokenizer.token_bytes(list(message.piece_ids))
-                        if tokenizer and message.piece_ids
-                        else []
+        lane: Lane | None = None
+        try:
+            async for message in request_iterator:
+                if lane is None:
+                    parent = context_from_metadata(context.invocation_metadata())
+                    lane = Lane(
+                        self.loaded(message.model).tokenizer, parent, self.runtime.in_flight()
                     )
-                    num_tokens += len(message.token_ids)
-                    busy_s += time.perf_counter() - started
-                    if message.finish:
-                        end_span()  # the work is done; the reply's send is the caller's wait
-                    yield tokenizer_pb2.DetokenizeResponse(text=text, pieces=pieces)
-                    if message.finish:
-                        return
-            finally:
-                end_span()
+                yield lane.answer(message)
+                if message.finish:
+                    return
+        finally:
+            if lane is not None:
+                lane.end()
+
+    async def DetokenizeLanes(
+        self,
+        request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeLanesRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[tokenizer_pb2.DetokenizeLanesResponse]:
+        lanes = Lanes(self._open_lane)
+        try:
+            async for message in request_iterator:
+                yield lanes.answer(message)
+        finally:
+            lanes.end_all()
+
+    def _open_lane(self, entry: tokenizer_pb2.DetokenizeLane) -> Lane:
+        """A lane counts for a drain as a stream does: the shared stream itself never ends."""
+        parent = context_from_traceparent(entry.traceparent)
+        return Lane(self.loaded(entry.request.model).tokenizer, parent, self.runtime.in_flight())
 
     async def GetInfo(
         self, request: tokenizer_pb2.TokenizerInfoRequest, context: grpc.aio.ServicerContext

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shared.pb.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/tokenizer.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"l\n\rEncodeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0f.kvmesh.v1.ChatH\x00\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nmax_tokens\x18\x04 \x01(\rB\x07\n\x05input\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"X\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06\x66inish\x18\x02 \x01(\x08\x12\x11\n\tpiece_ids\x18\x03 \x03(\r\x12\r\n\x05model\x18\x04 \x01(\t\"2\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0e\n\x06pieces\x18\x02 \x03(\x0c\"%\n\x14TokenizerInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"R\n\rTokenizerInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x19\n\x11has_chat_template\x18\x02 \x01(\x08\x12\x12\n\nmodel_path\x18\x03 \x01(\t2\xdf\x01\n\tTokenizer\x12=\n\x06\x45ncode\x12\x18.kvmesh.v1.EncodeRequest\x1a\x19.kvmesh.v1.EncodeResponse\x12M\n\nDetokenize\x12\x1c.kvmesh.v1.DetokenizeRequest\x1a\x1d.kvmesh.v1.DetokenizeResponse(\x01\x30\x01\x12\x44\n\x07GetInfo\x12\x1f.kvmesh.v1.TokenizerInfoRequest\x1a\x18.kvmesh.v1.TokenizerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/tokenizer.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"l\n\rEncodeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0f.kvmesh.v1.ChatH\x00\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nmax_tokens\x18\x04 \x01(\rB\x07\n\x05input\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"X\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06\x66inish\x18\x02 \x01(\x08\x12\x11\n\tpiece_ids\x18\x03 \x03(\r\x12\r\n\x05model\x18\x04 \x01(\t\"2\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0e\n\x06pieces\x18\x02 \x03(\x0c\"q\n\x0e\x44\x65tokenizeLane\x12\x0c\n\x04lane\x18\x01 \x01(\x04\x12-\n\x07request\x18\x02 \x01(\x0b\x32\x1c.kvmesh.v1.DetokenizeRequest\x12\r\n\x05\x63lose\x18\x03 \x01(\x08\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"B\n\x16\x44\x65tokenizeLanesRequest\x12(\n\x05lanes\x18\x01 \x03(\x0b\x32\x19.kvmesh.v1.DetokenizeLane\"q\n\x0f\x44\x65tokenizedLane\x12\x0c\n\x04lane\x18\x01 \x01(\x04\x12/\n\x08response\x18\x02 \x01(\x0b\x32\x1d.kvmesh.v1.DetokenizeResponse\x12\x1f\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.Error\"D\n\x17\x44\x65tokenizeLanesResponse\x12)\n\x05lanes\x18\x01 \x03(\x0b\x32\x1a.kvmesh.v1.DetokenizedLane\"%\n\x14TokenizerInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"R\n\rTokenizerInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x19\n\x11has_chat_template\x18\x02 \x01(\x08\x12\x12\n\nmodel_path\x18\x03 \x01(\t2\xbd\x02\n\tTokenizer\x12=\n\x06\x45ncode\x12\x18.kvmesh.v1.EncodeRequest\x1a\x19.kvmesh.v1.EncodeResponse\x12M\n\nDetokenize\x12\x1c.kvmesh.v1.DetokenizeRequest\x1a\x1d.kvmesh.v1.DetokenizeResponse(\x01\x30\x01\x12\\\n\x0f\x44\x65tokenizeLanes\x12!.kvmesh.v1.DetokenizeLanesRequest\x1a\".kvmesh.v1.DetokenizeLanesResponse(\x01\x30\x01\x12\x44\n\x07GetInfo\x12\x1f.kvmesh.v1.TokenizerInfoRequest\x1a\x18.kvmesh.v1.TokenizerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,10 +40,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DETOKENIZEREQUEST']._serialized_end=299
   _globals['_DETOKENIZERESPONSE']._serialized_start=301
   _globals['_DETOKENIZERESPONSE']._serialized_end=351
-  _globals['_TOKENIZERINFOREQUEST']._serialized_start=353
-  _globals['_TOKENIZERINFOREQUEST']._serialized_end=390
-  _globals['_TOKENIZERINFO']._serialized_start=392
-  _globals['_TOKENIZERINFO']._serialized_end=474
-  _globals['_TOKENIZER']._serialized_start=477
-  _globals['_TOKENIZER']._serialized_end=700
+  _globals['_DETOKENIZELANE']._serialized_start=353
+  _globals['_DETOKENIZELANE']._serialized_end=466
+  _globals['_DETOKENIZELANESREQUEST']._serialized_start=468
+  _globals['_DETOKENIZELANESREQUEST']._serialized_end=534
+  _globals['_DETOKENIZEDLANE']._serialized_start=536
+  _globals['_DETOKENIZEDLANE']._serialized_end=649
+  _globals['_DETOKENIZELANESRESPONSE']._serialized_start=651
+  _globals['_DETOKENIZELANESRESPONSE']._serialized_end=719
+  _globals['_TOKENIZERINFOREQUEST']._serialized_start=721
+  _globals['_TOKENIZERINFOREQUEST']._serialized_end=758
+  _globals['_TOKENIZERINFO']._serialized_start=760
+  _globals['_TOKENIZERINFO']._serialized_end=842
+  _globals['_TOKENIZER']._serialized_start=845
+  _globals['_TOKENIZER']._serialized_end=1162
 # @@protoc_insertion_point(module_scope)

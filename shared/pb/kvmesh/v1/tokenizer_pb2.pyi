@@ -45,6 +45,40 @@ class DetokenizeResponse(_message.Message):
     pieces: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, text: _Optional[str] = ..., pieces: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
+class DetokenizeLane(_message.Message):
+    __slots__ = ("lane", "request", "close", "traceparent")
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    lane: int
+    request: DetokenizeRequest
+    close: bool
+    traceparent: str
+    def __init__(self, lane: _Optional[int] = ..., request: _Optional[_Union[DetokenizeRequest, _Mapping]] = ..., close: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class DetokenizeLanesRequest(_message.Message):
+    __slots__ = ("lanes",)
+    LANES_FIELD_NUMBER: _ClassVar[int]
+    lanes: _containers.RepeatedCompositeFieldContainer[DetokenizeLane]
+    def __init__(self, lanes: _Optional[_Iterable[_Union[DetokenizeLane, _Mapping]]] = ...) -> None: ...
+
+class DetokenizedLane(_message.Message):
+    __slots__ = ("lane", "response", "error")
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    lane: int
+    response: DetokenizeResponse
+    error: _common_pb2.Error
+    def __init__(self, lane: _Optional[int] = ..., response: _Optional[_Union[DetokenizeResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...
+
+class DetokenizeLanesResponse(_message.Message):
+    __slots__ = ("lanes",)
+    LANES_FIELD_NUMBER: _ClassVar[int]
+    lanes: _containers.RepeatedCompositeFieldContainer[DetokenizedLane]
+    def __init__(self, lanes: _Optional[_Iterable[_Union[DetokenizedLane, _Mapping]]] = ...) -> None: ...
+
 class TokenizerInfoRequest(_message.Message):
     __slots__ = ("model",)
     MODEL_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class TokenizerStub:
                 request_serializer=kvmesh_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.DetokenizeLanes = channel.stream_stream(
+                '/kvmesh.v1.Tokenizer/DetokenizeLanes',
+                request_serializer=kvmesh_dot_v1_dot_tokenizer__pb2.DetokenizeLanesRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_tokenizer__pb2.DetokenizeLanesResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/kvmesh.v1.Tokenizer/GetInfo',
                 request_serializer=kvmesh_dot_v1_dot_tokenizer__pb2.TokenizerInfoRequest.SerializeToString,
@@ -71,6 +76,15 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DetokenizeLanes(self, request_iterator, context):
+        """Incremental detokenization of many requests on one stream, as the gateway runs it: each
+        message carries the requests whose tokens arrived since the last, each response answers
+        one message. Per token, two messages per batch instead of two per request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """Vocabulary and template facts.
         """
@@ -90,6 +104,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=kvmesh_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'DetokenizeLanes': grpc.stream_stream_rpc_method_handler(
+                    servicer.DetokenizeLanes,
+                    request_deserializer=kvmesh_dot_v1_dot_tokenizer__pb2.DetokenizeLanesRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_tokenizer__pb2.DetokenizeLanesResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -152,6 +171,33 @@ class Tokenizer:
             '/kvmesh.v1.Tokenizer/Detokenize',
             kvmesh_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
             kvmesh_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DetokenizeLanes(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Tokenizer/DetokenizeLanes',
+            kvmesh_dot_v1_dot_tokenizer__pb2.DetokenizeLanesRequest.SerializeToString,
+            kvmesh_dot_v1_dot_tokenizer__pb2.DetokenizeLanesResponse.FromString,
             options,
             channel_credentials,
             insecure,
