@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvmesh.engine import Engine
-from services.engine_worker.artifacts.gguf_file import hf_name
+from services.engine_worker.artifacts.gguf_file import K_QUANT_TYPES, hf_name
 from services.engine_worker.artifacts.rope import RopeSpec
 from shared.config import CacheConfig, EngineConfig
 from shared.sampling import SamplingParams
@@ -42,6 +42,41 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """What llama.cpp's converter does to Q and K rows."""
     rows = weight.shape[0]
     return weight.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+# Where a K-quant block keeps its fp16 super-block scale d (and dmin, 2 bytes on), and the
+# dmin / d ratio that centres its values on 0 (None: no dmin, the values are symmetric).
+_K_SCALES = {
+    "Q2_K": (80, 1.5),
+    "Q3_K": (108, None),
+    "Q4_K": (0, 7.5),
+    "Q5_K": (0, 15.5),
+    "Q6_K": (208, None),
+}
+
+
+def random_k_blocks(shape: tuple[int, ...], kind: str, seed: int, std: float = 0.1) -> np.ndarray:
+    """A K-quant tensor of random blocks whose values have about `std`: random quants and
+    sub-block scales under one super-block scale, chosen after a first pass with d = 1."""
+    import gguf
+    from gguf import quants
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
+    at, dmin_ratio = _K_SCALES[kind]
+
+    def set_scale(d: float) -> None:
+        blocks[..., at : at + 2] = np.array([d], np.float16).view(np.uint8)
+        if dmin_ratio is not None:
+            blocks[..., at + 2 : at + 4] = np.array([d * dmin_ratio], np.float16).view(np.uint8)
+
+    set_scale(1.0)
+    unit = float(quants.dequantize(blocks.reshape(rows, -1), qtype).std())
+    set_scale(std / unit)
+    return blocks.reshape(rows, -1)
 
 
 def write_gguf(
@@ -77,7 +112,10 @@ def write_gguf(
         heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
         stored = llama_cpp_permute(weight, heads[part]) if part in heads else weight
         qtype = gguf.GGMLQuantizationType[kind]
-        data = stored if kind == "F32" else quants.quantize(stored, qtype)
+        if kind in K_QUANT_TYPES:  # no quantizer in the gguf package: random blocks
+            data = random_k_blocks(stored.shape, kind, seed=len(reference))  # one per tensor
+        else:
+            data = stored if kind == "F32" else quants.quantize(stored, qtype)
         writer.add_tensor(gguf_name, data, raw_dtype=qtype)
         exact = torch.from_numpy(
             np.ascontiguousarray(quants.dequantize(data, qtype), dtype=np.float32)

@@ -37,7 +37,9 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+# K-quants are what GGUF publishers ship (Q4_K_M mixes Q4_K and Q6_K tensors).
+K_QUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", *K_QUANT_TYPES)
 # Big arrays are read by the tokenizer, not needed to describe the model.
 _SKIPPED_METADATA = (
     "tokenizer.ggml.tokens",
@@ -174,7 +176,7 @@ class GGUFArtifact:
         return result if heads is None else result[_unpermuted_order(result.shape[0], heads)]
 
     def load_int4(self, name: str) -> Int4Groups | None:
-        """A Q4_0/Q4_1 tensor's own nibbles and group scales in HF layout; None for others."""
+        """A Q4_0/Q4_1/Q4_K tensor's own nibbles and group scales in HF layout; None for others."""
         tensor = self.tensors[name]
         kind = tensor.tensor_type.name
         if kind not in INT4_BLOCK_TYPES:

@@ -1,9 +1,11 @@
-"""4-bit weights in groups of 32 input values, as llama.cpp's Q4_0 and Q4_1 blocks hold them.
+"""4-bit weights in groups of 32 input values, as llama.cpp's Q4_0, Q4_1 and Q4_K blocks hold them.
 
 A group's values are `d * q + m` with q in 0..15 and one (d, m) pair per group (Q4_0 is the
-symmetric case m = -8d). The nibbles and pairs are read from the file's blocks as they are, so a
-GGUF's 4-bit weights are computed with the values llama.cpp computes with; a float checkpoint
-(`--quantize int4`) is quantized with llama.cpp's Q4_1 recipe (a group's minimum and maximum).
+symmetric case m = -8d; a Q4_K super-block of 256 gives each of its eight groups d = d_super *
+scale and m = -dmin_super * min, 6-bit scale and min). The nibbles and pairs are read from the
+file's blocks as they are, so a GGUF's 4-bit weights are computed with the values llama.cpp
+computes with; a float checkpoint (`--quantize int4`) is quantized with llama.cpp's Q4_1 recipe
+(a group's minimum and maximum).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ GROUP = 32
 _LEVELS = 15
 # Bytes per 32-value block: fp16 d (and fp16 m for Q4_1), then 16 bytes of nibbles.
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
-INT4_BLOCK_TYPES = tuple(_BLOCK_BYTES)
+# A Q4_K super-block: fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles.
+_SUPER = 256
+_Q4_K_BYTES = 144
+INT4_BLOCK_TYPES = (*_BLOCK_BYTES, "Q4_K")
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,10 @@ class Int4Groups:
 
     @staticmethod
     def from_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Groups:
-        """raw: a GGUF tensor's bytes, (out, in / 32 * block bytes); kind: Q4_0 or Q4_1."""
+        """raw: a GGUF tensor's bytes, (out, in / 32 * block bytes); kind: Q4_0, Q4_1 or Q4_K."""
         rows, cols = shape
+        if kind == "Q4_K":
+            return Int4Groups._from_super_blocks(raw, shape)
         blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(
             rows, cols // GROUP, _BLOCK_BYTES[kind]
         )
@@ -56,6 +63,25 @@ class Int4Groups:
         # Byte j holds value j in its low nibble and value j + 16 in its high one.
         q = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1).reshape(rows, cols)
         return Int4Groups(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+
+    @staticmethod
+    def _from_super_blocks(raw: np.ndarray, shape: tuple[int, int]) -> Int4Groups:
+        from gguf.quants import Q4_K  # the 6-bit scale unpacking, as llama.cpp lays it out
+
+        rows, cols = shape
+        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(
+            rows, cols // _SUPER, _Q4_K_BYTES
+        )
+        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # (rows, supers, 1)
+        dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+        scale, low = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+        groups = (rows, cols // GROUP)
+        group_d = (d * scale.reshape(rows, -1, 8).astype(np.float32)).reshape(groups)
+        group_m = -(dmin * low.reshape(rows, -1, 8).astype(np.float32)).reshape(groups)
+        # Each 32 bytes hold two groups: the first in the low nibbles, the next in the high.
+        nibbles = blocks[..., 16:].reshape(rows, cols // _SUPER, 4, 1, GROUP)
+        q = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-2).reshape(rows, cols)
+        return Int4Groups(torch.from_numpy(q), torch.from_numpy(group_d), torch.from_numpy(group_m))
 
     @staticmethod
     def quantize(weight: torch.Tensor) -> Int4Groups:

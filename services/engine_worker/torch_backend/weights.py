@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.engine_worker.artifacts.gguf_file import K_QUANT_TYPES
 from services.engine_worker.artifacts.int4_groups import INT4_BLOCK_TYPES, Int4Groups
 from services.engine_worker.artifacts.loader import ModelArtifact
 from services.engine_worker.artifacts.weights import ModelWeights
@@ -31,14 +32,14 @@ from shared.config import WEIGHT_FORMATS
 # Q4 file's own blocks, or quantized at load), or None: it then runs as int8 rows.
 Int4Source = Callable[[tuple[str, ...], torch.Tensor], Int4Groups | None]
 
-QUANTIZED_TYPES = (*INT4_BLOCK_TYPES, "Q8_0")
+QUANTIZED_TYPES = (*INT4_BLOCK_TYPES, "Q8_0", *K_QUANT_TYPES)
 _FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_weight_format(requested: str, quantize: str | None, quantization: str) -> str:
-    """`auto`: packed for a quantized file (Q4_0, Q4_1 or Q8_0 tensors) or when --quantize asks
-    for it (EngineConfig has checked that the two agree); float32 otherwise. `quantization` is
-    the artifact's tensor types, e.g. "F32+Q4_1+Q8_0".
+    """`auto`: packed for a quantized file (Q4_0, Q4_1, Q8_0 or K-quant tensors) or when
+    --quantize asks for it (EngineConfig has checked that the two agree); float32 otherwise.
+    `quantization` is the artifact's tensor types, e.g. "F32+Q4_1+Q8_0".
 
     Packed activations are rounded (to bfloat16 for 4-bit groups, per token to int8 rows), so a
     float-level difference upstream can move a value a whole rounding step. Both kernels compute
@@ -54,7 +55,7 @@ def resolve_weight_format(requested: str, quantize: str | None, quantization: st
 
 def int4_source(artifact: ModelArtifact, quantize: str | None) -> Int4Source | None:
     """Where packed projections get 4-bit groups: `--quantize int4` quantizes each projection's
-    float weight at load; otherwise a GGUF's Q4_0/Q4_1 tensors bring their own (`--quantize
+    float weight at load; otherwise a GGUF's Q4_0/Q4_1/Q4_K tensors bring their own (`--quantize
     int8` asks for int8 rows throughout). None where this CPU has no fast 4-bit kernel."""
     if not int4_kernel_is_fast() or quantize == "int8":
         return None
