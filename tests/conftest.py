@@ -46,6 +46,12 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Random Qwen3: per-head q/k norms, head_dim twice hidden / heads, tied embeddings."""
+    return save_random_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Random Mistral, saved as several safetensors shards with an index."""
     return save_random_checkpoint(

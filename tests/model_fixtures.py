@@ -25,6 +25,8 @@ def save_random_checkpoint(
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     common = dict(
@@ -63,6 +65,13 @@ def save_random_checkpoint(
             **common, tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None
         )
         model_class = MistralForCausalLM
+    elif kind == "qwen3":  # per-head q/k norms; head_dim apart from hidden / heads
+        config = Qwen3Config(
+            **{"head_dim": 2 * common["hidden_size"] // common["num_attention_heads"], **common},
+            tie_word_embeddings=True,
+            rope_theta=1_000_000.0,
+        )
+        model_class = Qwen3ForCausalLM
     else:
         config = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000.0)
         model_class = Qwen2ForCausalLM
@@ -74,5 +83,7 @@ def save_random_checkpoint(
         for name, param in model.named_parameters():
             if "norm" not in name:
                 param.normal_(0.0, 0.15)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):  # a wrong head's shows
+                param.uniform_(0.5, 1.5)
     model.save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)
     return str(directory)

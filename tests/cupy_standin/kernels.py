@@ -60,6 +60,18 @@ def embed_rms_norm(name: str, grid: Grid, args: tuple) -> None:
     add_rms_norm(name, grid, (out, residual, None, weight, None, hidden, eps))
 
 
+def head_rms_norm(name: str, grid: Grid, args: tuple) -> None:
+    qkv, weight, heads, dim, width, eps = args
+    s = _suffix(name)
+    tokens = grid[0] // heads
+    rows = qkv.reshape(-1, width)
+    values = to_float(rows[:tokens, : heads * dim], s).reshape(tokens, heads, dim)
+    inv_rms = 1.0 / numpy.sqrt((values * values).mean(axis=-1, keepdims=True) + eps)
+    normed = to_float(rounded(values * inv_rms, s), s)
+    scaled = rounded(normed * to_float(weight.reshape(heads, dim), s), s)
+    rows[:tokens, : heads * dim] = scaled.reshape(tokens, heads * dim)
+
+
 def _biased(values: numpy.ndarray, bias: numpy.ndarray | None, s: str) -> numpy.ndarray:
     """float32 (..., columns) plus the bias, rounded to the storage type as a bias add stores
     it; the values unchanged without a bias."""
@@ -340,6 +352,7 @@ def sample_tokens(name: str, grid: Grid, args: tuple) -> None:
 REFERENCES: dict[str, Callable[[str, Grid, tuple], None]] = {
     "add_rms_norm": add_rms_norm,
     "embed_rms_norm": embed_rms_norm,
+    "head_rms_norm": head_rms_norm,
     "rotary_and_cache": rotary_and_cache,
     "paged_decode_attention": paged_decode_attention,
     "paged_prefill_attention": paged_prefill_attention,

@@ -180,17 +180,22 @@ def test_the_graphs_warm_up_compiled_serve_every_kind_of_step(compiled: Engine) 
     assert graphs_compiled() == GRAPHS_AT_START[0]
 
 
-@pytest.mark.parametrize("quantize", ["int4", "int8"])
-def test_a_qwen2_checkpoint_quantized_at_load_compiles_with_its_biases(
-    tiny_qwen2_dir: str, quantize: str
+@pytest.mark.parametrize(
+    "checkpoint, quantize",
+    [("tiny_qwen2_dir", "int4"), ("tiny_qwen2_dir", "int8"), ("tiny_qwen3_dir", "int8")],
+)
+def test_a_qwen_checkpoint_quantized_at_load_compiles_with_its_biases_and_norms(
+    checkpoint: str, quantize: str, request: pytest.FixtureRequest
 ) -> None:
+    """Qwen2's q/k/v biases; Qwen3's per-head Q/K norms."""
+    path = request.getfixturevalue(checkpoint)
     prompts = [[5 + i, 9, 200 - i, 17, *range(3 + i, 30 + 3 * i)] for i in range(16)]
-    engine = load(tiny_qwen2_dir, "auto", quantize=quantize)
+    engine = load(path, "auto", quantize=quantize)
     assert engine.worker.runner.compiled is not None
     fast_int4 = quantize == "int4" and int4_kernel_is_fast()
     projection = engine.worker.runner.model.weights.layers[0].qkv
     assert isinstance(projection, Int4Linear if fast_int4 else Int8Linear)
-    eager = load(tiny_qwen2_dir, "off", quantize=quantize)
+    eager = load(path, "off", quantize=quantize)
     # The same weights eager: the graph's fused float ops round differently, not more.
     runs = [greedy_runs(e, prompts, 12) for e in (engine, eager)]
     verdicts = [compare(c, e) for c, e in zip(*runs, strict=True)]

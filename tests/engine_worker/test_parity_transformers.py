@@ -110,7 +110,10 @@ def test_default_model_matches_transformers(
     check_engine_state(engine, prefix, largest)
 
 
-@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir"])
+@pytest.fixture(
+    scope="module",
+    params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_dir"],
+)
 def random_reference(request) -> tuple[str, list[list[int]], list[Greedy]]:
     path = request.getfixturevalue(request.param)
     prompts = mixed_prompts(3, 512)

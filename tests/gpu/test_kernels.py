@@ -24,7 +24,11 @@ from services.engine_worker.cupy_backend.kernels.paged_decode_attention import (
 from services.engine_worker.cupy_backend.kernels.paged_prefill_attention import (
     paged_prefill_attention,
 )
-from services.engine_worker.cupy_backend.kernels.rms_norm import add_rms_norm, embed_rms_norm
+from services.engine_worker.cupy_backend.kernels.rms_norm import (
+    add_rms_norm,
+    embed_rms_norm,
+    head_rms_norm,
+)
 from services.engine_worker.cupy_backend.kernels.rotary_and_cache import rotary_and_cache
 from services.engine_worker.cupy_backend.kernels.silu_and_mul import silu_and_mul
 from tests.gpu.reference import SPECS, assert_close, get, put, put_int, rounded
@@ -74,6 +78,26 @@ def test_add_rms_norm_with_and_without_the_residual_add(spec: DTypeSpec, hidden:
     assert_close(get(few, spec), reference(added[rows]), spec)
     untouched = get(fresh, spec)
     assert torch.equal(untouched[0], rounded(residual, spec)[0])
+
+
+@by_name
+@pytest.mark.parametrize("heads, kv_heads, head_dim", HEAD_SHAPES)
+def test_head_rms_norm_norms_each_q_and_k_head_in_place(
+    spec: DTypeSpec, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Qwen3's q_norm / k_norm: each Q and K head over head_dim with its own weight row; V
+    untouched."""
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv, weight = torch.randn(11, width), torch.rand(heads + kv_heads, head_dim) + 0.5
+    qkv_d = put(qkv, spec)
+    head_rms_norm(qkv_d, put(weight, spec), 1e-6, spec)
+    x = rounded(qkv, spec)
+    qk = x[:, : (heads + kv_heads) * head_dim].reshape(11, heads + kv_heads, head_dim)
+    normed = rounded(qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + 1e-6), spec)
+    expected = torch.cat(
+        (rounded(normed * rounded(weight, spec), spec).reshape(11, -1), x[:, qk[0].numel() :]), 1
+    )
+    assert_close(get(qkv_d, spec), expected, spec)
 
 
 def rope_tables(rope: RopeSpec, head_dim: int, positions: int = 4096) -> tuple[Any, Any]:

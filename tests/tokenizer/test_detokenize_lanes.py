@@ -36,9 +36,7 @@ def free_port() -> int:
 
 
 @asynccontextmanager
-async def tokenizer_server(
-    tokenizer: TextTokenizer, port: int
-) -> AsyncIterator[ServiceRuntime]:
+async def tokenizer_server(tokenizer: TextTokenizer, port: int) -> AsyncIterator[ServiceRuntime]:
     runtime = ServiceRuntime("kvmesh.v1.Tokenizer", "127.0.0.1", port)
     service = TokenizerService(runtime, {"": LoadedTokenizer(tokenizer, "default")})
     runtime.add_servicer(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, service)

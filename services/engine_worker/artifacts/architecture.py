@@ -13,8 +13,17 @@ SUPPORTED_HF_ARCHITECTURES = {
     "LlamaForCausalLM": False,
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
+    "Qwen3ForCausalLM": False,
 }
-SUPPORTED_GGUF_ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": True}
+# GGUF architecture -> its HF name.
+SUPPORTED_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Each query and key head RMS-normed over head_dim before the rotary (Qwen3).
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 
 def token_ids_of(value: Any) -> tuple[int, ...]:
@@ -40,6 +49,7 @@ class ModelArchitecture:
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool = False
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # any of them ends generation (unless ignore_eos)
 
@@ -60,6 +70,7 @@ class ModelArchitecture:
         hidden, q, kv = self.hidden_size, self.q_size, self.kv_size
         attention = hidden * q + 2 * hidden * kv + q * hidden
         attention += (q + 2 * kv) * self.qkv_bias + hidden * self.o_bias
+        attention += 2 * self.head_dim * self.qk_norm
         layer = attention + 3 * hidden * self.intermediate_size + 2 * hidden
         embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_layers * layer + hidden
@@ -122,6 +133,7 @@ class ModelArchitecture:
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 qkv_bias=SUPPORTED_HF_ARCHITECTURES[name] or bool(config.get("attention_bias")),
                 o_bias=bool(config.get("attention_bias")),
+                qk_norm=name in QK_NORM_ARCHITECTURES,
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_ids=token_ids_of(config.get("eos_token_id")),
             )
@@ -148,11 +160,7 @@ class ModelArchitecture:
                 expected=sorted(SUPPORTED_GGUF_ARCHITECTURES),
                 found=arch,
             )
-        hf_name = {
-            "llama": "LlamaForCausalLM",
-            "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM",
-        }[arch]
+        hf_name = SUPPORTED_GGUF_ARCHITECTURES[arch]
 
         def key(suffix: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{suffix}", default)
@@ -176,7 +184,8 @@ class ModelArchitecture:
             rope=RopeSpec.from_gguf_metadata(meta, arch),
             max_position_embeddings=int(key("context_length")),
             tie_word_embeddings=not has_output_tensor,
-            qkv_bias=SUPPORTED_GGUF_ARCHITECTURES[arch],
+            qkv_bias=SUPPORTED_HF_ARCHITECTURES[hf_name],
+            qk_norm=hf_name in QK_NORM_ARCHITECTURES,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=token_ids_of(meta.get("tokenizer.ggml.eos_token_id")),
         )

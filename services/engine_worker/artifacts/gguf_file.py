@@ -28,6 +28,8 @@ _LAYER_NAMES = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -189,7 +191,7 @@ class GGUFArtifact:
     def _permuted_heads(self, name: str) -> int | None:
         """The head count whose rows llama.cpp's converter interleaved, for Q and K."""
         arch = self.architecture
-        if arch.name == "Qwen2ForCausalLM":
+        if arch.name in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # not permuted by llama.cpp
             return None
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             return arch.num_heads

@@ -52,6 +52,9 @@ def expected_tensors(arch: ModelArchitecture) -> tuple[dict[str, tuple[int, ...]
             required[f"{p}.self_attn.v_proj.bias"] = (arch.kv_size,)
         if arch.o_bias:
             required[f"{p}.self_attn.o_proj.bias"] = (hidden,)
+        if arch.qk_norm:
+            required[f"{p}.self_attn.q_norm.weight"] = (arch.head_dim,)
+            required[f"{p}.self_attn.k_norm.weight"] = (arch.head_dim,)
     return required, optional
 
 
@@ -97,6 +100,9 @@ class LayerWeights:
     post_norm: torch.Tensor  # (hidden,)
     gate_up: torch.Tensor  # (hidden, 2 * intermediate)
     down: torch.Tensor  # (intermediate, hidden)
+    # (heads + kv_heads, head_dim): q_norm's weight for each query head, then k_norm's for
+    # each KV head, so Q and K, side by side in the fused output, are normed in one pass.
+    qk_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -112,9 +118,11 @@ class ModelWeights:
         tensors = [self.embed, self.final_norm]
         if not self.tied:
             tensors.append(self.lm_head)
+        norms = 0  # a q_norm and a k_norm a layer, however many heads share them
         for layer in self.layers:
-            tensors += [t for t in vars(layer).values() if t is not None]
-        return sum(t.numel() for t in tensors)
+            tensors += [t for n, t in vars(layer).items() if t is not None and n != "qk_norm"]
+            norms += 0 if layer.qk_norm is None else 2 * layer.qk_norm.shape[1]
+        return sum(t.numel() for t in tensors) + norms
 
     @property
     def resident_bytes(self) -> int:
@@ -143,6 +151,10 @@ class ModelWeights:
         def bias(*names: str) -> torch.Tensor:
             return torch.cat([load(n).to(dtype) for n in names])
 
+        def qk_norm(attn: str) -> torch.Tensor:
+            q, k = get(f"{attn}.q_norm.weight"), get(f"{attn}.k_norm.weight")
+            return torch.cat((q.expand(arch.num_heads, -1), k.expand(arch.num_kv_heads, -1)))
+
         layers = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}"
@@ -158,6 +170,7 @@ class ModelWeights:
                     post_norm=get(f"{p}.post_attention_layernorm.weight"),
                     gate_up=transposed(f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"),
                     down=transposed(f"{p}.mlp.down_proj.weight"),
+                    qk_norm=qk_norm(attn) if arch.qk_norm else None,
                 )
             )
         embed = get("model.embed_tokens.weight")

@@ -31,7 +31,11 @@ from services.engine_worker.cupy_backend.kernels.paged_decode_attention import (
 from services.engine_worker.cupy_backend.kernels.paged_prefill_attention import (
     paged_prefill_attention,
 )
-from services.engine_worker.cupy_backend.kernels.rms_norm import add_rms_norm, embed_rms_norm
+from services.engine_worker.cupy_backend.kernels.rms_norm import (
+    add_rms_norm,
+    embed_rms_norm,
+    head_rms_norm,
+)
 from services.engine_worker.cupy_backend.kernels.rotary_and_cache import rotary_and_cache
 from services.engine_worker.cupy_backend.kernels.sample_tokens import SamplingRows, sample_tokens
 from services.engine_worker.cupy_backend.kernels.silu_and_mul import silu_and_mul
@@ -57,6 +61,7 @@ class GpuLayer:
     post_norm: Any
     gate_up: Any  # (hidden, 2 inter)
     down: Any  # (inter, hidden)
+    qk_norm: Any | None = None  # (heads + kv_heads, head_dim): Qwen3's per-head Q/K norms
 
 
 class GpuWeights:
@@ -184,8 +189,8 @@ class CupyCausalLM:
     def forward(self, batch: DeviceBatch, cache: GpuKVCache, ws: Workspace) -> Any:
         """Logits (S, vocab) float32, a view into the workspace (valid until the next call).
 
-        Launches per layer of a decode-only step: 2 norms, 4 GEMMs, attention (with the
-        rotary and the KV write), SwiGLU; and outside the layers, the final norm and the LM
+        Launches per layer of a decode-only step: 2 norms (3 with Qwen3's Q/K norm), 4 GEMMs,
+        attention (with the rotary and the KV write), SwiGLU; and outside the layers, the final norm and the LM
         head (the embedding is fused into the first norm); forward_and_sample adds the draw.
         Steps with prefill rows add one rotary + KV write per layer and prefill attention."""
         arch, w, spec, gemm = self.arch, self.weights, self.spec, self.gemm
@@ -202,6 +207,8 @@ class CupyCausalLM:
             if index:  # residual += the previous layer's MLP output; normed = its input norm.
                 add_rms_norm(normed, x, layer.input_norm, eps, spec, delta=proj)
             gemm(normed, layer.qkv, qkv, spec)
+            if layer.qk_norm is not None:
+                head_rms_norm(qkv, layer.qk_norm, eps, spec)
             key_cache, value_cache = cache.layer(index)
             fused = None
             if decode_only:

@@ -77,9 +77,16 @@ class Int8Parts(NamedTuple):
 
 
 ProjectionParts = Int4Parts | Int8Parts
-# A layer: input norm, post-attention norm, then qkv, o, gate_up and down projections.
+# A layer: input norm, post-attention norm, qkv, o, gate_up and down projections, then the
+# per-head Q/K norm weights (Qwen3) or None.
 LayerParts = tuple[
-    torch.Tensor, torch.Tensor, ProjectionParts, ProjectionParts, ProjectionParts, ProjectionParts
+    torch.Tensor,
+    torch.Tensor,
+    ProjectionParts,
+    ProjectionParts,
+    ProjectionParts,
+    ProjectionParts,
+    torch.Tensor | None,
 ]
 
 
@@ -145,11 +152,14 @@ def _graph(
     outside = slots >= batch.decode_context_lens.view(decodes, 1, 1, 1, 1)
     x = F.embedding(input_ids, embed_rows).float() * F.embedding(input_ids, embed_scale)
     for k_cache, v_cache, layer in zip(keys, values, layers, strict=True):
-        in_norm, post_norm, qkv_proj, o_proj, gate_up, down = layer
+        in_norm, post_norm, qkv_proj, o_proj, gate_up, down, qk_norm = layer
         qkv = _project(F.rms_norm(x, hidden, in_norm, eps), qkv_proj, decodes, prefilling)
-        # Q and K heads side by side, rotated in one pass (swapping halves is roll by D/2).
-        # Rows viewed whole, then sliced: a view of a column slice guards tokens != 1.
+        # Q and K heads side by side, normed (Qwen3) and rotated in one pass (swapping halves
+        # is roll by D/2). Rows viewed whole, then sliced: a view of a column slice guards
+        # tokens != 1.
         qk, v = qkv.view(tokens, -1, dim).split((heads + kv_heads, kv_heads), dim=1)
+        if qk_norm is not None:  # fixed per model: no branch at run time
+            qk = F.rms_norm(qk, (dim,), None, eps) * qk_norm
         qk = qk * cos + torch.cat((qk[..., dim // 2 :], qk[..., : dim // 2]), -1) * sin
         q, k = qk[:, :heads], qk[:, heads:]
         # The write first: decode rows read their own new K/V through their tables.
@@ -201,6 +211,7 @@ class CompiledCausalLM:
                 layer.input_norm,
                 layer.post_norm,
                 *map(_projection_parts, (layer.qkv, layer.o_proj, layer.gate_up, layer.down)),
+                layer.qk_norm,
             )  # type: ignore[misc]
             for layer in w.layers
         ]

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a ragged batch of flattened tokens.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a ragged batch of flattened tokens.
 
 Every tensor in the layer loop is (T, ...) where T is the step's total token count: prefill
 chunks and decodes share each matmul; only attention looks at request boundaries.
@@ -61,8 +61,12 @@ class CausalLM:
         for index, layer in enumerate(w.layers):
             h = F.rms_norm(x, hidden_shape, layer.input_norm, arch.rms_norm_eps)
             qkv = layer.qkv(h)
-            # Q and K heads sit side by side in the fused output: rotate them in one pass.
-            qk = _rotate(qkv[:, : self._qk_size].view(num_tokens, -1, arch.head_dim), cos, sin)
+            # Q and K heads sit side by side in the fused output: norm (Qwen3) and rotate them
+            # in one pass.
+            qk = qkv[:, : self._qk_size].view(num_tokens, -1, arch.head_dim)
+            if layer.qk_norm is not None:
+                qk = F.rms_norm(qk, (arch.head_dim,), None, arch.rms_norm_eps) * layer.qk_norm
+            qk = _rotate(qk, cos, sin)
             q, k = qk[:, : arch.num_heads], qk[:, arch.num_heads :]
             v = qkv[:, self._qk_size :]
             k_cache, v_cache = kv_cache.layer(index)

@@ -114,6 +114,7 @@ class TorchLayer:
     post_norm: torch.Tensor
     gate_up: Projection  # hidden -> 2 * intermediate (gate, then up)
     down: Projection  # intermediate -> hidden
+    qk_norm: torch.Tensor | None = None  # (heads + kv_heads, head_dim), as LayerWeights'
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ class TorchWeights:
                 p.resident_bytes for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
             )
             total += _nbytes(layer.input_norm) + _nbytes(layer.post_norm)
+            total += 0 if layer.qk_norm is None else _nbytes(layer.qk_norm)
         return total
 
     @staticmethod
@@ -180,6 +182,7 @@ class TorchWeights:
                         layer.gate_up, None, (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight")
                     ),
                     down=projection(layer.down, None, (f"{mlp}.down_proj.weight",)),
+                    qk_norm=None if layer.qk_norm is None else layer.qk_norm.to(compute_dtype),
                 )
             )
         embed: DenseEmbedding | Int8Embedding

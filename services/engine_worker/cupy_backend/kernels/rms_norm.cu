@@ -2,6 +2,8 @@
 //   add_rms_norm:   residual[r] += delta[r] (when delta is given; rounded to T, as torch adds)
 //   embed_rms_norm: residual[r] = table[ids[r]] (the embedding gather of the first layer)
 // then out[r] = weight * (T)(residual[r] * rsqrt(mean(residual[r]^2) + eps)).
+//   head_rms_norm:  the same over each of a fused QKV row's first `heads` heads, in place,
+//                   head h with weight row h (Qwen3's q_norm and k_norm before the rotary).
 // `rows` (optional) works on residual row rows[r] instead of r: the last layer's add and the
 // final norm over only the rows that sample. fp32 accumulation. Grid: one block per output row.
 #include "common.cuh"
@@ -56,6 +58,21 @@ __device__ void embed_rms_norm(T* __restrict__ out, T* __restrict__ residual,
                 sum_squares, eps);
 }
 
+template <typename T>
+__device__ void head_rms_norm(T* __restrict__ qkv, const T* __restrict__ weight, int heads,
+                              int dim, int row_width, float eps) {
+  const long long token = blockIdx.x / heads;
+  const int head = blockIdx.x % heads;
+  T* x = qkv + token * row_width + static_cast<long long>(head) * dim;
+  float sum_squares = 0.0f;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    const float value = to_float(x[i]);
+    sum_squares += value * value;
+  }
+  // In place: each thread writes only the values it read.
+  normalize_row(x, x, weight + static_cast<long long>(head) * dim, dim, sum_squares, eps);
+}
+
 #define RMS_NORM(SUFFIX, T)                                                                \
   extern "C" __global__ void add_rms_norm_##SUFFIX(T* out, T* residual, const T* delta,    \
                                                    const T* weight, const int* rows,       \
@@ -66,5 +83,9 @@ __device__ void embed_rms_norm(T* __restrict__ out, T* __restrict__ residual,
                                                      const int* ids, const T* weight,      \
                                                      int hidden, float eps) {              \
     embed_rms_norm<T>(out, residual, table, ids, weight, hidden, eps);                     \
+  }                                                                                        \
+  extern "C" __global__ void head_rms_norm_##SUFFIX(T* qkv, const T* weight, int heads,    \
+                                                    int dim, int row_width, float eps) {   \
+    head_rms_norm<T>(qkv, weight, heads, dim, row_width, eps);                             \
   }
 KVMESH_INSTANTIATE(RMS_NORM)

@@ -52,3 +52,23 @@ def embed_rms_norm(
             _threads(hidden),
             (out, residual, table, ids, weight, numpy.int32(hidden), numpy.float32(eps)),
         )
+
+
+def head_rms_norm(qkv: Any, weight: Any, eps: float, spec: DTypeSpec) -> None:
+    """qkv (T, width): its first `heads` heads of `dim` values each RMS-normed in place, head
+    h times weight[h] (weight: (heads, dim))."""
+    tokens, width = qkv.shape
+    heads, dim = weight.shape
+    if tokens:
+        kernel("rms_norm", f"head_rms_norm_{spec.suffix}")(
+            (tokens * heads,),
+            _threads(dim),
+            (
+                qkv,
+                weight,
+                numpy.int32(heads),
+                numpy.int32(dim),
+                numpy.int32(width),
+                numpy.float32(eps),
+            ),
+        )

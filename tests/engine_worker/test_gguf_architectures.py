@@ -1,0 +1,88 @@
+"""A Qwen3 GGUF as llama.cpp's converter writes one (architecture `qwen3`, Q and K rows not
+interleaved, `attn_q_norm` / `attn_k_norm`, head_dim as `key_length`) against transformers on
+the checkpoint it was written from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvmesh.engine import Engine
+from services.engine_worker.artifacts.gguf_file import GGUFArtifact, hf_name
+from shared.config import CacheConfig, EngineConfig
+from shared.errors import ModelValidationError
+from shared.sampling import SamplingParams
+from tests.engine_worker.parity import TOP, Greedy, compare, transformers_greedy
+
+_LAYER_PARTS = (
+    "attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
+    "attn_k_norm", "ffn_gate", "ffn_up", "ffn_down",
+)  # fmt: skip
+
+
+def write_qwen3_gguf(hf_dir: Path, target: Path, parts: tuple[str, ...] = _LAYER_PARTS) -> None:
+    import gguf
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(target), "qwen3")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    names = ["token_embd.weight", "output_norm.weight"]  # tied: no output.weight
+    for i in range(config["num_hidden_layers"]):
+        names += [f"blk.{i}.{part}.weight" for part in parts]
+    for name in names:
+        writer.add_tensor(name, tensors[hf_name(name)].float().numpy())  # type: ignore[index]
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_qwen3_gguf_matches_transformers(tiny_qwen3_dir: str, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    target = tmp_path / "qwen3.gguf"
+    write_qwen3_gguf(Path(tiny_qwen3_dir), target)
+    prompts = [[5, 9, 200, 17], list(range(3, 60)), [44] * 20, list(range(100, 300, 7))]
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
+    expected = transformers_greedy(model, prompts, 16, eos=2)
+    engine = Engine(
+        EngineConfig(
+            model=str(target), weights="float32", cache=CacheConfig(kv_memory_bytes=8 << 20)
+        )
+    )
+    assert engine.manifest["architecture"] == "Qwen3ForCausalLM"
+    completions = engine.generate(
+        prompts, SamplingParams(max_tokens=16, temperature=0.0, logprobs=TOP)
+    )
+    ours = [Greedy(c.token_ids, [[t for t, _ in lp.top] for lp in c.logprobs]) for c in completions]
+    verdicts = [compare(o, e) for o, e in zip(ours, expected, strict=True)]
+    assert verdicts.count("match") >= 3 and set(verdicts) <= {"match", "near_tie"}, verdicts
+
+
+def test_a_qwen3_gguf_without_its_k_norms_is_refused_by_name(
+    tiny_qwen3_dir: str, tmp_path: Path
+) -> None:
+    target = tmp_path / "qwen3.gguf"
+    write_qwen3_gguf(
+        Path(tiny_qwen3_dir), target, tuple(p for p in _LAYER_PARTS if p != "attn_k_norm")
+    )
+    with pytest.raises(ModelValidationError) as refused:
+        GGUFArtifact(str(target)).validate()
+    assert "missing tensor" in str(refused.value)
+    assert refused.value.tensor == "model.layers.0.self_attn.k_norm.weight"
