@@ -52,6 +52,12 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Random Phi-3: fused qkv and gate/up projections, a 256-token sliding window."""
+    return save_random_checkpoint(tmp_path_factory.mktemp("phi3"), "phi3")
+
+
+@pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Random Mistral, saved as several safetensors shards with an index."""
     return save_random_checkpoint(

@@ -23,6 +23,8 @@ def save_random_checkpoint(
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -72,6 +74,11 @@ def save_random_checkpoint(
             rope_theta=1_000_000.0,
         )
         model_class = Qwen3ForCausalLM
+    elif kind == "phi3":  # fused qkv_proj and gate_up_proj; a window under the context
+        config = Phi3Config(
+            **common, tie_word_embeddings=False, rope_theta=10000.0, sliding_window=256
+        )
+        model_class = Phi3ForCausalLM
     else:
         config = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000.0)
         model_class = Qwen2ForCausalLM

@@ -1,6 +1,6 @@
-"""A Qwen3 GGUF as llama.cpp's converter writes one (architecture `qwen3`, Q and K rows not
-interleaved, `attn_q_norm` / `attn_k_norm`, head_dim as `key_length`) against transformers on
-the checkpoint it was written from."""
+"""Qwen3 and Phi-3 GGUFs as llama.cpp's converter writes them (Q and K rows not interleaved;
+Qwen3's `attn_q_norm` / `attn_k_norm` and head_dim as `key_length`; Phi-3's fused `attn_qkv` and
+`ffn_up`, its sliding window) against transformers on the checkpoint each was written from."""
 
 from __future__ import annotations
 
@@ -22,51 +22,73 @@ _LAYER_PARTS = (
     "attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
     "attn_k_norm", "ffn_gate", "ffn_up", "ffn_down",
 )  # fmt: skip
+_PHI3_PARTS = ("attn_norm", "ffn_norm", "attn_qkv", "attn_output", "ffn_up", "ffn_down")
 
 
-def write_qwen3_gguf(hf_dir: Path, target: Path, parts: tuple[str, ...] = _LAYER_PARTS) -> None:
+def write_gguf_of(
+    hf_dir: Path, target: Path, arch: str = "qwen3", parts: tuple[str, ...] = _LAYER_PARTS
+) -> None:
     import gguf
 
     config = json.loads((hf_dir / "config.json").read_text())
     tensors = load_file(str(hf_dir / "model.safetensors"))
-    writer = gguf.GGUFWriter(str(target), "qwen3")
+    writer = gguf.GGUFWriter(str(target), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_eos_token_id(config["eos_token_id"])
-    names = ["token_embd.weight", "output_norm.weight"]  # tied: no output.weight
+    names = ["token_embd.weight", "output_norm.weight"]
+    if not config["tie_word_embeddings"]:
+        names.append("output.weight")
     for i in range(config["num_hidden_layers"]):
         names += [f"blk.{i}.{part}.weight" for part in parts]
     for name in names:
-        writer.add_tensor(name, tensors[hf_name(name)].float().numpy())  # type: ignore[index]
+        tensor = tensors[hf_name(name, fused=arch == "phi3")]  # type: ignore[index]
+        writer.add_tensor(name, tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-def test_a_qwen3_gguf_matches_transformers(tiny_qwen3_dir: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "checkpoint, arch, parts",
+    [("tiny_qwen3_dir", "qwen3", _LAYER_PARTS), ("tiny_phi3_dir", "phi3", _PHI3_PARTS)],
+)
+def test_a_gguf_matches_transformers(
+    checkpoint: str,
+    arch: str,
+    parts: tuple[str, ...],
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> None:
     from transformers import AutoModelForCausalLM
 
-    target = tmp_path / "qwen3.gguf"
-    write_qwen3_gguf(Path(tiny_qwen3_dir), target)
+    hf_dir = request.getfixturevalue(checkpoint)
+    target = tmp_path / f"{arch}.gguf"
+    write_gguf_of(Path(hf_dir), target, arch, parts)
     prompts = [[5, 9, 200, 17], list(range(3, 60)), [44] * 20, list(range(100, 300, 7))]
-    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     expected = transformers_greedy(model, prompts, 16, eos=2)
     engine = Engine(
         EngineConfig(
             model=str(target), weights="float32", cache=CacheConfig(kv_memory_bytes=8 << 20)
         )
     )
-    assert engine.manifest["architecture"] == "Qwen3ForCausalLM"
+    assert engine.manifest["architecture"] == model.config.architectures[0]
+    # Phi-3's 256-token window caps the context served (every layer attends to all of it).
+    assert engine.worker.max_model_len == (256 if arch == "phi3" else 1024)
     completions = engine.generate(
         prompts, SamplingParams(max_tokens=16, temperature=0.0, logprobs=TOP)
     )
@@ -79,9 +101,8 @@ def test_a_qwen3_gguf_without_its_k_norms_is_refused_by_name(
     tiny_qwen3_dir: str, tmp_path: Path
 ) -> None:
     target = tmp_path / "qwen3.gguf"
-    write_qwen3_gguf(
-        Path(tiny_qwen3_dir), target, tuple(p for p in _LAYER_PARTS if p != "attn_k_norm")
-    )
+    without = tuple(p for p in _LAYER_PARTS if p != "attn_k_norm")
+    write_gguf_of(Path(tiny_qwen3_dir), target, "qwen3", without)
     with pytest.raises(ModelValidationError) as refused:
         GGUFArtifact(str(target)).validate()
     assert "missing tensor" in str(refused.value)

@@ -112,7 +112,13 @@ def test_default_model_matches_transformers(
 
 @pytest.fixture(
     scope="module",
-    params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_dir"],
+    params=[
+        "tiny_llama_dir",
+        "tiny_qwen2_dir",
+        "tiny_qwen3_dir",
+        "tiny_phi3_dir",
+        "tiny_mistral_dir",
+    ],
 )
 def random_reference(request) -> tuple[str, list[list[int]], list[Greedy]]:
     path = request.getfixturevalue(request.param)

@@ -61,6 +61,15 @@ def test_unknown_architecture(llama_copy: Path) -> None:
     assert str(llama_copy / "config.json") in str(error)
 
 
+def test_partial_rotary_is_refused(llama_copy: Path) -> None:
+    """Phi-4-mini rotates 3/4 of each head: served as a full rotary it would be wrong."""
+    config = json.loads((llama_copy / "config.json").read_text())
+    config["partial_rotary_factor"] = 0.75
+    (llama_copy / "config.json").write_text(json.dumps(config))
+    error = load(llama_copy)
+    assert "partial rotary is not supported" in str(error) and error.found == 0.75
+
+
 def test_config_that_is_not_json(llama_copy: Path) -> None:
     (llama_copy / "config.json").write_text("{not json")
     assert "not valid JSON" in str(load(llama_copy))

@@ -14,6 +14,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
     "Qwen3ForCausalLM": False,
+    "Phi3ForCausalLM": False,
 }
 # GGUF architecture -> its HF name.
 SUPPORTED_GGUF_ARCHITECTURES = {
@@ -21,9 +22,12 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # Each query and key head RMS-normed over head_dim before the rotary (Qwen3).
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+# Q, K and V stored as one qkv_proj, gate and up as one gate_up_proj (Phi-3).
+FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 
 
 def token_ids_of(value: Any) -> tuple[int, ...]:
@@ -50,6 +54,7 @@ class ModelArchitecture:
     qkv_bias: bool
     o_bias: bool = False
     qk_norm: bool = False
+    fused_projections: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # any of them ends generation (unless ignore_eos)
 
@@ -118,6 +123,7 @@ class ModelArchitecture:
         try:
             hidden = int(config["hidden_size"])
             heads = int(config["num_attention_heads"])
+            _check_full_rotary(config, path)
             architecture = ModelArchitecture(
                 name=name,
                 vocab_size=int(config["vocab_size"]),
@@ -129,11 +135,12 @@ class ModelArchitecture:
                 head_dim=int(config.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 rope=RopeSpec.from_hf_config(config, path),
-                max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+                max_position_embeddings=_attended_length(config),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 qkv_bias=SUPPORTED_HF_ARCHITECTURES[name] or bool(config.get("attention_bias")),
                 o_bias=bool(config.get("attention_bias")),
                 qk_norm=name in QK_NORM_ARCHITECTURES,
+                fused_projections=name in FUSED_ARCHITECTURES,
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_ids=token_ids_of(config.get("eos_token_id")),
             )
@@ -170,6 +177,12 @@ class ModelArchitecture:
 
         hidden = int(key("embedding_length"))
         heads = int(key("attention.head_count"))
+        head_dim = int(key("attention.key_length", hidden // heads))
+        rotary = int(key("rope.dimension_count", head_dim))
+        if rotary != head_dim:
+            raise ModelValidationError(
+                path, "partial rotary is not supported", expected=head_dim, found=rotary
+            )
         tokens = meta.get("tokenizer.ggml.tokens")
         architecture = ModelArchitecture(
             name=hf_name,
@@ -179,15 +192,40 @@ class ModelArchitecture:
             num_layers=int(key("block_count")),
             num_heads=heads,
             num_kv_heads=int(key("attention.head_count_kv", heads)),
-            head_dim=int(key("attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             rope=RopeSpec.from_gguf_metadata(meta, arch),
-            max_position_embeddings=int(key("context_length")),
+            max_position_embeddings=_attended_length(
+                {
+                    "max_position_embeddings": key("context_length"),
+                    "sliding_window": meta.get(f"{arch}.attention.sliding_window"),
+                }
+            ),
             tie_word_embeddings=not has_output_tensor,
             qkv_bias=SUPPORTED_HF_ARCHITECTURES[hf_name],
             qk_norm=hf_name in QK_NORM_ARCHITECTURES,
+            fused_projections=hf_name in FUSED_ARCHITECTURES,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=token_ids_of(meta.get("tokenizer.ggml.eos_token_id")),
         )
         architecture.check(path)
         return architecture
+
+
+def _check_full_rotary(config: dict[str, Any], path: str) -> None:
+    """Every dimension of a head rotated: Phi-4-mini's partial rotary (0.75) is refused."""
+    params = config.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    if factor != 1.0:
+        raise ModelValidationError(
+            path, "partial rotary is not supported", expected=1.0, found=factor
+        )
+
+
+def _attended_length(config: dict[str, Any]) -> int:
+    """The context served: a sliding window (Mistral 7B v0.1, Phi-3-mini) caps it, since every
+    layer here attends to the whole context; up to the window the two are the same."""
+    length = int(config.get("max_position_embeddings", 2048))
+    window = config.get("sliding_window")
+    uses_window = config.get("use_sliding_window", True)  # Qwen2 and Qwen3 write it off
+    return min(length, int(window)) if window and uses_window else length

@@ -51,12 +51,21 @@ _SKIPPED_METADATA = (
 )
 
 
-def hf_name(gguf_name: str) -> str | None:
+# Phi-3's fused projections: Q, K, V in one tensor, gate and up in `ffn_up`.
+_FUSED_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+
+
+def hf_name(gguf_name: str, fused: bool = False) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _FUSED_LAYER_NAMES if fused else _LAYER_NAMES
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
@@ -114,8 +123,9 @@ class GGUFArtifact:
         self.metadata = self._read_metadata()
         self.tensors = {}
         unknown = []
+        fused = self.metadata.get("general.architecture") == "phi3"
         for tensor in self.reader.tensors:
-            name = hf_name(tensor.name)
+            name = hf_name(tensor.name, fused)
             if name is None:
                 unknown.append(tensor.name)
             else:
@@ -191,8 +201,8 @@ class GGUFArtifact:
     def _permuted_heads(self, name: str) -> int | None:
         """The head count whose rows llama.cpp's converter interleaved, for Q and K."""
         arch = self.architecture
-        if arch.name in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # not permuted by llama.cpp
-            return None
+        if arch.name != "LlamaForCausalLM" and arch.name != "MistralForCausalLM":
+            return None  # llama.cpp's converter interleaves Llama's and Mistral's rows only
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             return arch.num_heads
         if name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -37,15 +37,17 @@ def expected_tensors(arch: ModelArchitecture) -> tuple[dict[str, tuple[int, ...]
             {
                 f"{p}.input_layernorm.weight": (hidden,),
                 f"{p}.post_attention_layernorm.weight": (hidden,),
-                f"{p}.self_attn.q_proj.weight": (arch.q_size, hidden),
-                f"{p}.self_attn.k_proj.weight": (arch.kv_size, hidden),
-                f"{p}.self_attn.v_proj.weight": (arch.kv_size, hidden),
                 f"{p}.self_attn.o_proj.weight": (hidden, arch.q_size),
-                f"{p}.mlp.gate_proj.weight": (inter, hidden),
-                f"{p}.mlp.up_proj.weight": (inter, hidden),
                 f"{p}.mlp.down_proj.weight": (hidden, inter),
             }
         )
+        qkv, _, gate_up, _ = projection_names(i, arch.fused_projections)
+        rows = {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size}
+        for name in qkv:  # q_proj, k_proj, v_proj; or one qkv_proj
+            part = name.rsplit(".", 2)[-2].removesuffix("_proj")
+            required[name] = (sum(rows[x] for x in part), hidden)
+        for name in gate_up:
+            required[name] = (inter * (2 if len(gate_up) == 1 else 1), hidden)
         if arch.qkv_bias:
             required[f"{p}.self_attn.q_proj.bias"] = (arch.q_size,)
             required[f"{p}.self_attn.k_proj.bias"] = (arch.kv_size,)
@@ -56,6 +58,19 @@ def expected_tensors(arch: ModelArchitecture) -> tuple[dict[str, tuple[int, ...]
             required[f"{p}.self_attn.q_norm.weight"] = (arch.head_dim,)
             required[f"{p}.self_attn.k_norm.weight"] = (arch.head_dim,)
     return required, optional
+
+
+def projection_names(index: int, fused: bool) -> tuple[tuple[str, ...], ...]:
+    """A layer's qkv, o, gate_up and down projections, each as the tensors it is made of (in
+    order): Q, K, V apart and gate, up apart, or each pair fused in one (Phi-3)."""
+    attn, mlp = f"model.layers.{index}.self_attn", f"model.layers.{index}.mlp"
+    if fused:
+        qkv: tuple[str, ...] = (f"{attn}.qkv_proj.weight",)
+        gate_up: tuple[str, ...] = (f"{mlp}.gate_up_proj.weight",)
+    else:
+        qkv = tuple(f"{attn}.{x}_proj.weight" for x in "qkv")
+        gate_up = (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight")
+    return qkv, (f"{attn}.o_proj.weight",), gate_up, (f"{mlp}.down_proj.weight",)
 
 
 def validate_tensor_table(
@@ -112,6 +127,7 @@ class ModelWeights:
     final_norm: torch.Tensor
     lm_head: torch.Tensor  # (hidden, vocab); a transposed copy of `embed` when tied
     tied: bool
+    fused_projections: bool = False  # which tensors a projection is made of: projection_names
 
     @property
     def num_parameters(self) -> int:
@@ -159,17 +175,18 @@ class ModelWeights:
         for i in range(arch.num_layers):
             p = f"model.layers.{i}"
             attn = f"{p}.self_attn"
-            qkv_names = [f"{attn}.{x}_proj" for x in "qkv"]
+            qkv, o_proj, gate_up, down = projection_names(i, arch.fused_projections)
+            qkv_biases = [f"{attn}.{x}_proj.bias" for x in "qkv"]
             layers.append(
                 LayerWeights(
                     input_norm=get(f"{p}.input_layernorm.weight"),
-                    qkv=transposed(*(f"{n}.weight" for n in qkv_names)),
-                    qkv_bias=bias(*(f"{n}.bias" for n in qkv_names)) if arch.qkv_bias else None,
-                    o_proj=transposed(f"{attn}.o_proj.weight"),
+                    qkv=transposed(*qkv),
+                    qkv_bias=bias(*qkv_biases) if arch.qkv_bias else None,
+                    o_proj=transposed(*o_proj),
                     o_bias=get(f"{attn}.o_proj.bias") if arch.o_bias else None,
                     post_norm=get(f"{p}.post_attention_layernorm.weight"),
-                    gate_up=transposed(f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"),
-                    down=transposed(f"{p}.mlp.down_proj.weight"),
+                    gate_up=transposed(*gate_up),
+                    down=transposed(*down),
                     qk_norm=qk_norm(attn) if arch.qk_norm else None,
                 )
             )
@@ -181,4 +198,5 @@ class ModelWeights:
             get("model.norm.weight"),
             transposed(head),
             arch.tie_word_embeddings,
+            arch.fused_projections,
         )

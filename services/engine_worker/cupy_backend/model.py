@@ -190,8 +190,9 @@ class CupyCausalLM:
         """Logits (S, vocab) float32, a view into the workspace (valid until the next call).
 
         Launches per layer of a decode-only step: 2 norms (3 with Qwen3's Q/K norm), 4 GEMMs,
-        attention (with the rotary and the KV write), SwiGLU; and outside the layers, the final norm and the LM
-        head (the embedding is fused into the first norm); forward_and_sample adds the draw.
+        attention (with the rotary and the KV write), SwiGLU; and outside the layers, the final
+        norm and the LM head (the embedding is fused into the first norm); forward_and_sample
+        adds the draw.
         Steps with prefill rows add one rotary + KV write per layer and prefill attention."""
         arch, w, spec, gemm = self.arch, self.weights, self.spec, self.gemm
         tokens = int(batch.input_ids.shape[0])

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from services.engine_worker.artifacts.gguf_file import K_QUANT_TYPES
 from services.engine_worker.artifacts.int4_groups import INT4_BLOCK_TYPES, Int4Groups
 from services.engine_worker.artifacts.loader import ModelArtifact
-from services.engine_worker.artifacts.weights import ModelWeights
+from services.engine_worker.artifacts.weights import ModelWeights, projection_names
 from services.engine_worker.torch_backend.linear import (
     DenseLinear,
     Int4Linear,
@@ -169,19 +169,15 @@ class TorchWeights:
 
         layers = []
         for index, layer in enumerate(weights.layers):
-            attn, mlp = f"model.layers.{index}.self_attn", f"model.layers.{index}.mlp"
+            qkv, o_proj, gate_up, down = projection_names(index, weights.fused_projections)
             layers.append(
                 TorchLayer(
                     input_norm=layer.input_norm.to(compute_dtype),
-                    qkv=projection(
-                        layer.qkv, layer.qkv_bias, tuple(f"{attn}.{x}_proj.weight" for x in "qkv")
-                    ),
-                    o_proj=projection(layer.o_proj, layer.o_bias, (f"{attn}.o_proj.weight",)),
+                    qkv=projection(layer.qkv, layer.qkv_bias, qkv),
+                    o_proj=projection(layer.o_proj, layer.o_bias, o_proj),
                     post_norm=layer.post_norm.to(compute_dtype),
-                    gate_up=projection(
-                        layer.gate_up, None, (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight")
-                    ),
-                    down=projection(layer.down, None, (f"{mlp}.down_proj.weight",)),
+                    gate_up=projection(layer.gate_up, None, gate_up),
+                    down=projection(layer.down, None, down),
                     qk_norm=None if layer.qk_norm is None else layer.qk_norm.to(compute_dtype),
                 )
             )
