@@ -54,7 +54,7 @@ def tokens(completions: list) -> list[list[int]]:
     return [c.token_ids for c in completions]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
 @pytest.mark.parametrize("chunk, prefix", [(None, False), (16, True)])
 def test_greedy_tokens_equal_the_torch_backend(checkpoints, standin, kind, chunk, prefix) -> None:
     scheduler = dataclasses.replace(BATCHING, prefill_chunk_size=chunk)
