@@ -84,3 +84,33 @@ def test_auto_picks_cupy_on_a_gpu() -> None:
     engine = Engine(EngineConfig(backend="auto", cache=CacheConfig(kv_memory_bytes=16 << 20)))
     assert engine.worker.backend == "cupy"
     assert engine.worker.manifest.backend == "cupy"
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "phi3"])
+def test_newer_architectures_match_the_torch_backend(kind: str, tmp_path_factory) -> None:
+    """Qwen3's per-head Q/K norm kernel and Phi-3's fused projections on the GPU, float32,
+    graphs on: the torch backend's greedy tokens, up to near-ties."""
+    from tests.model_fixtures import save_random_checkpoint
+
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    path = save_random_checkpoint(tmp_path_factory.mktemp(kind), kind, **shape)
+    prompts = mixed_prompts(3, 500)
+
+    def greedy(backend: str) -> list[Greedy]:
+        engine = Engine(
+            EngineConfig(
+                model=path,
+                backend=backend,
+                dtype="float32",
+                weights="float32" if backend == "torch" else "auto",
+                cache=CacheConfig(kv_memory_bytes=16 << 20),
+            )
+        )
+        done = engine.generate(
+            prompts, SamplingParams(max_tokens=16, temperature=0.0, logprobs=TOP)
+        )
+        return [Greedy(c.token_ids, [[t for t, _ in lp.top] for lp in c.logprobs]) for c in done]
+
+    verdicts = [compare(o, r) for o, r in zip(greedy("cupy"), greedy("torch"), strict=True)]
+    assert all(v in ("match", "near_tie") for v in verdicts), verdicts
+    assert verdicts.count("match") >= len(verdicts) // 2, verdicts
