@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from shared.flag_env import env_default, env_int
+from shared.flag_env import env_default, env_float, env_int
 
 # Gateway routing policies (services/gateway/router.py implements them).
 ROUTING_POLICIES = ("cache-aware", "round-robin", "least-loaded")
@@ -88,7 +88,7 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--body-timeout-s",
         type=float,
-        default=float(env_default("body-timeout-s", "30") or 30),
+        default=env_float("body-timeout-s", 30.0),
         help="an HTTP request's headers or body not arrived within this: the connection is "
         "closed (a body: 408 first); also how long an idle kept-alive connection stays open",
     )

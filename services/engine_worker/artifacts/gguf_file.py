@@ -121,20 +121,18 @@ class GGUFArtifact:
                 path, f"not a readable GGUF file ({type(error).__name__}: {error})"
             ) from None
         self.metadata = self._read_metadata()
+        has_output = any(t.name == "output.weight" for t in self.reader.tensors)
+        self.architecture = ModelArchitecture.from_gguf_metadata(self.metadata, path, has_output)
         self.tensors = {}
         unknown = []
-        fused = self.metadata.get("general.architecture") == "phi3"
         for tensor in self.reader.tensors:
-            name = hf_name(tensor.name, fused)
+            name = hf_name(tensor.name, self.architecture.fused_projections)
             if name is None:
                 unknown.append(tensor.name)
             else:
                 self.tensors[name] = tensor
         if unknown:
             raise ModelValidationError(path, "unexpected tensor", tensor=unknown[0])
-        self.architecture = ModelArchitecture.from_gguf_metadata(
-            self.metadata, path, has_output_tensor="lm_head.weight" in self.tensors
-        )
 
     def _read_metadata(self) -> dict[str, Any]:
         meta: dict[str, Any] = {}
@@ -201,7 +199,7 @@ class GGUFArtifact:
     def _permuted_heads(self, name: str) -> int | None:
         """The head count whose rows llama.cpp's converter interleaved, for Q and K."""
         arch = self.architecture
-        if arch.name != "LlamaForCausalLM" and arch.name != "MistralForCausalLM":
+        if arch.name not in ("LlamaForCausalLM", "MistralForCausalLM"):
             return None  # llama.cpp's converter interleaves Llama's and Mistral's rows only
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             return arch.num_heads
