@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-startup bench-kv-tiers bench-pd bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu test-gpu-standin gpu-check-prepare gpu-check bench-kernels bench-gpu bench-peers bench-cpu bench-spec bench-host profile-step perplexity soak clean
+.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-startup bench-kv-tiers bench-pd bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu test-gpu-standin gpu-check-prepare gpu-check bench-kernels bench-gpu bench-peers bench-cpu bench-kquants bench-spec bench-host profile-step perplexity soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -182,6 +182,11 @@ bench-host: $(STAMP)
 
 profile-step: $(STAMP)
 	$(BIN)/python -m loadtest.step_profile $(PROFILE_ARGS)
+
+# K-quant files (Q4_K_M, Q5_K_M, Q6_K by llama-quantize) against llama.cpp: perplexity, memory,
+# decode tok/s (KQUANT_ARGS); a few minutes after llama.cpp's one-time build.
+bench-kquants: $(STAMP)
+	$(BIN)/python -m loadtest.kquant_bench $(KQUANT_ARGS)
 
 # Perplexity of the shipped text in each weight format.
 perplexity: $(STAMP)

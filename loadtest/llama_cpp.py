@@ -28,7 +28,7 @@ from pathlib import Path
 from kvmesh.service_process import free_port
 
 LLAMA_CPP_PYTHON = "0.3.36"
-TARGETS = ("llama-batched-bench", "llama-server")
+TARGETS = ("llama-batched-bench", "llama-server", "llama-quantize", "llama-perplexity")
 CUDA_TARGETS = ("llama-batched-bench", "llama-quantize")  # the GPU bench's peers
 SOURCES_ARCHIVE = "KVMESH_LLAMA_CPP_SOURCES"
 
@@ -128,10 +128,12 @@ def batched_bench(
     generated: int,
     threads: int,
     gpu_layers: int = 0,
+    repack: bool = False,
 ) -> list[BatchedBenchRow]:
     """`llama-batched-bench`: each batch size prefills `prompt` tokens per sequence, then
     decodes `generated` tokens for all of them together; gpu_layers: layers offloaded to a
-    CUDA build's GPU (99: all)."""
+    CUDA build's GPU (99: all); repack: llama.cpp's CPU repacking of quantized weights (its
+    default) left on."""
     context = max(batches) * (prompt + generated) + 64
     result = subprocess.run(
         [
@@ -154,7 +156,7 @@ def batched_bench(
             str(threads),
             "-tb",
             str(threads),
-            "--no-repack",
+            *([] if repack else ["--no-repack"]),
             "-fa",
             "on",
             "-ngl",

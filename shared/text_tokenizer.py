@@ -10,31 +10,15 @@ import json
 import os
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders
 
 from shared.chat_template import render_chat_template
 from shared.errors import KvmeshError, Reason
 from shared.gguf_metadata import read_gguf_metadata
+from shared.gguf_tokenizer import BYTE_OF_CHAR, adds_bos, tokenizer_from_gguf
 from shared.prompt_bound import check_length, longest_token_bytes
 from shared.special_text import CLOSE, OPEN, fence, pieces, special_pattern
 from shared.tool_prompt import renders_tools, with_tool_prompt
-
-_GGUF_CONTROL_TOKEN = 3  # llama.cpp token type: special tokens matched whole in text
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: the character that stands for each byte."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars = {byte: byte for byte in printable}
-    shifted = 0
-    for byte in range(256):
-        if byte not in chars:
-            chars[byte] = 256 + shifted
-            shifted += 1
-    return {chr(char): byte for byte, char in chars.items()}
-
-
-_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 class TextTokenizer:
@@ -90,7 +74,7 @@ class TextTokenizer:
             elif token_id in added or not self._byte_level:
                 pieces.append(self.tokenizer.decode([token_id], skip_special_tokens=False).encode())
             else:
-                pieces.append(bytes(_BYTE_OF_CHAR.get(char, 0x3F) for char in token))
+                pieces.append(bytes(BYTE_OF_CHAR.get(char, 0x3F) for char in token))
         return pieces
 
     @property
@@ -192,38 +176,16 @@ def _chat_template(directory: str, configured: Any) -> str | None:
 
 def _from_gguf(path: str) -> TextTokenizer | None:
     metadata = read_gguf_metadata(path)
-
-    def value(key: str, default: Any = None) -> Any:
-        return metadata.get(key, default)
-
-    if value("tokenizer.ggml.model") != "gpt2":
-        return None  # SentencePiece-style GGUF vocabularies are not supported yet
-    tokens: list[str] = value("tokenizer.ggml.tokens")
-    token_types: list[int] = value("tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in value("tokenizer.ggml.merges", [])]
-    vocab = {token: index for index, token in enumerate(tokens)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if value("tokenizer.ggml.pre") == "smollm":
-        # SmolLM's tokenizer splits digits one by one before the byte-level regex.
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    else:
-        tokenizer.pre_tokenizer = byte_level
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(
-        [
-            AddedToken(tokens[i], special=True, normalized=False)
-            for i, kind in enumerate(token_types)
-            if kind == _GGUF_CONTROL_TOKEN
-        ]
-    )
-    bos_id, eos_id = value("tokenizer.ggml.bos_token_id"), value("tokenizer.ggml.eos_token_id")
+    tokenizer = tokenizer_from_gguf(metadata)
+    if tokenizer is None:
+        return None  # no vocabulary, or a kind not built here (token-id input still works)
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+    eos_id = metadata.get("tokenizer.ggml.eos_token_id")
     return TextTokenizer(
         tokenizer,
-        chat_template=value("tokenizer.chat_template"),
+        chat_template=metadata.get("tokenizer.chat_template"),
         bos_token=tokens[bos_id] if bos_id is not None else None,
         eos_token=tokens[eos_id] if eos_id is not None else None,
-        add_bos=bool(value("tokenizer.ggml.add_bos_token", False)),
+        add_bos=adds_bos(metadata),
     )

@@ -58,6 +58,25 @@ def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_phi4_mini_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Random Phi-4-mini-like Phi-3: half of each head rotated, LongRoPE from 256 to 1024."""
+    return save_random_checkpoint(tmp_path_factory.mktemp("phi4-mini"), "phi4-mini")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Random Gemma 3 (text): sandwich norms, GeGLU, a 24-token window on 2 of 3 layers with
+    their own RoPE base."""
+    return save_random_checkpoint(tmp_path_factory.mktemp("gemma3"), "gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Random Gemma 2: alternate sliding layers, soft-capped attention scores and logits."""
+    return save_random_checkpoint(tmp_path_factory.mktemp("gemma2"), "gemma2")
+
+
+@pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Random Mistral, saved as several safetensors shards with an index."""
     return save_random_checkpoint(

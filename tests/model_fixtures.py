@@ -14,11 +14,15 @@ def save_random_checkpoint(
     kind: str,
     seed: int = 0,
     max_shard_size: str = "1GB",
-    **overrides: int,
+    **overrides: float,
 ) -> str:
     """overrides: config values in place of the small defaults below (e.g. a head_dim the
     GPU kernels take: hidden_size / num_attention_heads of 32, 64 or 128)."""
     from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -79,6 +83,42 @@ def save_random_checkpoint(
             **common, tie_word_embeddings=False, rope_theta=10000.0, sliding_window=256
         )
         model_class = Phi3ForCausalLM
+    elif kind == "phi4-mini":  # Phi-4-mini's rotary: half of each head, LongRoPE to 4x
+        common["max_position_embeddings"] = 1024
+        config = Phi3Config(
+            **common,
+            tie_word_embeddings=True,
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=256,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.5, 2.5, 4.0],
+                "long_factor": [4.0, 8.0, 16.0, 32.0],
+            },
+            rope_theta=10000.0,
+        )
+        model_class = Phi3ForCausalLM
+    elif kind == "gemma3":  # 2 sliding layers of 3 with their own RoPE, q/k norms
+        gemma3 = dict(
+            head_dim=32,
+            sliding_window=24,
+            sliding_window_pattern=3,
+            query_pre_attn_scalar=24,
+            rope_theta=1_000_000.0,
+            rope_local_base_freq=10_000.0,
+        )
+        config = Gemma3TextConfig(**{**gemma3, **common})
+        model_class = Gemma3ForCausalLM
+    elif kind == "gemma2":  # alternate sliding layers, soft-capped scores and logits
+        gemma2 = dict(
+            head_dim=16,
+            sliding_window=24,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+        )
+        config = Gemma2Config(**{**gemma2, **common})
+        model_class = Gemma2ForCausalLM
     else:
         config = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000.0)
         model_class = Qwen2ForCausalLM
@@ -92,5 +132,7 @@ def save_random_checkpoint(
                 param.normal_(0.0, 0.15)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):  # a wrong head's shows
                 param.uniform_(0.5, 1.5)
+            elif kind.startswith("gemma"):  # zero-centred: a missed (1 + w) shows
+                param.uniform_(-0.5, 0.5)
     model.save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)
     return str(directory)

@@ -6,7 +6,8 @@ Each module provides `Runner(arch, weights, kv_shape, max_model_len, dtype, conf
 
 from __future__ import annotations
 
-from shared.errors import KvmeshError, Reason
+from services.engine_worker.artifacts.architecture import ModelArchitecture
+from shared.errors import KvmeshError, ModelValidationError, Reason
 
 # name -> module providing `Runner`; torch is the reference implementation (CPU).
 BACKENDS = {
@@ -41,3 +42,18 @@ def resolve_backend(name: str) -> str:
             "backend 'cupy' needs CuPy and an NVIDIA GPU; none is visible (use torch)",
         )
     return name
+
+
+def backend_for_model(name: str, arch: ModelArchitecture, path: str) -> str:
+    """`resolve_backend`'s, where it runs the model: only the torch backend runs a layer other
+    than Llama's (Gemma's, a partial rotary, LongRoPE), refused by name before anything is
+    allocated."""
+    backend = resolve_backend(name)
+    if backend != "torch" and not arch.llama_layer:
+        raise ModelValidationError(
+            path,
+            f"{arch.name} runs on the torch backend only",
+            expected="--backend torch",
+            found=backend,
+        )
+    return backend

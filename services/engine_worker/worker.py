@@ -12,7 +12,7 @@ import time
 import torch
 
 from services.engine_worker.artifacts.loader import open_artifact
-from services.engine_worker.backends import BACKENDS, resolve_backend
+from services.engine_worker.backends import BACKENDS, backend_for_model
 from services.engine_worker.capacity import check_memory_fits
 from services.engine_worker.grammar import GrammarCompiler
 from services.engine_worker.kv_cache import KVCacheShape
@@ -66,8 +66,8 @@ class Worker:
         artifact.validate()
         self.architecture = arch = artifact.architecture
         self.max_model_len = self._max_model_len(config, arch.max_position_embeddings)
-        self.backend = resolve_backend(config.backend)
-        formats = StepFormats.resolve(config, self.backend, artifact.quantization)
+        self.backend = backend_for_model(config.backend, arch, self.model_path)
+        formats = StepFormats.resolve(config, self.backend, artifact.quantization, arch.llama_layer)
         self.kv_shape = KVCacheShape.from_budget(
             arch,
             config.cache.block_size,

@@ -5,7 +5,9 @@ Qwen3's `attn_q_norm` / `attn_k_norm` and head_dim as `key_length`; Phi-3's fuse
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,11 +22,21 @@ _LAYER_PARTS = (
     "attn_k_norm", "ffn_gate", "ffn_up", "ffn_down",
 )  # fmt: skip
 _PHI3_PARTS = ("attn_norm", "ffn_norm", "attn_qkv", "attn_output", "ffn_up", "ffn_down")
+GEMMA2_PARTS = (
+    "attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm", "attn_q", "attn_k", "attn_v",
+    "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+)  # fmt: skip
+GEMMA3_PARTS = (*GEMMA2_PARTS, "attn_q_norm", "attn_k_norm")
 
 
 def write_gguf_of(
-    hf_dir: Path, target: Path, arch: str = "qwen3", parts: tuple[str, ...] = _LAYER_PARTS
+    hf_dir: Path,
+    target: Path,
+    arch: str = "qwen3",
+    parts: tuple[str, ...] = _LAYER_PARTS,
+    vocabulary: Callable[[Any], None] | None = None,
 ) -> None:
+    """`vocabulary(writer)`: writes a tokenizer's metadata too."""
     import gguf
 
     config = json.loads((hf_dir / "config.json").read_text())
@@ -42,16 +54,28 @@ def write_gguf_of(
     if config.get("sliding_window"):
         writer.add_sliding_window(config["sliding_window"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3 keys its RoPE by layer kind
+    writer.add_rope_freq_base(config.get("rope_theta") or rope["rope_theta"])
+    gemma = arch.startswith("gemma")
+    if config.get("attn_logit_softcapping"):
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_eos_token_id(config["eos_token_id"])
+    if vocabulary is not None:
+        vocabulary(writer)
+    else:
+        writer.add_eos_token_id(config["eos_token_id"])
     names = ["token_embd.weight", "output_norm.weight"]
     if not config["tie_word_embeddings"]:
         names.append("output.weight")
     for i in range(config["num_hidden_layers"]):
         names += [f"blk.{i}.{part}.weight" for part in parts]
     for name in names:
-        tensor = tensors[hf_name(name, fused=arch == "phi3")]  # type: ignore[index]
+        tensor = tensors[hf_name(name, fused=arch == "phi3", sandwich=gemma)]  # type: ignore[index]
+        if gemma and "norm" in name:  # llama.cpp's converter stores Gemma's 1 + w
+            tensor = tensor.float() + 1
         writer.add_tensor(name, tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -118,6 +118,9 @@ def test_default_model_matches_transformers(
         "tiny_qwen3_dir",
         "tiny_phi3_dir",
         "tiny_mistral_dir",
+        "tiny_gemma2_dir",
+        "tiny_gemma3_dir",
+        "tiny_phi4_mini_dir",
     ],
 )
 def random_reference(request) -> tuple[str, list[list[int]], list[Greedy]]:

@@ -1,4 +1,4 @@
-"""Prefill attention by pieces (`attention._prefill`, by_block): a query's bits must not depend
+"""Prefill attention by pieces (`prefill_attention`, by_block): a query's bits must not depend
 on how its prompt was split into a cached prefix and chunks (cut anywhere by the step's token
 budget), and the result is attention."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.engine import Engine
-from services.engine_worker.torch_backend.attention import PrefillSegment, _prefill
+from services.engine_worker.torch_backend.prefill_attention import PrefillSegment, prefill_attention
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig
 from shared.sampling import SamplingParams
 
@@ -34,7 +34,7 @@ def attend(q, keys, values, table, start: int, end: int) -> torch.Tensor:
     """Queries [start, end) of a prompt whose positions before `end` are in the pool."""
     k_cache, v_cache = pool_with(keys, values, end, table)
     segment = PrefillSegment(0, end - start, end, table[: -(-end // BLOCK)], None)
-    return _prefill(q[start:end], k_cache, v_cache, segment, SCALE, by_block=True)
+    return prefill_attention(q[start:end], k_cache, v_cache, segment, SCALE, by_block=True)
 
 
 @pytest.mark.parametrize("length", [5, 47, 130, 300, 700])  # past 512 keys SDPA splits them

@@ -36,6 +36,30 @@ def test_llama3_frequencies_equal_transformers() -> None:
     assert torch.equal(spec.inv_freq(64), expected)
 
 
+def test_longrope_short_range_and_partial_rotary_equal_transformers() -> None:
+    """Phi-4-mini's rotary: 3/4 of a 128-dim head, short factors and the attention factor."""
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    short = [1.0 + i / 8 for i in range(48)]
+    config = Phi3Config(
+        hidden_size=3072,
+        num_attention_heads=24,
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        partial_rotary_factor=0.75,
+        rope_scaling={"rope_type": "longrope", "short_factor": short, "long_factor": [4.0] * 48},
+    )
+    expected, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")
+    spec = RopeSpec.from_hf_config(config.to_dict(), "c")
+    assert spec.rotary_dim(128) == 96 and torch.equal(spec.inv_freq(128), expected)
+    assert spec.attention_factor == pytest.approx(attention_factor) and attention_factor > 1
+    cos, sin = spec.cos_sin(128, 8, torch.float32)
+    assert torch.equal(cos[:, 96:], torch.ones(8, 32)) and torch.equal(
+        sin[:, 96:], torch.zeros(8, 32)
+    )
+
+
 def test_unknown_rope_type_is_refused() -> None:
     with pytest.raises(ModelValidationError, match="unsupported rope_type"):
         RopeSpec.from_hf_config(

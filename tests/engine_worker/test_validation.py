@@ -61,13 +61,14 @@ def test_unknown_architecture(llama_copy: Path) -> None:
     assert str(llama_copy / "config.json") in str(error)
 
 
-def test_partial_rotary_is_refused(llama_copy: Path) -> None:
-    """Phi-4-mini rotates 3/4 of each head: served as a full rotary it would be wrong."""
+def test_an_unknown_rope_scaling_is_refused(llama_copy: Path) -> None:
+    """YaRN's frequencies served as another scaling's would be wrong."""
     config = json.loads((llama_copy / "config.json").read_text())
-    config["partial_rotary_factor"] = 0.75
+    config.pop("rope_scaling", None)
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
     (llama_copy / "config.json").write_text(json.dumps(config))
     error = load(llama_copy)
-    assert "partial rotary is not supported" in str(error) and error.found == 0.75
+    assert "unsupported rope_type" in str(error) and error.found == "yarn"
 
 
 def test_config_that_is_not_json(llama_copy: Path) -> None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from services.engine_worker.artifacts.decoder_style import (
+    GEMMA_ARCHITECTURES,
+    DecoderStyle,
+    global_rope_config,
+)
 from services.engine_worker.artifacts.rope import RopeSpec
 from shared.errors import ModelValidationError
 
@@ -15,6 +20,8 @@ SUPPORTED_HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": True,
     "Qwen3ForCausalLM": False,
     "Phi3ForCausalLM": False,
+    "Gemma2ForCausalLM": False,
+    "Gemma3ForCausalLM": False,
 }
 # GGUF architecture -> its HF name.
 SUPPORTED_GGUF_ARCHITECTURES = {
@@ -23,9 +30,11 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Each query and key head RMS-normed over head_dim before the rotary (Qwen3).
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
 # Q, K and V stored as one qkv_proj, gate and up as one gate_up_proj (Phi-3).
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 
@@ -55,8 +64,16 @@ class ModelArchitecture:
     o_bias: bool = False
     qk_norm: bool = False
     fused_projections: bool = False
+    style: DecoderStyle = field(default_factory=DecoderStyle)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # any of them ends generation (unless ignore_eos)
+
+    @property
+    def llama_layer(self) -> bool:
+        """Llama's layer and rotary: what the compiled CPU step and the cupy backend are
+        written for (Gemma's layer, a partial rotary and LongRoPE run on the eager model)."""
+        rope = self.rope
+        return self.style.is_llama and rope.partial == 1.0 and rope.rope_type != "longrope"
 
     @property
     def q_size(self) -> int:
@@ -77,6 +94,7 @@ class ModelArchitecture:
         attention += (q + 2 * kv) * self.qkv_bias + hidden * self.o_bias
         attention += 2 * self.head_dim * self.qk_norm
         layer = attention + 3 * hidden * self.intermediate_size + 2 * hidden
+        layer += 2 * hidden * self.style.sandwich_norms
         embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_layers * layer + hidden
 
@@ -123,7 +141,7 @@ class ModelArchitecture:
         try:
             hidden = int(config["hidden_size"])
             heads = int(config["num_attention_heads"])
-            _check_full_rotary(config, path)
+            rope = RopeSpec.from_hf_config(global_rope_config(config, name), path)
             architecture = ModelArchitecture(
                 name=name,
                 vocab_size=int(config["vocab_size"]),
@@ -134,13 +152,14 @@ class ModelArchitecture:
                 num_kv_heads=int(config.get("num_key_value_heads") or heads),
                 head_dim=int(config.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope=RopeSpec.from_hf_config(config, path),
-                max_position_embeddings=_attended_length(config),
+                rope=rope,
+                max_position_embeddings=_attended_length(config, name, rope),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 qkv_bias=SUPPORTED_HF_ARCHITECTURES[name] or bool(config.get("attention_bias")),
                 o_bias=bool(config.get("attention_bias")),
                 qk_norm=name in QK_NORM_ARCHITECTURES,
                 fused_projections=name in FUSED_ARCHITECTURES,
+                style=DecoderStyle.from_hf_config(config, name, path),
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_ids=token_ids_of(config.get("eos_token_id")),
             )
@@ -199,12 +218,14 @@ class ModelArchitecture:
                 {
                     "max_position_embeddings": key("context_length"),
                     "sliding_window": meta.get(f"{arch}.attention.sliding_window"),
-                }
+                },
+                hf_name,
             ),
             tie_word_embeddings=not has_output_tensor,
             qkv_bias=SUPPORTED_HF_ARCHITECTURES[hf_name],
             qk_norm=hf_name in QK_NORM_ARCHITECTURES,
             fused_projections=hf_name in FUSED_ARCHITECTURES,
+            style=DecoderStyle.from_gguf_metadata(meta, arch, hf_name),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=token_ids_of(meta.get("tokenizer.ggml.eos_token_id")),
         )
@@ -212,20 +233,14 @@ class ModelArchitecture:
         return architecture
 
 
-def _check_full_rotary(config: dict[str, Any], path: str) -> None:
-    """Every dimension of a head rotated: Phi-4-mini's partial rotary (0.75) is refused."""
-    params = config.get("rope_parameters") or {}
-    factor = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
-    if factor != 1.0:
-        raise ModelValidationError(
-            path, "partial rotary is not supported", expected=1.0, found=factor
-        )
-
-
-def _attended_length(config: dict[str, Any]) -> int:
-    """The context served: a sliding window (Mistral 7B v0.1, Phi-3-mini) caps it, since every
-    layer here attends to the whole context; up to the window the two are the same."""
+def _attended_length(config: dict[str, Any], name: str = "", rope: RopeSpec | None = None) -> int:
+    """The context served: a sliding window on every layer (Mistral 7B v0.1, Phi-3-mini) caps
+    it, since those layers here attend to the whole context; up to the window the two are the
+    same. Gemma's sliding layers read their window only (DecoderStyle). LongRoPE (Phi-3 128k,
+    Phi-4-mini) is served within its original context (RopeSpec.short_factor)."""
     length = int(config.get("max_position_embeddings", 2048))
-    window = config.get("sliding_window")
+    if rope is not None and rope.rope_type == "longrope":
+        length = min(length, rope.original_max_position_embeddings)
+    window = None if name in GEMMA_ARCHITECTURES else config.get("sliding_window")
     uses_window = config.get("use_sliding_window", True)  # Qwen2 and Qwen3 write it off
     return min(length, int(window)) if window and uses_window else length

@@ -59,10 +59,19 @@ _FUSED_LAYER_NAMES = {
 }
 
 
-def hf_name(gguf_name: str, fused: bool = False) -> str | None:
+# Gemma's four norms a layer: `ffn_norm` is its pre-MLP norm, the outputs' norms their own.
+_SANDWICH_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+
+
+def hf_name(gguf_name: str, fused: bool = False, sandwich: bool = False) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _FUSED_LAYER_NAMES if fused else _LAYER_NAMES
+    names = _FUSED_LAYER_NAMES if fused else _SANDWICH_LAYER_NAMES if sandwich else _LAYER_NAMES
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}"
@@ -125,8 +134,9 @@ class GGUFArtifact:
         self.architecture = ModelArchitecture.from_gguf_metadata(self.metadata, path, has_output)
         self.tensors = {}
         unknown = []
+        arch = self.architecture
         for tensor in self.reader.tensors:
-            name = hf_name(tensor.name, self.architecture.fused_projections)
+            name = hf_name(tensor.name, arch.fused_projections, arch.style.sandwich_norms)
             if name is None:
                 unknown.append(tensor.name)
             else:

@@ -57,6 +57,9 @@ def expected_tensors(arch: ModelArchitecture) -> tuple[dict[str, tuple[int, ...]
         if arch.qk_norm:
             required[f"{p}.self_attn.q_norm.weight"] = (arch.head_dim,)
             required[f"{p}.self_attn.k_norm.weight"] = (arch.head_dim,)
+        if arch.style.sandwich_norms:
+            required[f"{p}.pre_feedforward_layernorm.weight"] = (hidden,)
+            required[f"{p}.post_feedforward_layernorm.weight"] = (hidden,)
     return required, optional
 
 
@@ -107,17 +110,20 @@ class LayerWeights:
     """Projection matrices are stored transposed, (in, out): `x @ w` then streams the weight
     in order, which runs batch-1 decode (a GEMV) about 1.6x faster on CPU than F.linear."""
 
-    input_norm: torch.Tensor  # (hidden,)
+    input_norm: torch.Tensor  # (hidden,), every norm's weight with DecoderStyle.norm_offset added
     qkv: torch.Tensor  # (hidden, q_size + 2 * kv_size)
     qkv_bias: torch.Tensor | None  # (q_size + 2 * kv_size,)
     o_proj: torch.Tensor  # (q_size, hidden)
     o_bias: torch.Tensor | None
-    post_norm: torch.Tensor  # (hidden,)
+    post_norm: torch.Tensor  # (hidden,) before the MLP
     gate_up: torch.Tensor  # (hidden, 2 * intermediate)
     down: torch.Tensor  # (intermediate, hidden)
     # (heads + kv_heads, head_dim): q_norm's weight for each query head, then k_norm's for
     # each KV head, so Q and K, side by side in the fused output, are normed in one pass.
     qk_norm: torch.Tensor | None = None
+    # Gemma's norms of the attention's and the MLP's outputs, before their residual adds.
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,9 @@ class ModelWeights:
         def get(name: str) -> torch.Tensor:
             return load(name).to(dtype)
 
+        def norm(name: str) -> torch.Tensor:  # the offset added in float32, as Gemma does
+            return (load(name).float() + arch.style.norm_offset).to(dtype)
+
         def transposed(*names: str) -> torch.Tensor:
             parts = [load(n).t() for n in names]
             if len(parts) == 1:
@@ -168,7 +177,7 @@ class ModelWeights:
             return torch.cat([load(n).to(dtype) for n in names])
 
         def qk_norm(attn: str) -> torch.Tensor:
-            q, k = get(f"{attn}.q_norm.weight"), get(f"{attn}.k_norm.weight")
+            q, k = norm(f"{attn}.q_norm.weight"), norm(f"{attn}.k_norm.weight")
             return torch.cat((q.expand(arch.num_heads, -1), k.expand(arch.num_kv_heads, -1)))
 
         layers = []
@@ -177,17 +186,27 @@ class ModelWeights:
             attn = f"{p}.self_attn"
             qkv, o_proj, gate_up, down = projection_names(i, arch.fused_projections)
             qkv_biases = [f"{attn}.{x}_proj.bias" for x in "qkv"]
+            # Gemma names its pre-MLP norm "pre_feedforward" and norms the attention's output
+            # with "post_attention"; Llama's "post_attention" is its pre-MLP norm.
+            sandwich = arch.style.sandwich_norms
+            pre_mlp = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
             layers.append(
                 LayerWeights(
-                    input_norm=get(f"{p}.input_layernorm.weight"),
+                    input_norm=norm(f"{p}.input_layernorm.weight"),
                     qkv=transposed(*qkv),
                     qkv_bias=bias(*qkv_biases) if arch.qkv_bias else None,
                     o_proj=transposed(*o_proj),
                     o_bias=get(f"{attn}.o_proj.bias") if arch.o_bias else None,
-                    post_norm=get(f"{p}.post_attention_layernorm.weight"),
+                    post_norm=norm(f"{p}.{pre_mlp}.weight"),
                     gate_up=transposed(*gate_up),
                     down=transposed(*down),
                     qk_norm=qk_norm(attn) if arch.qk_norm else None,
+                    attn_out_norm=norm(f"{p}.post_attention_layernorm.weight")
+                    if sandwich
+                    else None,
+                    mlp_out_norm=norm(f"{p}.post_feedforward_layernorm.weight")
+                    if sandwich
+                    else None,
                 )
             )
         embed = get("model.embed_tokens.weight")
@@ -195,7 +214,7 @@ class ModelWeights:
         return ModelWeights(
             embed,
             tuple(layers),
-            get("model.norm.weight"),
+            norm("model.norm.weight"),
             transposed(head),
             arch.tie_word_embeddings,
             arch.fused_projections,

@@ -10,7 +10,7 @@ replayed (graphs.py). 16-bit weights and KV, fp32 accumulation everywhere (cuBLA
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import cupy
@@ -73,7 +73,8 @@ class GpuWeights:
         self.final_norm = put(weights.final_norm)
         self.lm_head = put(weights.lm_head)
         self.layers = tuple(
-            GpuLayer(**{name: put(value) for name, value in vars(layer).items()})
+            # Llama's layer only (backends.check_backend_runs): no sandwich norms to carry.
+            GpuLayer(**{f.name: put(getattr(layer, f.name)) for f in fields(GpuLayer)})
             for layer in weights.layers
         )
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy
 import torch
@@ -11,10 +13,9 @@ from services.engine_worker.step_inputs import RequestState, flatten
 from services.engine_worker.torch_backend.attention import (
     AttentionMetadata,
     DecodeIndex,
-    PrefillSegment,
     kv_write_indices,
-    prefill_mask,
 )
+from services.engine_worker.torch_backend.prefill_attention import PrefillSegment, prefill_mask
 
 
 @dataclass(frozen=True)
@@ -33,50 +34,70 @@ def build_batch(
     num_heads: int,
     head_dim: int,
     tables: numpy.ndarray | None = None,
+    window: int | None = None,
 ) -> StepBatch:
     """Decodes (one new token) first, then prefill chunks, each request's tokens contiguous;
-    `tables`: the worker's block tables (persistent_batch.py)."""
+    `tables`: the worker's block tables (persistent_batch.py); `window`: the model's sliding
+    layers' (their own metadata beside the full layers')."""
     flat = flatten(scheduled, block_size, tables)
-    # Decode attention reads (block, request, valid slots) pairs: every block of each context.
-    pair_block: list[int] = []
-    pair_request: list[int] = []
-    pair_limit: list[int] = []
-    for row, (table_row, context) in enumerate(
-        zip(flat.decode_table.tolist(), flat.decode_context_lens, strict=True)
-    ):
-        blocks = table_row[: -(-context // block_size)]
-        pair_block += blocks
-        pair_request += [row] * len(blocks)
-        pair_limit += [block_size] * (len(blocks) - 1) + [context - (len(blocks) - 1) * block_size]
-    segments = []
-    for index, (start, context) in enumerate(
-        zip(flat.prefill_starts, flat.prefill_context_lens, strict=True)
-    ):
-        mask = prefill_mask(start, context)
-        token_start = flat.prefill_query_starts[index]
-        block_table = torch.tensor(flat.prefill_blocks[index])
-        segments.append(PrefillSegment(token_start, context - start, context, block_table, mask))
     positions = torch.tensor(flat.positions, dtype=torch.long)
     key_write, value_write = kv_write_indices(
         torch.tensor(flat.token_blocks, dtype=torch.long), positions, kv_heads, head_dim, block_size
     )
-    decode = None
-    if flat.decode_context_lens:
-        decode = DecodeIndex.build(
-            pair_block,
-            pair_request,
-            pair_limit,
-            len(flat.decode_context_lens),
-            kv_heads,
-            num_heads // kv_heads,
-            head_dim,
-            block_size,
-        )
-    meta = AttentionMetadata(key_write, value_write, decode, tuple(segments))
+
+    def metadata(window: int | None) -> AttentionMetadata:
+        segments = []
+        for index, (start, context) in enumerate(
+            zip(flat.prefill_starts, flat.prefill_context_lens, strict=True)
+        ):
+            mask = prefill_mask(start, context, window)
+            token_start = flat.prefill_query_starts[index]
+            block_table = torch.tensor(flat.prefill_blocks[index])
+            segments.append(
+                PrefillSegment(token_start, context - start, context, block_table, mask, window)
+            )
+        decode = None
+        if flat.decode_context_lens:
+            pairs = _decode_pairs(flat.decode_table, flat.decode_context_lens, block_size, window)
+            decode = DecodeIndex.build(
+                **pairs, kv_heads=kv_heads, group=num_heads // kv_heads, head_dim=head_dim
+            )
+        return AttentionMetadata(key_write, value_write, decode, tuple(segments))
+
+    meta = metadata(None)
+    if window is not None:
+        meta = dataclasses.replace(meta, windowed=metadata(window))
     return StepBatch(
         torch.tensor(flat.input_ids, dtype=torch.long),
         positions,
         meta,
         torch.tensor(flat.sample_rows, dtype=torch.long),
         tuple(flat.sampling_states),
+    )
+
+
+def _decode_pairs(
+    table: numpy.ndarray, context_lens: list[int], block_size: int, window: int | None
+) -> dict[str, Any]:
+    """Decode attention reads (block, request, valid slots) pairs: every block of each context,
+    or of its last `window` positions."""
+    pair_block: list[int] = []
+    pair_request: list[int] = []
+    pair_limit: list[int] = []
+    pair_first: list[int] = []
+    for row, (table_row, context) in enumerate(zip(table.tolist(), context_lens, strict=True)):
+        start = 0 if window is None else max(0, context - window)
+        first_block, end_block = start // block_size, -(-context // block_size)
+        blocks = table_row[first_block:end_block]
+        pair_block += blocks
+        pair_request += [row] * len(blocks)
+        pair_limit += [block_size] * (len(blocks) - 1) + [context - (end_block - 1) * block_size]
+        pair_first += [start - first_block * block_size] + [0] * (len(blocks) - 1)
+    return dict(
+        pair_block=pair_block,
+        pair_request=pair_request,
+        pair_limit=pair_limit,
+        num_requests=len(context_lens),
+        block_size=block_size,
+        pair_first=None if window is None else pair_first,
     )

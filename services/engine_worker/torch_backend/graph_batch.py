@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy
 import torch
 import torch.utils._pytree as pytree
 
@@ -55,7 +56,7 @@ class GraphBatch:
         return GraphBatch(
             rows(slice(0, first)),
             rows(slice(first, None)),
-            torch.from_numpy(flat.decode_table).long(),
+            _long_tensor(flat.decode_table),
             torch.tensor(flat.decode_context_lens, dtype=torch.long),
             torch.tensor(segments, dtype=torch.long).view(len(segments), 3),
             table(flat.prefill_blocks),
@@ -70,6 +71,12 @@ class GraphBatch:
         torch._dynamo.mark_dynamic(self.prefill_blocks, 0)
         torch._dynamo.mark_dynamic(self.decode_table, 1)
         torch._dynamo.mark_dynamic(self.prefill_blocks, 1)
+
+
+def _long_tensor(array: numpy.ndarray) -> torch.Tensor:
+    """A copy with C strides: an empty array's strides may be zeros (numpy 2.4's (0, 1)
+    table), which the graph's stride guards would take for another layout and recompile."""
+    return torch.empty(array.shape, dtype=torch.long).copy_(torch.from_numpy(array))
 
 
 # Its tensors are a saved program's inputs (saved_programs.py).

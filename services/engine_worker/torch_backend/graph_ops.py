@@ -3,7 +3,7 @@
 `kvmesh::cache_and_prefill`, one a layer. The KV write: traced, every form of it
 (`index_copy_`, `index_put_`, `scatter_`) made the graph guard the token count against 1, i.e.
 a graph per size. Prefill attention: SDPA per chunk, eager, as the eager path runs it
-(`attention._prefill`), so a prefill over cached blocks keeps a cold prefill's bits. A plain
+(`prefill_attention`), so a prefill over cached blocks keeps a cold prefill's bits. A plain
 library op: through `torch.library.custom_op`'s wrappers the write alone took 47 µs a call
 (profiled), this op with the write and an empty prefill 29 µs.
 
@@ -28,8 +28,12 @@ import weakref
 import torch
 
 from services.engine_worker.artifacts.int4_groups import GROUP
-from services.engine_worker.torch_backend.attention import PrefillSegment, _prefill, prefill_mask
 from services.engine_worker.torch_backend.linear import LINEAR_DYNAMIC, Int8Linear
+from services.engine_worker.torch_backend.prefill_attention import (
+    PrefillSegment,
+    prefill_attention,
+    prefill_mask,
+)
 
 _OPS = torch.library.Library("kvmesh", "DEF")
 _OPS.define(
@@ -62,7 +66,7 @@ def _cache_and_prefill(
         # by_block (always, where the step compiles) masks each piece itself.
         mask = None if by_block else prefill_mask(context - rows, context)
         segment = PrefillSegment(row, rows, context, table[: -(-context // k_cache.shape[3])], mask)
-        out[row : row + rows] = _prefill(
+        out[row : row + rows] = prefill_attention(
             q[row : row + rows], k_cache, v_cache, segment, scale, by_block
         )
     return out

@@ -30,10 +30,8 @@ def save_packed(weights: TorchWeights, directory: str) -> list[str]:
     }
     _put(other, int4, "lm_head", weights.lm_head)
     for index, layer in enumerate(weights.layers):
-        other[f"{index}.input_norm"] = layer.input_norm
-        other[f"{index}.post_norm"] = layer.post_norm
-        if layer.qk_norm is not None:
-            other[f"{index}.qk_norm"] = layer.qk_norm
+        for name, norm in layer.norms.items():
+            other[f"{index}.{name}"] = norm
         for name in _PROJECTIONS:
             _put(other, int4, f"{index}.{name}", getattr(layer, name))
     torch.save(int4, f"{directory}/{INT4_FILE}")
@@ -81,6 +79,8 @@ def load_packed(directory: str, num_layers: int) -> TorchWeights:
             gate_up=projection(f"{index}.gate_up"),
             down=projection(f"{index}.down"),
             qk_norm=other.get(f"{index}.qk_norm"),
+            attn_out_norm=other.get(f"{index}.attn_out_norm"),
+            mlp_out_norm=other.get(f"{index}.mlp_out_norm"),
         )
         for index in range(num_layers)
     )

@@ -52,15 +52,13 @@ class Runner:
             torch_weights = TorchWeights.from_float(moved, config.weights, dtype, int4)
         self.weights_resident_bytes = torch_weights.resident_bytes
         self.model = CausalLM(arch, torch_weights, max_model_len, dtype)
-        self.model.cos, self.model.signed_sin = (
-            t.to(self.device) for t in (self.model.cos, self.model.signed_sin)
-        )
+        self.model.move_tables(self.device)
         # The worker resolved both (step_formats.py): compile is auto only for a packed model on
         # the CPU with a compiler, and only then may the pool's dtype differ from the activations'.
         kv_dtype = DTYPES[config.cache.dtype]
         self.kv_cache = KVCache(kv_shape, kv_dtype, str(self.device))
         self.compiled = None
-        if config.compile == "auto" and can_compile(torch_weights):
+        if config.compile == "auto" and arch.llama_layer and can_compile(torch_weights):
             self.compiled = CompiledCausalLM(self.model, self.kv_cache)
         if self.compiled is None and kv_dtype != dtype:
             raise ValueError(f"a {kv_dtype} KV cache needs the compiled step")
@@ -106,6 +104,7 @@ class Runner:
             arch.num_heads,
             arch.head_dim,
             tables,
+            self.model.window,
         )
         if self.device.type != "cpu":  # the tensors only: the request states stay as they are
             batch = dataclasses.replace(
@@ -136,6 +135,7 @@ class Runner:
             self.arch.num_kv_heads,
             self.arch.num_heads,
             self.arch.head_dim,
+            window=self.model.window,
         )
         logits = self.model.forward(
             batch.input_ids, batch.positions, self.kv_cache, batch.meta, rows

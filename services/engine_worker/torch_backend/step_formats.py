@@ -48,13 +48,19 @@ class StepFormats:
     kv_cache: torch.dtype
 
     @staticmethod
-    def resolve(config: EngineConfig, backend: str, quantization: str) -> StepFormats:
-        """`quantization`: the artifact's tensor types, e.g. "F32+Q4_1+Q8_0"."""
+    def resolve(
+        config: EngineConfig, backend: str, quantization: str, compilable: bool = True
+    ) -> StepFormats:
+        """`quantization`: the artifact's tensor types, e.g. "F32+Q4_1+Q8_0"; `compilable`:
+        whether the compiled step is written for the model's layer (ModelArchitecture.
+        llama_layer)."""
         activations = DTYPES[config.dtype]
         weights = resolve_weight_format(config.weights, config.quantize, quantization)
         if backend != "torch" or os.environ.get("KVMESH_TORCH_DEVICE", "cpu") != "cpu":
             weights = config.dtype  # packed weights are CPU kernels' formats
-        compiled = weights == "packed" and config.compile == "auto" and compiler_available()
+        compiled = (
+            weights == "packed" and compilable and config.compile == "auto" and compiler_available()
+        )
         requested = None if config.cache.dtype == "auto" else DTYPES[config.cache.dtype]
         return StepFormats(
             activations, weights, compiled, kv_cache_dtype(requested, activations, compiled)

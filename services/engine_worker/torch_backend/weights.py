@@ -44,7 +44,7 @@ def resolve_weight_format(requested: str, quantize: str | None, quantization: st
     Packed activations are rounded (to bfloat16 for 4-bit groups, per token to int8 rows), so a
     float-level difference upstream can move a value a whole rounding step. Both kernels compute
     a row the same whatever its batch, and prefill attention gives a cached prefix's queries the
-    bits a cold prefill gives (`attention._prefill`), so a seeded request still reproduces across
+    bits a cold prefill gives (`prefill_attention`), so a seeded request still reproduces across
     prefix-cache states (tested); before that, packed had to stay opt-in.
     """
     if requested != "auto":
@@ -115,6 +115,14 @@ class TorchLayer:
     gate_up: Projection  # hidden -> 2 * intermediate (gate, then up)
     down: Projection  # intermediate -> hidden
     qk_norm: torch.Tensor | None = None  # (heads + kv_heads, head_dim), as LayerWeights'
+    attn_out_norm: torch.Tensor | None = None  # Gemma's, as LayerWeights'
+    mlp_out_norm: torch.Tensor | None = None
+
+    @property
+    def norms(self) -> dict[str, torch.Tensor]:
+        """Every norm weight the layer has, by field name."""
+        names = ("input_norm", "post_norm", "qk_norm", "attn_out_norm", "mlp_out_norm")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
 @dataclass(frozen=True)
@@ -136,8 +144,7 @@ class TorchWeights:
             total += sum(
                 p.resident_bytes for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
             )
-            total += _nbytes(layer.input_norm) + _nbytes(layer.post_norm)
-            total += 0 if layer.qk_norm is None else _nbytes(layer.qk_norm)
+            total += sum(_nbytes(norm) for norm in layer.norms.values())
         return total
 
     @staticmethod
@@ -178,7 +185,11 @@ class TorchWeights:
                     post_norm=layer.post_norm.to(compute_dtype),
                     gate_up=projection(layer.gate_up, None, gate_up),
                     down=projection(layer.down, None, down),
-                    qk_norm=None if layer.qk_norm is None else layer.qk_norm.to(compute_dtype),
+                    **{
+                        name: getattr(layer, name).to(compute_dtype)
+                        for name in ("qk_norm", "attn_out_norm", "mlp_out_norm")
+                        if getattr(layer, name) is not None
+                    },
                 )
             )
         embed: DenseEmbedding | Int8Embedding
