@@ -5,7 +5,8 @@ The default model's weights as an F32 GGUF (`kvmesh convert`), quantized by llam
 `llama-quantize` into Q4_K_M, Q5_K_M and Q6_K, then for each file:
 - perplexity on the shipped text as `llama-perplexity` computes it (chunks of `--context`
   tokens, BOS first where the vocabulary adds one, the second half of each chunk scored), by
-  kvmesh (the packed CPU weights it runs the file with) and by llama-perplexity itself;
+  kvmesh (the packed CPU weights it runs the file with) and by llama-perplexity itself; the F32
+  file first, float32 on both sides, as the check that the two compute the same figure;
 - kvmesh's resident weight bytes against the file's size.
 And decode tok/s on the Q4_K_M file against `llama-batched-bench` (llama.cpp's defaults: its
 CPU repacking on) at batch 1/8/32.
@@ -105,28 +106,48 @@ def main() -> None:
         gguf_to_f32(default_model_path(), f32_path)
     text = SHIPPED_TEXT.read_text(encoding="utf-8")
     results: dict = {"perplexity": {}, "resident": {}, "decode": {}}
-    for kind in args.kinds:
-        path = str(args.out / f"smollm2-{kind}.gguf")
+    # F32 first: both sides unrounded, the check that the two compute the same figure.
+    for kind in ("F32", *args.kinds):
+        path = str(args.out / f"smollm2-{kind}.gguf") if kind != "F32" else f32_path
         if not os.path.exists(path):
             llama_cpp.quantize(bin_dir, f32_path, path, kind)
         worker = Worker(
             EngineConfig(
-                model=path, num_threads=args.threads, cache=CacheConfig(kv_memory_bytes=64 << 20)
+                model=path,
+                weights="float32" if kind == "F32" else "auto",
+                num_threads=args.threads,
+                cache=CacheConfig(kv_memory_bytes=64 << 20),
             )
         )
         ids = load_tokenizer(path).encode(text)  # type: ignore[union-attr]
         ours = chunked_perplexity(worker, ids, args.context)
         theirs = llama_perplexity(bin_dir, path, SHIPPED_TEXT, args.context, args.threads)
         resident, size = worker.runner.weights_resident_bytes, os.path.getsize(path)
-        results["perplexity"][kind] = {"kvmesh": ours, "llama.cpp": theirs}
+        del worker
+        # The file's own values, unrounded activations: what its quantization alone costs.
+        exact = ours
+        if kind != "F32":
+            exact = chunked_perplexity(
+                Worker(
+                    EngineConfig(
+                        model=path,
+                        weights="float32",
+                        num_threads=args.threads,
+                        cache=CacheConfig(kv_memory_bytes=64 << 20),
+                    )
+                ),
+                ids,
+                args.context,
+            )
+        results["perplexity"][kind] = {"kvmesh": ours, "kvmesh_float32": exact, "llama.cpp": theirs}
         results["resident"][kind] = {"kvmesh_bytes": resident, "file_bytes": size}
         print(
             f"{kind:7s} perplexity kvmesh {ours:.4f}  llama.cpp {theirs:.4f}  "
-            f"({ours / theirs - 1:+.2%}); weights resident {resident / 2**20:.1f} MiB, "
+            f"({ours / theirs - 1:+.2%}); kvmesh on the file's values in float32 {exact:.4f} "
+            f"({exact / theirs - 1:+.2%}); weights resident {resident / 2**20:.1f} MiB, "
             f"file {size / 2**20:.1f} MiB",
             flush=True,
         )
-        del worker
     q4 = str(args.out / "smollm2-Q4_K_M.gguf")
     engine = Engine(
         EngineConfig(

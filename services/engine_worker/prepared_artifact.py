@@ -40,6 +40,7 @@ _STEP_SOURCES = (
     "torch_backend/graph_ops.py",
     "torch_backend/graph_batch.py",
     "torch_backend/attention.py",
+    "torch_backend/prefill_attention.py",
     "torch_backend/linear.py",
     "torch_backend/weights.py",
     "torch_backend/packed_state.py",

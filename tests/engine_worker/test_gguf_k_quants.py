@@ -20,15 +20,17 @@ from tests.engine_worker.parity import assert_mostly_matches, kvmesh_greedy, tra
 from tests.engine_worker.test_gguf_quantized import random_k_blocks, write_gguf
 from tests.model_fixtures import save_random_checkpoint
 
-# Every K type at least once; K-quants need 256 input values a row (hidden and FFN sizes below).
+# Every K type at least once (Q6_K: the embedding), and the fallbacks a K-quant file holds where
+# a row is not a multiple of 256 values; K-quants need 256 input values a row (sizes below).
 K_LAYER_TYPES = {
     "attn_q": "Q4_K",
     "attn_k": "Q5_K",
-    "attn_v": "Q6_K",
+    "attn_v": "Q5_0",
     "attn_output": "Q3_K",
     "ffn_gate": "Q4_K",
     "ffn_up": "Q4_K",
     "ffn_down": "Q2_K",
+    "output": "Q5_1",
 }
 SHAPES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 
@@ -62,7 +64,7 @@ def test_a_k_quant_file_matches_transformers_on_the_same_weights(
     target, reference_dir = k_quant_file
     artifact = GGUFArtifact(str(target))
     artifact.validate()
-    assert artifact.quantization == "F32+Q2_K+Q3_K+Q4_K+Q5_K+Q6_K"
+    assert artifact.quantization == "F32+Q2_K+Q3_K+Q4_K+Q5_0+Q5_1+Q5_K+Q6_K"
     q_proj = "model.layers.0.self_attn.q_proj.weight"
     groups = artifact.load_int4(q_proj)  # Q rows: llama.cpp's interleave undone on the groups
     assert groups is not None and torch.equal(groups.dequantized(), artifact.load(q_proj))

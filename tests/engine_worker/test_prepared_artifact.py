@@ -29,9 +29,9 @@ PROMPTS = ([3, 17, 42, 5, 9, 11, 2, 8, 30, 31, 7, 6, 1, 4, 12, 13, 19, 21], [50,
 SERVE = """
 import json, sys
 from services.engine_worker.worker import Worker
-from shared.config import EngineConfig
+from shared.config import CacheConfig, EngineConfig
 worker = Worker(EngineConfig(model=sys.argv[1], quantize="int4", compile=sys.argv[2],
-                             prepared="auto"))
+                             prepared="auto", cache=CacheConfig(kv_memory_bytes=int(sys.argv[4]))))
 outputs = []
 for prompt in json.loads(sys.argv[3]):
     tokens = worker.greedy(prompt, 6)
@@ -44,10 +44,12 @@ print(json.dumps({"preparation": worker.manifest.preparation, "outputs": outputs
 
 
 def serve_in_processes(
-    model: str, compile: str, cache: Path, count: int = 1
+    model: str, compile: str, cache: Path, count: int = 1, kv_memory: int = 64 << 20
 ) -> list[dict[str, object]]:
-    env = {**os.environ, "KVMESH_CACHE_DIR": str(cache)}
-    args = [sys.executable, "-c", SERVE, model, compile, json.dumps(PROMPTS)]
+    # A loaded program checks its inputs' shapes against those it was compiled for: one fixed
+    # by mistake fails the step with an error instead of reading out of bounds.
+    env = {**os.environ, "KVMESH_CACHE_DIR": str(cache), "AOTI_RUNTIME_CHECK_INPUTS": "1"}
+    args = [sys.executable, "-c", SERVE, model, compile, json.dumps(PROMPTS), str(kv_memory)]
     processes = [
         subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True) for _ in range(count)
     ]
@@ -78,6 +80,15 @@ def test_a_prepared_compiled_model_loads_elsewhere_with_the_same_bits(
     assert {"step-prefill.pt2", "step-decode.pt2"} <= set(programs)
     assert second["outputs"] == first["outputs"]  # tokens and logprobs, bit for bit
     assert first["dynamo"] and not second["dynamo"]  # loaded, nothing traced or imported
+
+
+def test_a_prepared_model_serves_any_kv_budget(tiny_qwen2_dir: str, tmp_path: Path) -> None:
+    """The programs take the KV pool's block count as a size of their own, the decode program
+    as the prefill one: a prepared model started with another --kv-memory loads them."""
+    (first,) = serve_in_processes(tiny_qwen2_dir, "auto", tmp_path, kv_memory=2 << 20)
+    (second,) = serve_in_processes(tiny_qwen2_dir, "auto", tmp_path, kv_memory=6 << 20)
+    assert second["preparation"]["source"] == "loaded"  # type: ignore[index]
+    assert second["outputs"] == first["outputs"]
 
 
 @pytest.mark.parametrize(

@@ -39,9 +39,12 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# K-quants are what GGUF publishers ship (Q4_K_M mixes Q4_K and Q6_K tensors).
+# K-quants are what GGUF publishers ship (Q4_K_M mixes Q4_K and Q6_K tensors). A row whose
+# length is not a multiple of their 256-value blocks falls back to Q5_0, Q5_1 or Q8_0 (llama-
+# quantize's choice): SmolLM2-135M's 576-wide rows make most of its Q4_K_M file Q5_0.
 K_QUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", *K_QUANT_TYPES)
+BLOCK_QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # 32 values a block
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", *BLOCK_QUANT_TYPES, *K_QUANT_TYPES)
 # Big arrays are read by the tokenizer, not needed to describe the model.
 _SKIPPED_METADATA = (
     "tokenizer.ggml.tokens",

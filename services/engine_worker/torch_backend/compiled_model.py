@@ -222,7 +222,6 @@ class CompiledCausalLM:
         # else traced lazily, made on first use (torch.compile imports Dynamo: ~1 s).
         self.programs = ProgramTable()
         self._graph: Callable[..., torch.Tensor] | None = None
-        self._kv_marked = False  # the pool's dynamic size, marked once a graph is traced
 
     def load_programs(self, saved: dict[str, Path]) -> None:
         """The step's programs a prepared model saved (saved_programs.py)."""
@@ -264,10 +263,11 @@ class CompiledCausalLM:
         """A step with no program loaded: its graph traced lazily, or exported for a program
         compiled ahead of time (saved_programs.py), with the sizes it keeps dynamic."""
         batch.mark_dynamic()
-        if not self._kv_marked:  # any KV budget: the same graph
-            for tensor in (*self._keys, *self._values):
-                torch._dynamo.mark_dynamic(tensor, 0)
-            self._kv_marked = True
+        # Any KV budget, the same graph and program: marked before every trace, since an
+        # export consumes the marks (a decode program exported after the prefill one had the
+        # pool's block count fixed, and indexed past it under a larger --kv-memory).
+        for tensor in (*self._keys, *self._values):
+            torch._dynamo.mark_dynamic(tensor, 0)
         # Sizes 0 and 1 must not get a graph (and kernels) of their own: see the docstring.
         with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
             program = self.programs.get(name, _graph, args, options=_OPTIONS)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.engine_worker.artifacts.gguf_file import K_QUANT_TYPES
-from services.engine_worker.artifacts.int4_groups import INT4_BLOCK_TYPES, Int4Groups
+from services.engine_worker.artifacts.gguf_file import BLOCK_QUANT_TYPES, K_QUANT_TYPES
+from services.engine_worker.artifacts.int4_groups import Int4Groups
 from services.engine_worker.artifacts.loader import ModelArtifact
 from services.engine_worker.artifacts.weights import ModelWeights, projection_names
 from services.engine_worker.torch_backend.linear import (
@@ -32,12 +32,12 @@ from shared.config import WEIGHT_FORMATS
 # Q4 file's own blocks, or quantized at load), or None: it then runs as int8 rows.
 Int4Source = Callable[[tuple[str, ...], torch.Tensor], Int4Groups | None]
 
-QUANTIZED_TYPES = (*INT4_BLOCK_TYPES, "Q8_0", *K_QUANT_TYPES)
+QUANTIZED_TYPES = (*BLOCK_QUANT_TYPES, *K_QUANT_TYPES)
 _FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_weight_format(requested: str, quantize: str | None, quantization: str) -> str:
-    """`auto`: packed for a quantized file (Q4_0, Q4_1, Q8_0 or K-quant tensors) or when
+    """`auto`: packed for a quantized file (Q4_0 to Q8_0 or K-quant tensors) or when
     --quantize asks for it (EngineConfig has checked that the two agree); float32 otherwise.
     `quantization` is the artifact's tensor types, e.g. "F32+Q4_1+Q8_0".
 
