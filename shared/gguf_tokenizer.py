@@ -15,7 +15,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types matched whole in text
-_SPACE = "\u2581"  # SentencePiece's visible space
+SPACE_MARK = "\u2581"  # SentencePiece's visible space
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -122,7 +122,7 @@ def _sentencepiece(metadata: dict[str, Any], tokens: list[str]) -> Tokenizer:
     arch = metadata.get("general.architecture", "")
     gemma = arch.startswith("gemma")
     if gemma:
-        tokens = [_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+        tokens = [SPACE_MARK * len(t) if t and not t.strip(" ") else t for t in tokens]
     vocab = {token: index for index, token in enumerate(tokens)}
     if "tokenizer.ggml.merges" in metadata:
         merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
@@ -140,18 +140,18 @@ def _sentencepiece(metadata: dict[str, Any], tokens: list[str]) -> Tokenizer:
             unk_token=tokens[unk] if unk is not None else None,
         )
     )
-    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    steps = [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
     if gemma:
-        tokenizer.normalizer = normalizers.Replace(" ", _SPACE)
+        tokenizer.normalizer = normalizers.Replace(" ", SPACE_MARK)
         tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
     elif arch == "phi3":
         tokenizer.normalizer = normalizers.Sequence(
-            [normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)]
+            [normalizers.Prepend(SPACE_MARK), normalizers.Replace(" ", SPACE_MARK)]
         )
         steps.append(decoders.Strip(" ", 1, 0))
     else:
         tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement=_SPACE, prepend_scheme="first", split=False
+            replacement=SPACE_MARK, prepend_scheme="first", split=False
         )
         steps.append(decoders.Strip(" ", 1, 0))
     tokenizer.decoder = decoders.Sequence(steps)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 from tokenizers import Tokenizer, decoders
@@ -15,10 +16,12 @@ from tokenizers import Tokenizer, decoders
 from shared.chat_template import render_chat_template
 from shared.errors import KvmeshError, Reason
 from shared.gguf_metadata import read_gguf_metadata
-from shared.gguf_tokenizer import BYTE_OF_CHAR, adds_bos, tokenizer_from_gguf
+from shared.gguf_tokenizer import BYTE_OF_CHAR, SPACE_MARK, adds_bos, tokenizer_from_gguf
 from shared.prompt_bound import check_length, longest_token_bytes
 from shared.special_text import CLOSE, OPEN, fence, pieces, special_pattern
 from shared.tool_prompt import renders_tools, with_tool_prompt
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class TextTokenizer:
@@ -71,10 +74,14 @@ class TextTokenizer:
             token = self.tokenizer.id_to_token(token_id)
             if token is None:
                 pieces.append(b"")
-            elif token_id in added or not self._byte_level:
-                pieces.append(self.tokenizer.decode([token_id], skip_special_tokens=False).encode())
-            else:
+            elif token_id in added:
+                pieces.append(token.encode())
+            elif self._byte_level:
                 pieces.append(bytes(BYTE_OF_CHAR.get(char, 0x3F) for char in token))
+            elif _BYTE_TOKEN.fullmatch(token):  # SentencePiece's byte fallback, <0xE2>
+                pieces.append(bytes([int(token[3:5], 16)]))
+            else:  # its visible spaces as spaces, a leading one kept (decode strips it)
+                pieces.append(token.replace(SPACE_MARK, " ").encode())
         return pieces
 
     @property

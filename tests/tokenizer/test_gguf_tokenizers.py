@@ -119,6 +119,12 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_transformers_does(
     # Byte fallback, not <unk>: an emoji is its four UTF-8 bytes.
     rocket = ours.encode("🚀", add_special_tokens=False)
     assert ours.tokenizer.id_to_token(rocket[-1]) == "<0x80>"
+    # Each token's own bytes (logprobs): the byte tokens' bytes, spaces where the marks are,
+    # the prefix space the vocabulary adds at the start (Gemma's adds none).
+    text = "naïve keeper 🚀"
+    ids = ours.encode(text, add_special_tokens=False)
+    prefix = "" if arch.startswith("gemma") else " "
+    assert b"".join(ours.token_bytes(ids)) == (prefix + text).encode()
 
 
 @pytest.mark.parametrize("pre", ["qwen2", "llama-bpe"])

@@ -146,7 +146,7 @@ def paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """q: (T, H, D); k_cache: (blocks, kv_heads, D, block); v_cache: (blocks, kv_heads, block, D).
-    `exact_over_cache`: prefill queries by KV block (see `_prefill`); `softcap`: scores become
+    `exact_over_cache`: prefill queries by KV block (`prefill_attention`); `softcap`: scores become
     softcap * tanh(scores / softcap) before the mask (Gemma 2). Returns (T, H * D)."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)

@@ -17,7 +17,7 @@ class PrefillSegment:
     context_len: int  # cached + new tokens it attends to
     block_ids: torch.Tensor  # (num_blocks_covering_context,)
     # (num_tokens, context_len) bool: causal, past the cached prefix; None where pieces mask
-    # themselves (`_prefill`'s by_block)
+    # themselves (`prefill_attention`'s by_block)
     mask: torch.Tensor | None
     window: int | None = None  # a sliding layer's: the mask (or the pieces) cut at it
 
