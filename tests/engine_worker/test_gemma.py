@@ -167,3 +167,14 @@ def test_a_prepared_gemma_loads_with_its_norms(
         completions = engine.generate(PROMPTS, greedy)
         outputs.append([(c.token_ids, [lp.logprob for lp in c.logprobs]) for c in completions])
     assert outputs[1] == outputs[0]
+
+
+def test_a_gemma_gguf_is_not_converted_to_a_directory_that_would_lie(tmp_path: Path) -> None:
+    """The GGUF's norms hold 1 + w and a written config.json would not say the windows."""
+    from kvmesh.convert import to_safetensors
+
+    hf_dir = save_random_checkpoint(tmp_path / "hf", "gemma2", query_pre_attn_scalar=16)
+    target = tmp_path / "gemma2.gguf"
+    write_gguf_of(Path(hf_dir), target, "gemma2", GEMMA2_PARTS)
+    with pytest.raises(SystemExit, match="Gemma2ForCausalLM is not written as safetensors"):
+        to_safetensors(str(target), str(tmp_path / "out"))

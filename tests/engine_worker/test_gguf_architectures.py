@@ -5,6 +5,7 @@ Qwen3's `attn_q_norm` / `attn_k_norm` and head_dim as `key_length`; Phi-3's fuse
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,9 @@ def write_gguf_of(
     target: Path,
     arch: str = "qwen3",
     parts: tuple[str, ...] = _LAYER_PARTS,
-    vocabulary: Callable[[Any], None] | None = None,
+    extra: Callable[[Any], None] | None = None,
 ) -> None:
-    """`vocabulary(writer)`: writes a tokenizer's metadata too."""
+    """`extra(writer)`: writes more (a tokenizer's metadata, LongRoPE's); else the EOS id."""
     import gguf
 
     config = json.loads((hf_dir / "config.json").read_text())
@@ -63,8 +64,8 @@ def write_gguf_of(
     if config.get("final_logit_softcapping"):
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     writer.add_vocab_size(config["vocab_size"])
-    if vocabulary is not None:
-        vocabulary(writer)
+    if extra is not None:
+        extra(writer)
     else:
         writer.add_eos_token_id(config["eos_token_id"])
     names = ["token_embd.weight", "output_norm.weight"]
@@ -106,6 +107,40 @@ def test_a_gguf_matches_transformers(
     assert engine.manifest["architecture"] == model.config.architectures[0]
     # Phi-3's 256-token window caps the context served (every layer attends to all of it).
     assert engine.worker.max_model_len == (256 if arch == "phi3" else 1024)
+    assert_mostly_matches(ours, expected)
+
+
+def test_a_phi4_mini_gguf_matches_transformers(tiny_phi4_mini_dir: str, tmp_path: Path) -> None:
+    """Phi-4-mini as llama.cpp's converter writes it: the rotated dimensions as
+    `rope.dimension_count`, LongRoPE's factors as tensors, its attention factor and original
+    context in the metadata; served within that context."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((Path(tiny_phi4_mini_dir) / "config.json").read_text())
+    rope = config["rope_parameters"]
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    original = rope["original_max_position_embeddings"]
+    scale = config["max_position_embeddings"] / original
+
+    def longrope(writer: Any) -> None:
+        writer.add_eos_token_id(config["eos_token_id"])
+        writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        writer.add_rope_scaling_orig_ctx_len(original)
+        for kind in ("short", "long"):
+            factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
+
+    target = tmp_path / "phi4-mini.gguf"
+    write_gguf_of(Path(tiny_phi4_mini_dir), target, "phi3", _PHI3_PARTS, longrope)
+    prompts = [[5, 9, 200, 17], list(range(3, 60)), [44] * 20, list(range(100, 300, 7))]
+    model = AutoModelForCausalLM.from_pretrained(tiny_phi4_mini_dir, dtype=torch.float32).eval()
+    expected = transformers_greedy(model, prompts, 16, eos=2)
+    ours, engine = kvmesh_greedy(str(target), prompts, 16)
+    assert engine.worker.max_model_len == original
+    rope_spec = engine.worker.architecture.rope
+    assert rope_spec.rope_type == "longrope" and rope_spec.partial == 0.5
     assert_mostly_matches(ours, expected)
 
 

@@ -197,11 +197,6 @@ class ModelArchitecture:
         hidden = int(key("embedding_length"))
         heads = int(key("attention.head_count"))
         head_dim = int(key("attention.key_length", hidden // heads))
-        rotary = int(key("rope.dimension_count", head_dim))
-        if rotary != head_dim:
-            raise ModelValidationError(
-                path, "partial rotary is not supported", expected=head_dim, found=rotary
-            )
         tokens = meta.get("tokenizer.ggml.tokens")
         architecture = ModelArchitecture(
             name=hf_name,
@@ -213,7 +208,7 @@ class ModelArchitecture:
             num_kv_heads=int(key("attention.head_count_kv", heads)),
             head_dim=head_dim,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-            rope=RopeSpec.from_gguf_metadata(meta, arch),
+            rope=RopeSpec.from_gguf_metadata(meta, arch, head_dim),
             max_position_embeddings=_attended_length(
                 {
                     "max_position_embeddings": key("context_length"),

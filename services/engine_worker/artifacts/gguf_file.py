@@ -6,6 +6,7 @@ one rotary (transformers' rotate_half) serves every format.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -34,6 +35,8 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# LongRoPE's per-frequency divisors (Phi-3 128k, Phi-4-mini): short, then long.
+_ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -138,14 +141,29 @@ class GGUFArtifact:
         self.tensors = {}
         unknown = []
         arch = self.architecture
+        rope_factors = {}
         for tensor in self.reader.tensors:
             name = hf_name(tensor.name, arch.fused_projections, arch.style.sandwich_norms)
-            if name is None:
+            if tensor.name in _ROPE_FACTORS:
+                rope_factors[tensor.name] = tensor
+            elif name is None:
                 unknown.append(tensor.name)
             else:
                 self.tensors[name] = tensor
         if unknown:
             raise ModelValidationError(path, "unexpected tensor", tensor=unknown[0])
+        if _ROPE_FACTORS[0] in rope_factors:  # served within the original context: short ones
+            short = np.asarray(rope_factors[_ROPE_FACTORS[0]].data, dtype=np.float32).tolist()
+            rope = arch.rope.with_gguf_longrope(
+                self.metadata, self.metadata["general.architecture"], short
+            )
+            self.architecture = dataclasses.replace(
+                arch,
+                rope=rope,
+                max_position_embeddings=min(
+                    arch.max_position_embeddings, rope.original_max_position_embeddings
+                ),
+            )
 
     def _read_metadata(self) -> dict[str, Any]:
         meta: dict[str, Any] = {}

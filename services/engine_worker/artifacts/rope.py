@@ -3,6 +3,7 @@ transformers computes them."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -81,12 +82,28 @@ class RopeSpec:
         )
 
     @staticmethod
-    def from_gguf_metadata(meta: dict[str, Any], arch: str) -> RopeSpec:
+    def from_gguf_metadata(meta: dict[str, Any], arch: str, head_dim: int) -> RopeSpec:
         scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+        rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
         return RopeSpec(
             theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
             rope_type="linear" if scaling == "linear" else "default",
             factor=float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0),
+            partial=rotary / head_dim,
+        )
+
+    def with_gguf_longrope(self, meta: dict[str, Any], arch: str, short: list[float]) -> RopeSpec:
+        """LongRoPE as llama.cpp's converter stores it (Phi-3 128k, Phi-4-mini): the short
+        factors as a `rope_factors_short` tensor, the attention factor and original context in
+        the metadata."""
+        return dataclasses.replace(
+            self,
+            rope_type="longrope",
+            short_factor=tuple(short),
+            attention_factor=float(meta.get(f"{arch}.rope.scaling.attn_factor") or 1.0),
+            original_max_position_embeddings=int(
+                meta[f"{arch}.rope.scaling.original_context_length"]
+            ),
         )
 
     def inv_freq(self, head_dim: int) -> torch.Tensor:
