@@ -53,7 +53,8 @@ BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer | None:
-    """None where the file has no vocabulary; a KeyError-free refusal is the caller's."""
+    """None where the file has no vocabulary, or one of another kind (T5's unigram, RWKV's):
+    its model then takes token ids only."""
     kind = metadata.get("tokenizer.ggml.model")
     tokens: list[str] | None = metadata.get("tokenizer.ggml.tokens")
     if tokens is None or kind not in SUPPORTED_MODELS:
