@@ -50,18 +50,25 @@ def kvmesh_decode_tok_s(engine: Engine, batch: int, prompt: int, generated: int)
     return decoded / (time.perf_counter() - started)
 
 
+def decode_engine(model: str | None, weights: str, threads: int) -> Engine:
+    """The in-process engine the decode rows run on, its first-call costs out of the way."""
+    engine = Engine(
+        EngineConfig(
+            model=model,
+            weights=weights,
+            num_threads=threads,
+            cache=CacheConfig(kv_memory_bytes=1 << 30),
+            scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
+        )
+    )
+    kvmesh_decode_tok_s(engine, 1, 16, 4)
+    return engine
+
+
 def engine_level(args: argparse.Namespace, f32_path: str) -> dict:
     results: dict = {"kvmesh": {}, "llama.cpp": {}}
     for weights in args.weights:
-        engine = Engine(
-            EngineConfig(
-                weights=weights,
-                num_threads=args.threads,
-                cache=CacheConfig(kv_memory_bytes=1 << 30),
-                scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
-            )
-        )
-        kvmesh_decode_tok_s(engine, 1, 16, 4)  # first-call costs out of the way
+        engine = decode_engine(None, weights, args.threads)
         rates = {}
         for batch in args.batches:
             rates[batch] = kvmesh_decode_tok_s(engine, batch, args.prompt, args.generated)

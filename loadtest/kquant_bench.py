@@ -25,27 +25,22 @@ from pathlib import Path
 import torch
 
 from kvmesh.convert import gguf_to_f32
-from kvmesh.engine import Engine
 from loadtest import llama_cpp
-from loadtest.cpu_bench import kvmesh_decode_tok_s
+from loadtest.cpu_bench import decode_engine, kvmesh_decode_tok_s
 from loadtest.perplexity import SHIPPED_TEXT
 from services.engine_worker.worker import Worker
-from shared.config import CacheConfig, EngineConfig, SchedulerConfig
+from shared.config import CacheConfig, EngineConfig
 from shared.model_paths import default_model_path
 from shared.text_tokenizer import load_tokenizer
 
 KINDS = ("Q4_K_M", "Q5_K_M", "Q6_K")
 
 
-def chunked_perplexity(worker: Worker, token_ids: list[int], context: int) -> float:
-    """llama-perplexity's figure: each whole chunk of `context` tokens (its first replaced by BOS
-    where the vocabulary adds one) predicts its second half from its first."""
-    tokenizer = load_tokenizer(worker.model_path)
-    bos = (
-        tokenizer.tokenizer.token_to_id(tokenizer.bos_token)
-        if tokenizer and tokenizer.add_bos
-        else None
-    )
+def chunked_perplexity(
+    worker: Worker, token_ids: list[int], context: int, bos: int | None
+) -> float:
+    """llama-perplexity's figure: each whole chunk of `context` tokens (its first replaced by
+    `bos`, where the vocabulary adds one) predicts its second half from its first."""
     first = context // 2
     nll, count = 0.0, 0
     for start in range(0, len(token_ids) - context + 1, context):
@@ -57,6 +52,17 @@ def chunked_perplexity(worker: Worker, token_ids: list[int], context: int) -> fl
         nll -= float(log_softmax[first:].gather(1, targets).double().sum())
         count += len(chunk) - first - 1
     return math.exp(nll / count)
+
+
+def _worker(path: str, weights: str, threads: int) -> Worker:
+    return Worker(
+        EngineConfig(
+            model=path,
+            weights=weights,
+            num_threads=threads,
+            cache=CacheConfig(kv_memory_bytes=64 << 20),
+        )
+    )
 
 
 def llama_perplexity(bin_dir: Path, model: str, text: Path, context: int, threads: int) -> float:
@@ -111,16 +117,13 @@ def main() -> None:
         path = str(args.out / f"smollm2-{kind}.gguf") if kind != "F32" else f32_path
         if not os.path.exists(path):
             llama_cpp.quantize(bin_dir, f32_path, path, kind)
-        worker = Worker(
-            EngineConfig(
-                model=path,
-                weights="float32" if kind == "F32" else "auto",
-                num_threads=args.threads,
-                cache=CacheConfig(kv_memory_bytes=64 << 20),
-            )
-        )
-        ids = load_tokenizer(path).encode(text)  # type: ignore[union-attr]
-        ours = chunked_perplexity(worker, ids, args.context)
+        worker = _worker(path, "float32" if kind == "F32" else "auto", args.threads)
+        tokenizer = load_tokenizer(path)
+        if tokenizer is None:
+            raise SystemExit(f"{path} has no tokenizer")
+        ids = tokenizer.encode(text)
+        bos = tokenizer.tokenizer.token_to_id(tokenizer.bos_token) if tokenizer.add_bos else None
+        ours = chunked_perplexity(worker, ids, args.context, bos)
         theirs = llama_perplexity(bin_dir, path, SHIPPED_TEXT, args.context, args.threads)
         resident, size = worker.runner.weights_resident_bytes, os.path.getsize(path)
         del worker
@@ -128,16 +131,7 @@ def main() -> None:
         exact = ours
         if kind != "F32":
             exact = chunked_perplexity(
-                Worker(
-                    EngineConfig(
-                        model=path,
-                        weights="float32",
-                        num_threads=args.threads,
-                        cache=CacheConfig(kv_memory_bytes=64 << 20),
-                    )
-                ),
-                ids,
-                args.context,
+                _worker(path, "float32", args.threads), ids, args.context, bos
             )
         results["perplexity"][kind] = {"kvmesh": ours, "kvmesh_float32": exact, "llama.cpp": theirs}
         results["resident"][kind] = {"kvmesh_bytes": resident, "file_bytes": size}
@@ -149,15 +143,7 @@ def main() -> None:
             flush=True,
         )
     q4 = str(args.out / "smollm2-Q4_K_M.gguf")
-    engine = Engine(
-        EngineConfig(
-            model=q4,
-            num_threads=args.threads,
-            cache=CacheConfig(kv_memory_bytes=1 << 30),
-            scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
-        )
-    )
-    kvmesh_decode_tok_s(engine, 1, 16, 4)  # first-call costs out of the way
+    engine = decode_engine(q4, "auto", args.threads)
     ours_rates = {
         b: kvmesh_decode_tok_s(engine, b, args.prompt, args.generated) for b in args.batches
     }

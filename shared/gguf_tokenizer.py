@@ -92,8 +92,8 @@ def adds_bos(metadata: dict[str, Any]) -> bool:
 
 
 def _byte_level(metadata: dict[str, Any], tokens: list[str]) -> Tokenizer:
-    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
     vocab = {token: index for index, token in enumerate(tokens)}
+    merges = _file_merges(metadata) or []
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     pre = metadata.get("tokenizer.ggml.pre")
     if pre in _SPLITS:
@@ -125,9 +125,8 @@ def _sentencepiece(metadata: dict[str, Any], tokens: list[str]) -> Tokenizer:
     if gemma:
         tokens = [SPACE_MARK * len(t) if t and not t.strip(" ") else t for t in tokens]
     vocab = {token: index for index, token in enumerate(tokens)}
-    if "tokenizer.ggml.merges" in metadata:
-        merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
-    else:
+    merges = _file_merges(metadata)
+    if merges is None:
         scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
         rank: Callable[[int], float] = (lambda i: -i) if gemma else (lambda i: scores[i])
         merges = _recovered_merges(tokens, vocab, rank)
@@ -157,6 +156,13 @@ def _sentencepiece(metadata: dict[str, Any], tokens: list[str]) -> Tokenizer:
         steps.append(decoders.Strip(" ", 1, 0))
     tokenizer.decoder = decoders.Sequence(steps)
     return tokenizer
+
+
+def _file_merges(metadata: dict[str, Any]) -> list[tuple[str, str]] | None:
+    listed = metadata.get("tokenizer.ggml.merges")
+    if listed is None:
+        return None
+    return [(left, right) for left, right in (m.split(" ", 1) for m in listed)]
 
 
 def _recovered_merges(

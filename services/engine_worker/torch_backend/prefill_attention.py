@@ -58,9 +58,8 @@ def prefill_attention(
     sampled token now and then for the same seed; nor did pieces cut at a chunk's end. float32
     does not need it: its GEMMs round a row by its batch anyway, at a level that does not
     change its tokens."""
-    kv_heads, head_dim, block = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    k = k_cache.index_select(0, seg.block_ids).permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
-    v = v_cache.index_select(0, seg.block_ids).transpose(0, 1).reshape(kv_heads, -1, head_dim)
+    block = k_cache.shape[3]
+    k, v = _gathered(k_cache, v_cache, seg)
     first = seg.context_len - seg.num_tokens  # position of the first query
     if not by_block:
         k, v = k.to(q.dtype), v.to(q.dtype)  # the compiled step's pool may be float16
@@ -79,6 +78,16 @@ def prefill_attention(
     return _by_pieces(q, k, v, first, seg.context_len, block, scale, seg.window)
 
 
+def _gathered(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's blocks of K and V, each (kv_heads, blocks * block, D) in position order."""
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    k = k_cache.index_select(0, seg.block_ids).permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
+    v = v_cache.index_select(0, seg.block_ids).transpose(0, 1).reshape(kv_heads, -1, head_dim)
+    return k, v
+
+
 def softcapped_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -88,10 +97,8 @@ def softcapped_prefill(
     softcap: float,
 ) -> torch.Tensor:
     """Scores capped before the mask, which SDPA cannot do: the products written out."""
-    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
-    context, group = seg.context_len, q.shape[1] // kv_heads
-    k = k_cache.index_select(0, seg.block_ids).permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
-    v = v_cache.index_select(0, seg.block_ids).transpose(0, 1).reshape(kv_heads, -1, head_dim)
+    context, group = seg.context_len, q.shape[1] // k_cache.shape[1]
+    k, v = _gathered(k_cache, v_cache, seg)
     k = k[:, :context].to(q.dtype).repeat_interleave(group, 0)  # (H, context, D)
     v = v[:, :context].to(q.dtype).repeat_interleave(group, 0)
     scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # (H, n, context)
