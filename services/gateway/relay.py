@@ -173,11 +173,14 @@ class Relay:
 
     def _split_calls(self, text: str, finish: bool) -> tuple[str, list[common_pb2.ToolCall]]:
         """The text's content and the tool calls it completes (none when tools are not
-        parsed); at the finish, whatever the parser still held goes out as content."""
+        parsed); at the finish, with whatever the parser still held."""
         if self.tool_calls is None:
             return text, []
         content, calls = self.tool_calls.push(text)
-        return (content + self.tool_calls.finish() if finish else content), calls
+        if finish:
+            tail, last_calls = self.tool_calls.finish()
+            content, calls = content + tail, calls + last_calls
+        return content, calls
 
     def _completed(
         self, reason: FinishReason, stop_string: str, finished: scheduler_pb2.SubmitFinished | None

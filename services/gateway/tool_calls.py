@@ -3,15 +3,20 @@
 
 Text outside the blocks is the answer's content and streams on at once, but for a tail that
 may be the start of an opening tag; a block is held until its closing tag arrives and then
-leaves as one whole call. A block that is not a call of a known tool (`auto` lets the model
+leaves as one whole call. The closing tag counts only outside a JSON string: an argument may
+hold "</tool_call>" itself. A block that is not a call of a known tool (`auto` lets the model
 write anything) stays in the content as written. Under `required` or a named function the
 grammar allowed nothing else, so a call whose arguments fail their schema is a bug, reported
 as INVALID_OUTPUT, as a response format's output check does.
+
+A block still open at the finish (cut by a length or a stop string) leaves as a call when its
+body parses as one and is dropped otherwise: its markup never reaches the content.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -20,6 +25,10 @@ from services.gateway.tools import ToolUse
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2
 from shared.tool_prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+# What can change the scan's state: outside a string a quote or a tag's "<"; inside, a quote
+# or an escape.
+_OUTSIDE_STRING, _INSIDE_STRING = re.compile(r'["<]'), re.compile(r'["\\]')
 
 
 def _partial_tag(text: str, tag: str) -> int:
@@ -35,6 +44,8 @@ class ToolCallParser:
         self.use = use
         self.pending = ""  # held back: a possible opening tag, or an open block's body
         self.inside = False  # within a <tool_call> block
+        self.scanned = 0  # how far into an open block's body the closing tag was looked for
+        self.in_string = False  # ... and whether that point is inside a JSON string
         # Whitespace at the end of the content so far: the syntax puts newlines between and
         # around calls, which are not content, so it waits to see what follows.
         self.blank = ""
@@ -56,31 +67,67 @@ class ToolCallParser:
                     break
                 self._content(self.pending[:at], content)
                 self.pending, self.inside = self.pending[at + len(TOOL_CALL_OPEN) :], True
+                self.scanned, self.in_string = 0, False
             else:
-                end = self.pending.find(TOOL_CALL_CLOSE)
+                end = self._closing_tag()
                 if end < 0:
                     break
-                body = self.pending[:end]
-                self.pending, self.inside = self.pending[end + len(TOOL_CALL_CLOSE) :], False
-                call = self._call(body)
-                if call is None:
-                    self._content(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE, content)
-                else:
-                    calls.append(call)
-                    self.blank, self.after_call = "", True
+                self._close_block(end, content, calls)
         self.calls.extend(calls)
         return "".join(content), calls
 
-    def finish(self) -> str:
-        """What is still held back, as content: an unclosed block (cut by a length or a stop
-        string), the start of a tag that never came, whitespace when no call followed it."""
+    def finish(self) -> tuple[str, list[common_pb2.ToolCall]]:
+        """What is still held back: an unclosed block as a call if it parses as one (else
+        nothing), and whitespace when no call followed it as content."""
         content: list[str] = []
-        self._content((TOOL_CALL_OPEN if self.inside else "") + self.pending, content)
+        calls: list[common_pb2.ToolCall] = []
+        if self.inside:
+            call = self._call(self.pending, cut=True)
+            calls += [] if call is None else [call]
+        elif len(self.pending) < 2:  # a lone "<" is text; "<t" on is a call's start, cut
+            self._content(self.pending, content)
         self.pending, self.inside = "", False
+        self.calls.extend(calls)
         if not self.calls:
             content.append(self.blank)
         self.blank = ""
-        return "".join(content)
+        return "".join(content), calls
+
+    def _closing_tag(self) -> int:
+        """Where the open block's closing tag starts, outside any JSON string; -1 until it
+        has arrived whole."""
+        text, at = self.pending, self.scanned
+        while True:
+            found = (_INSIDE_STRING if self.in_string else _OUTSIDE_STRING).search(text, at)
+            if found is None:
+                self.scanned = len(text)
+                return -1
+            at = found.start()
+            if text[at] == "\\":
+                if at + 1 == len(text):  # what it escapes has not arrived
+                    self.scanned = at
+                    return -1
+                at += 2
+            elif text[at] == '"':
+                self.in_string = not self.in_string
+                at += 1
+            elif text.startswith(TOOL_CALL_CLOSE, at):
+                return at
+            elif TOOL_CALL_CLOSE.startswith(text[at:]):  # may complete later
+                self.scanned = at
+                return -1
+            else:
+                at += 1
+
+    def _close_block(self, end: int, content: list[str], calls: list[common_pb2.ToolCall]) -> None:
+        body = self.pending[:end]
+        self.pending, self.inside = self.pending[end + len(TOOL_CALL_CLOSE) :], False
+        call = self._call(body)
+        if call is None:
+            self._content(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE, content)
+        else:
+            calls.append(call)
+            self.blank, self.after_call = "", True
 
     def _content(self, text: str, out: list[str]) -> None:
         if self.after_call:
@@ -93,7 +140,8 @@ class ToolCallParser:
         else:
             self.blank += text
 
-    def _call(self, body: str) -> common_pb2.ToolCall | None:
+    def _call(self, body: str, cut: bool = False) -> common_pb2.ToolCall | None:
+        """The block's call; None for one that is not a call (or, `cut` short, not whole)."""
         try:
             value = json.loads(body)
         except json.JSONDecodeError:
@@ -101,11 +149,13 @@ class ToolCallParser:
         name = value.get("name") if isinstance(value, dict) else None
         arguments = _arguments(value.get("arguments", {})) if isinstance(value, dict) else None
         if name not in self.use.schemas or arguments is None:
-            if self.use.constrained:
+            if self.use.constrained and not cut:
                 raise KvmeshError(Reason.INVALID_OUTPUT, f"not a call of a tool: {body!r}")
             return None
         if self.use.constrained:
             problem = schema_problem(json.dumps(self.use.schemas[name]), arguments)
+            if problem is not None and cut:
+                return None
             if problem is not None:
                 raise KvmeshError(Reason.INVALID_OUTPUT, f"{name}'s arguments: {problem}")
         return common_pb2.ToolCall(

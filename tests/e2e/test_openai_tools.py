@@ -127,6 +127,37 @@ async def test_streamed_calls_accumulate_to_the_whole_answer(client) -> None:
         assert finishes[choice.index] == "tool_calls"
 
 
+async def test_calls_cut_by_max_tokens_leave_no_markup_in_the_content(client) -> None:
+    """Cut anywhere in a call: the whole calls before it, no partial one, finish `length`."""
+    model = await model_name(client)
+    for max_tokens in (6, 20, 33):
+        for stream in (False, True):
+            request = {
+                "model": model,
+                "messages": MESSAGES,
+                "tools": TOOLS,
+                "tool_choice": "required",
+                "temperature": 1.0,
+                "seed": 5,
+                "n": 4,
+                "max_tokens": max_tokens,
+            }
+            if not stream:
+                answer = await client.chat.completions.create(**request)
+                for choice in answer.choices:
+                    assert choice.finish_reason == "length"
+                    assert not choice.message.content, choice.message.content
+                    for call in choice.message.tool_calls or []:
+                        assert_valid_calls([call], set(SCHEMAS))
+                continue
+            content, finishes = "", set()
+            async for chunk in await client.chat.completions.create(**request, stream=True):
+                for choice in chunk.choices:
+                    content += choice.delta.content or ""
+                    finishes |= {choice.finish_reason} - {None}
+            assert content == "" and finishes == {"length"}
+
+
 async def test_a_conversation_with_earlier_calls_and_results_continues(client) -> None:
     model = await model_name(client)
     first = await client.chat.completions.create(

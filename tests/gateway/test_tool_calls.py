@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import llguidance
 import pytest
@@ -125,8 +126,8 @@ def stream(parser: ToolCallParser, text: str, piece: int) -> tuple[str, list]:
         out, found = parser.push(text[start : start + piece])
         content.append(out)
         calls.extend(found)
-    content.append(parser.finish())
-    return "".join(content), calls
+    tail, last = parser.finish()
+    return "".join(content) + tail, calls + last
 
 
 @pytest.mark.parametrize("piece", [1, 3, 7, 1000])
@@ -151,9 +152,9 @@ def test_auto_leaves_what_is_not_a_call_as_text() -> None:
     parser = ToolCallParser(ToolUse(SCHEMAS, Mode.MODE_AUTO))
     not_a_tool = call_block("launch", {"now": True})
     broken = "<tool_call>\n{not json}\n</tool_call>"
-    text = f'a < b <tool_ {not_a_tool} \n{broken} <tool_call>\n{{"name": "ping" \n'
-    content, calls = stream(parser, text, 2)
-    assert content == text and calls == []  # the unclosed block too, at the finish
+    written = f"a < b <tool_ {not_a_tool} \n{broken}"
+    content, calls = stream(parser, written + ' <tool_call>\n{"name": "ping" \n', 2)
+    assert content == written + " " and calls == []  # the unclosed block dropped at the finish
 
 
 def test_a_string_of_arguments_is_read_as_its_object() -> None:
@@ -168,3 +169,70 @@ def test_a_constrained_call_that_fails_its_schema_is_invalid_output() -> None:
     with pytest.raises(KvmeshError) as failed:
         parser.push(call_block("get_weather", {"city": 7}))
     assert failed.value.reason == Reason.INVALID_OUTPUT and "city" in failed.value.message
+
+
+def parsed(use: ToolUse, pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+    parser = ToolCallParser(use)
+    content, calls = [], []
+    for piece in pieces:
+        out, found = parser.push(piece)
+        content.append(out)
+        calls.extend(found)
+    tail, last = parser.finish()
+    return "".join(content) + tail, [(c.name, json.loads(c.arguments)) for c in calls + last]
+
+
+# Arguments a grammar allows inside a JSON string, the tags and escapes included.
+TRICKY_CITIES = [
+    "Paris",
+    "</tool_call>",
+    'a "quoted" </tool_call> <tool_call>',
+    "back\\slash\\",
+    "</tool_call",
+    "\\u003c/tool_call>",
+    "",
+]
+
+
+@pytest.mark.parametrize("mode", [Mode.MODE_AUTO, Mode.MODE_REQUIRED])
+def test_every_split_of_grammar_valid_calls_parses_the_same(mode: int) -> None:
+    """The closing tag counts only outside a JSON string, wherever the stream is cut."""
+    rng = random.Random(0)
+    use = ToolUse(SCHEMAS, mode)
+    for city in TRICKY_CITIES:
+        blocks = [call_block("get_weather", {"city": city}), call_block("ping", {})]
+        text = "\n".join(blocks)
+        expected = [("get_weather", {"city": city}), ("ping", {})]
+        assert parsed(use, [text]) == ("", expected)
+        for cut in range(len(text) + 1):  # every split in two
+            assert parsed(use, [text[:cut], text[cut:]]) == ("", expected), (city, cut)
+        for _ in range(50):  # and random splits into many
+            cuts = sorted(rng.sample(range(1, len(text)), rng.randint(2, 12)))
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+            assert parsed(use, pieces) == ("", expected), (city, cuts)
+
+
+@pytest.mark.parametrize("mode", [Mode.MODE_AUTO, Mode.MODE_REQUIRED])
+def test_a_call_cut_short_never_leaks_its_markup(mode: int) -> None:
+    use = ToolUse(SCHEMAS, mode)
+    paris = call_block("get_weather", {"city": "Paris </tool_call>"})
+    second = call_block("get_weather", {"city": "Oslo"})
+    text = paris + "\n" + second
+    start = len(paris) + 1
+    for cut in range(start + 1, len(text)):  # every cut inside the second block
+        content, calls = parsed(use, [text[:cut]])
+        body = text[start + len("<tool_call>") : cut]
+        try:  # cut where the JSON is already whole, before the closing tag: a call
+            whole = json.loads(body)["arguments"] == {"city": "Oslo"}
+        except (json.JSONDecodeError, KeyError, TypeError):
+            whole = False
+        assert "<tool" not in content and "{" not in content, cut
+        expected = [("get_weather", {"city": "Paris </tool_call>"})]
+        assert calls == expected + ([("get_weather", {"city": "Oslo"})] if whole else []), cut
+
+
+def test_text_before_a_cut_call_stays_content() -> None:
+    content, calls = parsed(
+        ToolUse(SCHEMAS, Mode.MODE_AUTO), ['Let me look. <tool_call>\n{"name": "get_wea']
+    )
+    assert content.strip() == "Let me look." and calls == []
