@@ -265,6 +265,24 @@ async def test_a_client_that_hangs_up_cancels_the_request_upstream(mesh: Mesh, c
             "INVALID_ARGUMENT",
         ),
         ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "INVALID_SAMPLING_PARAMS"),
+        # OpenAI's documented ranges, each end.
+        *(
+            ({"messages": [{"role": "user", "content": "hi"}], name: value}, code)
+            for name, value, code in [
+                ("temperature", 2.5, "INVALID_SAMPLING_PARAMS"),
+                ("temperature", -0.1, "INVALID_SAMPLING_PARAMS"),
+                ("top_p", 1.01, "INVALID_SAMPLING_PARAMS"),
+                ("presence_penalty", 2.5, "INVALID_SAMPLING_PARAMS"),
+                ("presence_penalty", -2.5, "INVALID_SAMPLING_PARAMS"),
+                ("frequency_penalty", 2.5, "INVALID_SAMPLING_PARAMS"),
+                ("frequency_penalty", -2.5, "INVALID_SAMPLING_PARAMS"),
+                ("n", 0, "INVALID_ARGUMENT"),
+            ]
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+            "INVALID_ARGUMENT",
+        ),
         (
             {
                 "messages": [{"role": "user", "content": "hi"}],
@@ -289,6 +307,22 @@ async def test_bad_requests_are_400_with_a_stable_code(client, body: dict, code:
     assert raised.value.status_code == 400
     assert raised.value.code == code
     assert raised.value.body["retryable"] is False
+
+
+async def test_the_range_ends_and_unknown_fields_are_accepted(client) -> None:
+    for extra in (
+        {"temperature": 2.0, "top_p": 1.0, "presence_penalty": -2.0, "frequency_penalty": 2.0},
+        {"temperature": 0.0, "presence_penalty": 2.0, "frequency_penalty": -2.0},
+    ):
+        answer = await client.chat.completions.create(
+            model=await model_name(client),
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=2,
+            seed=1,
+            extra_body={"a_field_no_route_reads": {"x": 1}},
+            **extra,
+        )
+        assert answer.usage.completion_tokens == 2
 
 
 async def test_logit_bias_steers_sampling_and_user_is_accepted(client) -> None:

@@ -342,3 +342,13 @@ def test_tool_calls_in_chunks_and_in_the_whole_answer() -> None:
             {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
         ],
     }
+
+
+def test_unknown_fields_are_ignored_and_logged_once_per_name(caplog) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "shiny_new_field": 1}
+    with caplog.at_level("WARNING", logger="kvmesh.gateway.http"):
+        for _ in range(3):
+            parsed = parse_chat(dict(body), lambda model: 100)
+    assert parsed.generate.chat.messages[0].content == "hi"
+    ignored = [r for r in caplog.records if getattr(r, "field", None) == "shiny_new_field"]
+    assert len(ignored) == 1 and ignored[0].route == "chat"

@@ -12,6 +12,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.openai_front.fields import EMBEDDING_FIELDS, ignore_unknown
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
 
@@ -68,6 +69,7 @@ class EmbeddingsRequest:
 
 
 def parse_embeddings(body: dict[str, Any]) -> EmbeddingsRequest:
+    ignore_unknown(body, EMBEDDING_FIELDS, "embeddings")
     model = body.get("model", "")
     if not isinstance(model, str):
         raise _invalid("'model' must be a string")

@@ -15,6 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.openai_front.fields import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    check_openai_ranges,
+    ignore_unknown,
+)
 from services.gateway.openai_front.tools import message_tool_calls, parse_tool_choice, parse_tools
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
@@ -104,6 +110,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 def parse_chat(body: dict[str, Any], max_model_len: Callable[[str], int]) -> OpenAIRequest:
     """`max_model_len(model)` is the default output budget: OpenAI's chat default is "until
     the context is full", and the scheduler stops a request at its context length."""
+    ignore_unknown(body, CHAT_FIELDS, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid("'messages' must be a non-empty list")
@@ -127,6 +134,7 @@ def parse_chat(body: dict[str, Any], max_model_len: Callable[[str], int]) -> Ope
 
 
 def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
+    ignore_unknown(body, COMPLETION_FIELDS, "completions")
     request = _common(body, _prompt(body.get("prompt")), chat=False)
     sampling = request.generate.sampling
     limit = _count(body, "max_tokens")
@@ -191,6 +199,7 @@ def _common(
         value = _number(body, name)
         if value is not None:
             setattr(sampling, name, value)
+    check_openai_ranges(body)
     repetition_penalty = _number(body, "repetition_penalty")
     if repetition_penalty is not None:
         sampling.repetition_penalty = repetition_penalty
