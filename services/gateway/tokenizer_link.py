@@ -81,6 +81,23 @@ class TokenizerLink:
             raise KvmeshError(Reason.EMPTY_PROMPT, "the prompt has no tokens")
         return ids
 
+    async def text_of(
+        self, ids: list[int], model: common_pb2.ModelInfo, timeout: float | None
+    ) -> str:
+        """Token ids as text, whole: one detokenizing stream of one message."""
+        bad = [t for t in ids if t >= model.vocab_size]
+        if bad:
+            raise KvmeshError(
+                Reason.INVALID_ARGUMENT,
+                f"token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})",
+            )
+        request = tokenizer_pb2.DetokenizeRequest(token_ids=ids, finish=True, model=model.name)
+        try:
+            replies = self.stub.Detokenize(iter([request]), timeout=timeout)
+            return "".join([reply.text async for reply in replies])
+        except grpc.RpcError as error:
+            raise tokenizer_failure(error) from None
+
     async def close(self) -> None:
         await self.lanes.aclose()
         await self.channel.close()

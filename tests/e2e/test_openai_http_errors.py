@@ -157,6 +157,14 @@ def test_no_key_is_401_before_any_model_is_looked_up(mesh: Mesh) -> None:
     chat = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}
     assert get(f"{mesh.http_url}/chat/completions", body=chat) == 401
     assert get(f"{mesh.http_url}/chat/completions", "sk-acme", chat) == 404
+    root = mesh.http_url.removesuffix("/v1")
+    # Past auth, the tiny model (which ships no tokenizer) cannot encode text.
+    for path, body, status in (
+        ("/tokenize", {"prompt": "hi"}, 400),
+        ("/detokenize", {"tokens": [1]}, 200),
+    ):
+        assert get(root + path, body=body) == 401
+        assert get(root + path, "sk-acme", body) == status
 
 
 async def test_extreme_sampling_values_run_finite_or_are_400(mesh: Mesh) -> None:

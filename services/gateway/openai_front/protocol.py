@@ -114,7 +114,7 @@ def parse_chat(body: dict[str, Any], max_model_len: Callable[[str], int]) -> Ope
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid("'messages' must be a non-empty list")
-    chat = common_pb2.Chat(messages=[_chat_message(m, i) for i, m in enumerate(messages)])
+    chat = common_pb2.Chat(messages=[chat_message(m, i) for i, m in enumerate(messages)])
     chat.tools.extend(parse_tools(body.get("tools")))
     request = _common(body, inference_pb2.GenerateRequest(chat=chat), chat=True)
     parse_tool_choice(body, request.generate.tool_choice)
@@ -149,7 +149,7 @@ def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
     return request
 
 
-def _chat_message(message: Any, index: int) -> common_pb2.ChatMessage:
+def chat_message(message: Any, index: int) -> common_pb2.ChatMessage:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise _invalid(f"messages[{index}] must be an object with a 'role'")
     content = message.get("content")

@@ -1,6 +1,7 @@
 """The gateway's OpenAI-compatible HTTP front, on its own port beside gRPC.
 
     POST /v1/chat/completions   POST /v1/completions   (stream: server-sent events)
+    POST /v1/embeddings   POST /tokenize   POST /detokenize (vLLM's)
     GET  /v1/models   GET /v1/models/{model}   GET /health   GET /metrics
 
 Each request goes through the same GenerateHandler as a gRPC Generate call: the same admission,
@@ -44,6 +45,7 @@ from services.gateway.openai_front.protocol import (
     parse_completion,
 )
 from services.gateway.openai_front.responses import ResponseBuilder
+from services.gateway.openai_front.tokenize import detokenize, tokenize
 from services.gateway.stall import ClientStalled, write_or_stall
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
@@ -79,6 +81,8 @@ class OpenAIFront:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model}", self.get_model)
         app.router.add_get("/health", self.health)
@@ -125,6 +129,14 @@ class OpenAIFront:
             parsed = parse_embeddings(parse_body(body_of(request)))
             reply = await embed(self.catalog, parsed.embed, timeout=None)
         return web.json_response(parsed.response(reply))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = parse_body(body_of(request))
+        return web.json_response(await tokenize(self.catalog, self.generate, body))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = parse_body(body_of(request))
+        return web.json_response(await detokenize(self.catalog, self.generate, body))
 
     def _max_model_len(self, model: str) -> int:
         return self.catalog.pick(model).served_model().max_model_len
