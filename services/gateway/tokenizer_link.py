@@ -19,6 +19,15 @@ from shared.service import CHANNEL_OPTIONS
 from shared.tls import aio_channel
 
 
+def check_vocabulary(ids: list[int], model: common_pb2.ModelInfo) -> None:
+    bad = [t for t in ids if t >= model.vocab_size]
+    if bad:
+        raise KvmeshError(
+            Reason.INVALID_ARGUMENT,
+            f"token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})",
+        )
+
+
 class TokenizerLink:
     def __init__(self, address: str) -> None:
         self.address = address
@@ -58,12 +67,7 @@ class TokenizerLink:
         kind = request.WhichOneof("input")
         if kind == "token_ids":
             ids = list(request.token_ids.ids)  # type: ignore[union-attr]
-            bad = [t for t in ids if t >= model.vocab_size]
-            if bad:
-                raise KvmeshError(
-                    Reason.INVALID_ARGUMENT,
-                    f"token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})",
-                )
+            check_vocabulary(ids, model)
         elif kind in ("text", "chat"):
             if kind == "text":
                 encode = tokenizer_pb2.EncodeRequest(text=request.text, model=model.name)
@@ -85,12 +89,7 @@ class TokenizerLink:
         self, ids: list[int], model: common_pb2.ModelInfo, timeout: float | None
     ) -> str:
         """Token ids as text, whole: one detokenizing stream of one message."""
-        bad = [t for t in ids if t >= model.vocab_size]
-        if bad:
-            raise KvmeshError(
-                Reason.INVALID_ARGUMENT,
-                f"token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})",
-            )
+        check_vocabulary(ids, model)
         request = tokenizer_pb2.DetokenizeRequest(token_ids=ids, finish=True, model=model.name)
         try:
             replies = self.stub.Detokenize(iter([request]), timeout=timeout)

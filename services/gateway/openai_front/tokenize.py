@@ -17,7 +17,7 @@ from services.gateway.openai_front.protocol import chat_message
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
 
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"}
+TOKENIZE_FIELDS = {"model", "prompt", "messages"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
