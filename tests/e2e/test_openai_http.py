@@ -79,6 +79,31 @@ async def test_chat_stream_with_usage_adds_up_to_the_whole_answer(client) -> Non
     assert len({c.id for c in chunks}) == 1
 
 
+async def test_continuous_usage_stats_count_on_every_chunk(client) -> None:
+    """vLLM's stream_options.continuous_usage_stats: usage so far on each chunk, n summed."""
+    stream = await client.completions.create(
+        model=await model_name(client),
+        prompt=QUESTION,
+        max_tokens=12,
+        n=2,
+        temperature=1.0,
+        seed=4,
+        extra_body={"ignore_eos": True},
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore
+    )
+    chunks = [chunk async for chunk in stream]
+    *choice_chunks, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 24
+    counts = [c.usage.completion_tokens for c in choice_chunks]
+    assert all(c.choices and c.usage is not None for c in choice_chunks)
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 24
+    assert {c.usage.prompt_tokens for c in chunks} == {last.usage.prompt_tokens}
+    assert all(
+        c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks
+    )
+
+
 async def test_completions_stream_and_whole_agree_with_logprobs(client) -> None:
     model = await model_name(client)
     request = {

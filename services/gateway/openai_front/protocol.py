@@ -83,6 +83,9 @@ class OpenAIRequest:
     generate: inference_pb2.GenerateRequest
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): usage so far on
+    # every chunk
+    continuous_usage: bool = False
     logprobs: bool = False  # render logprobs in the answer
     model: str = ""
 
@@ -239,6 +242,8 @@ def _common(
         generate=generate,
         stream=stream,
         include_usage=_flag(options, "include_usage"),
+        continuous_usage=_flag(options, "include_usage")
+        and _flag(options, "continuous_usage_stats"),
         model=model,
     )
 

@@ -62,6 +62,8 @@ class ResponseBuilder:
     model: str = ""
     fingerprint: str = ""
     choices: dict[int, Choice] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    streamed_tokens: int = 0  # every choice's tokens so far (continuous usage)
 
     @property
     def object(self) -> str:
@@ -83,10 +85,12 @@ class ResponseBuilder:
         self.id = ("chatcmpl-" if self.request.chat else "cmpl-") + event.request_id
         self.model = event.model
         self.fingerprint = f"kvmesh-{event.model_version}"  # the version that answers
+        self.prompt_tokens = event.prompt_tokens
 
     def delta_chunk(self, delta: inference_pb2.Delta, index: int = 0) -> dict[str, Any] | None:
         """The chunk for one delta; None when it has nothing to show (text held back)."""
         choice = self.choice(index)
+        self.streamed_tokens += len(delta.token_ids)
         logprobs = self._logprobs(choice, list(delta.logprobs)) if self.request.logprobs else None
         if not delta.text and not logprobs and not delta.tool_calls and choice.started:
             return None
@@ -151,6 +155,11 @@ class ResponseBuilder:
         }
         if self.request.stream and self.request.include_usage:
             chunk["usage"] = usage  # null on every chunk but the last, as OpenAI sends it
+            if usage is None and choice is not None and self.request.continuous_usage:
+                so_far = inference_pb2.Usage(
+                    prompt_tokens=self.prompt_tokens, completion_tokens=self.streamed_tokens
+                )
+                chunk["usage"] = usage_object(so_far)
         return chunk
 
     def _choice(
