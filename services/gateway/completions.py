@@ -8,14 +8,16 @@ stream ends when every completion has ended; closing it cancels whatever still r
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from services.gateway.request_record import Admitted, Progress
 from services.gateway.text_stream import TextStream
 from shared.pb.kvmesh.v1 import inference_pb2
 
 Event = inference_pb2.GenerateEvent
+T = TypeVar("T")
 
 
 @dataclass
@@ -41,28 +43,36 @@ async def merged(
         async for event in relay(completions[0]):
             yield completions[0], event
         return
-    ready: asyncio.Queue[tuple[Completion, Event | BaseException | None]] = asyncio.Queue()
+    async for index, event in interleaved([relay(c) for c in completions]):
+        yield completions[index], event
 
-    async def pump(completion: Completion) -> None:
+
+async def interleaved(sources: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T], None]:
+    """Each source's items with its index, as they are ready: every source is iterated in a
+    task of its own from its first item on, so a generator's context stays in one task. A
+    source's exception is raised here; closing this cancels every source still running."""
+    ready: asyncio.Queue[tuple[int, T | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, source: AsyncIterator[T]) -> None:
         try:
-            async for event in relay(completion):
-                ready.put_nowait((completion, event))
+            async for item in source:
+                ready.put_nowait((index, item))
         except Exception as error:  # handed to the consumer, which raises it
-            ready.put_nowait((completion, error))
+            ready.put_nowait((index, error))
         finally:
-            ready.put_nowait((completion, None))
+            ready.put_nowait((index, None))
 
-    tasks = [asyncio.create_task(pump(completion)) for completion in completions]
+    tasks = [asyncio.create_task(pump(i, source)) for i, source in enumerate(sources)]
     try:
         running = len(tasks)
         while running:
-            completion, item = await ready.get()
+            index, item = await ready.get()
             if item is None:
                 running -= 1
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield completion, item
+                yield index, item
     finally:
         for task in tasks:
             task.cancel()

@@ -17,6 +17,7 @@ import pytest
 from kvmesh.launcher import Mesh
 from shared.pb.kvmesh.v1 import inference_pb2_grpc
 from tests.e2e.mesh_helpers import (
+    assert_mesh_idle,
     chat_request,
     collect,
     model_name,
@@ -382,3 +383,44 @@ async def test_unknown_models_and_paths_are_404(mesh: Mesh, client) -> None:
     body = {"model": "no-such-model", "input": "hi"}
     response, raw = await asyncio.to_thread(raw_post, mesh.http_url, "/embeddings", body)
     assert response.status == 404 and json.loads(raw)["error"]["code"] == "MODEL_NOT_FOUND"
+
+
+BATCH = ["The capital of France is", "One, two, three,", "My favourite colour is"]
+
+
+async def test_a_batch_of_prompts_answers_each_as_alone_in_order(mesh: Mesh, client) -> None:
+    model = await model_name(client)
+    request = {"model": model, "max_tokens": 6, "temperature": 0, "n": 2}
+    alone = [await client.completions.create(prompt=p, **request) for p in BATCH]
+    batch = await client.completions.create(prompt=BATCH, **request)
+    assert [c.index for c in batch.choices] == list(range(6))
+    for i, answer in enumerate(alone):
+        for j in range(2):  # prompt i's completion j is choice i * n + j, as vLLM numbers them
+            assert batch.choices[2 * i + j].text == answer.choices[j].text
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    texts: dict[int, str] = {}
+    finishes = {}
+    stream = await client.completions.create(prompt=BATCH, stream=True, **request)
+    async for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.text for c in batch.choices}
+    assert set(finishes) == set(range(6))
+    ids = await client.completions.create(
+        model=model, prompt=[[504, 3575], [282, 4649, 314]], max_tokens=2
+    )
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+
+
+async def test_a_batch_with_one_refused_prompt_fails_whole_and_frees_everything(
+    mesh: Mesh, client
+) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client.completions.create(
+            model=await model_name(client), prompt=["hi", "hi " * 9000, "there"], max_tokens=64
+        )
+    assert raised.value.code == "PROMPT_TOO_LONG"
+    await assert_mesh_idle(mesh)  # the accepted prompts cancelled upstream, their blocks free

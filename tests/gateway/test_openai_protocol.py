@@ -352,3 +352,22 @@ def test_unknown_fields_are_ignored_and_logged_once_per_name(caplog) -> None:
     assert parsed.generate.chat.messages[0].content == "hi"
     ignored = [r for r in caplog.records if getattr(r, "field", None) == "shiny_new_field"]
     assert len(ignored) == 1 and ignored[0].route == "chat"
+
+
+def test_a_batch_of_prompts_is_one_request_each_with_the_same_fields() -> None:
+    parsed = parse_completion(
+        {"prompt": ["a", "b", "c"], "max_tokens": 3, "n": 2, "temperature": 0.5, "stop": ["."]}
+    )
+    assert [r.text for r in parsed.batch] == ["a", "b", "c"] and parsed.batch[0] is parsed.generate
+    for request in parsed.batch:
+        assert request.n == 2 and request.sampling.max_tokens == 3 and list(request.stop) == ["."]
+        assert request.sampling.temperature == 0.5
+    ids = parse_completion({"prompt": [[1, 2], [3]]})
+    assert [list(r.token_ids.ids) for r in ids.batch] == [[1, 2], [3]]
+
+
+@pytest.mark.parametrize("prompt", [[], ["a", 1], [[1], []], [["a"]], ["a"] * 65, 5])
+def test_bad_prompt_batches_are_refused(prompt: object) -> None:
+    with pytest.raises(KvmeshError) as raised:
+        parse_completion({"prompt": prompt})
+    assert raised.value.reason == Reason.INVALID_ARGUMENT and "'prompt'" in raised.value.message

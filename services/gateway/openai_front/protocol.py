@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.openai_front.fields import (
@@ -20,6 +20,12 @@ from services.gateway.openai_front.fields import (
     COMPLETION_FIELDS,
     check_openai_ranges,
     ignore_unknown,
+)
+from services.gateway.openai_front.prompts import (
+    UINT32_MAX,
+    is_token_ids,
+    one_per_prompt,
+    parse_prompts,
 )
 from services.gateway.openai_front.tools import message_tool_calls, parse_tool_choice, parse_tools
 from shared.errors import KvmeshError, Reason
@@ -55,7 +61,7 @@ def _number(body: dict[str, Any], name: str) -> float | None:
     return None if value is None else float(value)
 
 
-UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1  # the proto fields' ranges
+UINT64_MAX = 2**64 - 1  # the proto field's range (UINT32_MAX too)
 
 
 def _count(body: dict[str, Any], name: str, maximum: int = UINT32_MAX) -> int | None:
@@ -63,12 +69,6 @@ def _count(body: dict[str, Any], name: str, maximum: int = UINT32_MAX) -> int | 
     if value is not None and not 0 <= value <= maximum:
         raise _invalid(f"'{name}' must be in [0, {maximum}]")
     return value
-
-
-def _token_ids(values: Any) -> bool:
-    return isinstance(values, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX for t in values
-    )
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:
@@ -87,6 +87,8 @@ class OpenAIRequest:
     # every chunk
     continuous_usage: bool = False
     logprobs: bool = False  # render logprobs in the answer
+    # A completions batch: one request per prompt, the first `generate` (empty: only that)
+    batch: list[inference_pb2.GenerateRequest] = field(default_factory=list)
     model: str = ""
 
 
@@ -138,7 +140,8 @@ def parse_chat(body: dict[str, Any], max_model_len: Callable[[str], int]) -> Ope
 
 def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
     ignore_unknown(body, COMPLETION_FIELDS, "completions")
-    request = _common(body, _prompt(body.get("prompt")), chat=False)
+    prompts = parse_prompts(body.get("prompt"))
+    request = _common(body, prompts[0], chat=False)
     sampling = request.generate.sampling
     limit = _count(body, "max_tokens")
     if limit is not None:
@@ -149,6 +152,7 @@ def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
             raise _invalid(f"'logprobs' must be at most {MAX_COMPLETION_LOGPROBS}")
         request.logprobs = True
         sampling.logprobs = top
+    request.batch = one_per_prompt(request.generate, prompts)
     return request
 
 
@@ -177,17 +181,6 @@ def chat_message(message: Any, index: int) -> common_pb2.ChatMessage:
     return parsed
 
 
-def _prompt(prompt: Any) -> inference_pb2.GenerateRequest:
-    """A string or token ids; a list of one prompt is that prompt (n = 1, one prompt a call)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return inference_pb2.GenerateRequest(text=prompt)
-    if prompt and _token_ids(prompt):
-        return inference_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=prompt))
-    raise _invalid("'prompt' must be a string or a list of token ids (one prompt per call)")
-
-
 def _common(
     body: dict[str, Any], generate: inference_pb2.GenerateRequest, *, chat: bool
 ) -> OpenAIRequest:
@@ -213,7 +206,7 @@ def _common(
     sampling.ignore_eos = _flag(body, "ignore_eos")
     sampling.disable_speculation = _flag(body, "disable_speculation")
     stop_ids = _typed(body, "stop_token_ids", (list,), "a list of token ids") or []
-    if not _token_ids(stop_ids):
+    if not is_token_ids(stop_ids):
         raise _invalid("'stop_token_ids' must be a list of token ids")
     sampling.stop_token_ids.extend(stop_ids)
     stop = body.get("stop")

@@ -76,7 +76,12 @@ class ResponseBuilder:
     def finished(self) -> bool:
         """Every completion has sent its terminal event."""
         done = sum(choice.finish is not None for choice in self.choices.values())
-        return done == max(self.request.generate.n, 1)
+        return done == self.num_choices
+
+    @property
+    def num_choices(self) -> int:
+        """n per prompt, times the prompts of a completions batch."""
+        return max(self.request.generate.n, 1) * max(len(self.request.batch), 1)
 
     def choice(self, index: int) -> Choice:
         return self.choices.setdefault(index, Choice(index))
@@ -132,14 +137,17 @@ class ResponseBuilder:
         return answer
 
     def total_usage(self) -> inference_pb2.Usage:
-        """As OpenAI counts n completions: the prompt once, every completion's tokens."""
-        usages = [c.usage for c in self.choices.values() if c.usage is not None]
-        if not usages:
-            return inference_pb2.Usage()
+        """As OpenAI counts n completions: each prompt once, every completion's tokens."""
+        n = max(self.request.generate.n, 1)
+        by_prompt: dict[int, list[inference_pb2.Usage]] = {}
+        for choice in self.choices.values():
+            if choice.usage is not None:
+                by_prompt.setdefault(choice.index // n, []).append(choice.usage)
+        usages = [u for group in by_prompt.values() for u in group]
         return inference_pb2.Usage(
-            prompt_tokens=usages[0].prompt_tokens,
+            prompt_tokens=sum(group[0].prompt_tokens for group in by_prompt.values()),
             completion_tokens=sum(u.completion_tokens for u in usages),
-            cached_tokens=max(u.cached_tokens for u in usages),
+            cached_tokens=sum(max(u.cached_tokens for u in group) for group in by_prompt.values()),
         )
 
     def _chunk(

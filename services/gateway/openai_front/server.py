@@ -30,6 +30,7 @@ from services.gateway.call_context import HttpCall
 from services.gateway.catalog import ModelCatalog
 from services.gateway.embed import embed
 from services.gateway.generate import GenerateHandler
+from services.gateway.openai_front.batch import batch_events
 from services.gateway.openai_front.embeddings import parse_embeddings
 from services.gateway.openai_front.guards import body_of, guards
 from services.gateway.openai_front.http_errors import (
@@ -143,7 +144,10 @@ class OpenAIFront:
 
     async def _serve(self, request: web.Request, parsed: OpenAIRequest) -> web.StreamResponse:
         parsed.generate.request_id = request.headers.get("X-Request-Id", "")
-        events = self.generate(parsed.generate, self._call(request))
+        if len(parsed.batch) > 1:
+            events = batch_events(self.generate, parsed.batch, self._call(request))
+        else:
+            events = self.generate(parsed.generate, self._call(request))
         async with contextlib.aclosing(events):  # closing cancels the request upstream
             first = await events.__anext__()  # a refusal raises here, before any byte is sent
             builder = ResponseBuilder(parsed)
