@@ -31,6 +31,7 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # positions 1..
     text: str = ""
     finish_reason: str | None = None
     cached_tokens: int = 0
@@ -142,6 +143,7 @@ class Engine:
                 completion = completions[output.request_id]
                 completion.token_ids += output.new_token_ids
                 completion.logprobs += output.logprobs
+                completion.prompt_logprobs += output.prompt_logprobs
                 if output.finish_reason is not None:
                     completion.finish_reason = finish_reason_label(output.finish_reason)
                     completion.cached_tokens = output.num_cached_tokens

@@ -21,6 +21,7 @@ from shared.step import (
     FailedRequest,
     LoadFailure,
     NewRequestPlan,
+    PromptLogprobs,
     RunningRequestPlan,
     SampledToken,
     StepPlan,
@@ -53,6 +54,7 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
         else None,
         logit_bias=tuple(message.logit_bias.items()),
         disable_speculation=message.disable_speculation,
+        prompt_logprobs=message.prompt_logprobs if has("prompt_logprobs") else None,
     )
 
 
@@ -89,6 +91,8 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         message.seed = params.seed
     if params.logprobs is not None:
         message.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        message.prompt_logprobs = params.prompt_logprobs
     if params.response_format is not None:
         message.response_format.kind = params.response_format.kind
         message.response_format.spec = params.response_format.spec
@@ -185,6 +189,14 @@ def result_to_pb(result: StepResult, compute_ms: float = 0.0) -> engine_worker_p
         compute_ms=compute_ms,
         failed=failed,
         load_failures=load_failures,
+        prompt_logprobs=[
+            engine_worker_pb2.PromptLogprobs(
+                request_id=p.request_id,
+                first_position=p.first_position,
+                logprobs=[logprobs_to_pb(lp) for lp in p.logprobs],
+            )
+            for p in result.prompt_logprobs
+        ],
     )
 
 
@@ -196,6 +208,12 @@ def result_from_pb(message: engine_worker_pb2.StepResult) -> StepResult:
         tuple(
             LoadFailure(f.request_id, f.num_computed_tokens, f.reason)
             for f in message.load_failures
+        ),
+        tuple(
+            PromptLogprobs(
+                p.request_id, p.first_position, tuple(logprobs_from_pb(lp) for lp in p.logprobs)
+            )
+            for p in message.prompt_logprobs
         ),
     )
 

@@ -222,6 +222,16 @@ def is_entry(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ENTRY_FILE))
 
 
+def verified_source(path: str) -> tuple[ModelEntry | None, str]:
+    """The artifact's path (and its entry, for a repository version), the entry's digests
+    checked before any of it is read."""
+    if not is_entry(path):
+        return None, path
+    entry = read_entry(path)
+    entry.verify()
+    return entry, entry.artifact_path
+
+
 def artifact_location(path: str) -> str:
     """A repository version's artifact; any other path as it is."""
     return read_entry(path).artifact_path if is_entry(path) else path

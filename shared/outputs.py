@@ -28,6 +28,8 @@ class RequestOutput:
     failure: FailedRequest | None = None  # the step could not compute it: it ended failed
     num_draft_tokens: int = 0  # speculative drafts proposed for it, and accepted; when finished
     num_accepted_drafts: int = 0
+    # With its first token, when it asked: positions 1.. of its prompt (prompt_scores.py).
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -47,6 +47,7 @@ class SamplingParams:
 
     temperature 0 means greedy; top_k None and top_p 1.0 and min_p 0.0 mean "off".
     logprobs None returns none; N >= 0 returns the sampled token's logprob plus the top N.
+    prompt_logprobs likewise for every prompt token after the first (scoring, evaluation).
     """
 
     max_tokens: int = 16
@@ -64,6 +65,7 @@ class SamplingParams:
     response_format: ResponseFormat | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     disable_speculation: bool = False  # no draft tokens for it where the server speculates
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if 0.0 < self.temperature < MIN_TEMPERATURE:
@@ -95,6 +97,10 @@ class SamplingParams:
                 raise _invalid(f"{name} must be in [-2, 2], got {value}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise _invalid(f"logprobs must be in [0, 20] or unset, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise _invalid(
+                f"prompt_logprobs must be in [0, 20] or unset, got {self.prompt_logprobs}"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise _invalid("stop_token_ids must be non-negative")
         if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):

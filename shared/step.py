@@ -106,6 +106,16 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of a run of a request's prompt tokens, computed by one prefill chunk: entry i
+    is prompt token first_position + i given the tokens before it (position 0 has none)."""
+
+    request_id: str
+    first_position: int
+    logprobs: tuple[TokenLogprobs, ...]
+
+
+@dataclass(frozen=True)
 class FailedRequest:
     """A request the step could not compute. It alone ends; the rest of the batch goes on."""
 
@@ -133,3 +143,4 @@ class StepResult:
     sampled: tuple[SampledToken, ...]
     failed: tuple[FailedRequest, ...] = ()
     load_failures: tuple[LoadFailure, ...] = ()
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # of requests that asked, chunk by chunk

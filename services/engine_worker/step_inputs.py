@@ -16,7 +16,7 @@ import llguidance
 import numpy
 
 from shared.sampling import SamplingParams
-from shared.step import NewRequestPlan, RunningRequestPlan
+from shared.step import NewRequestPlan, PromptLogprobs, RunningRequestPlan
 
 
 @dataclass
@@ -33,6 +33,9 @@ class RequestState:
     num_drafts: int = 0  # draft tokens at the end of token_ids, verified by this step
     speculated: bool = False  # this step's plan gave it drafts (a response format may take all)
     slot: int = -1  # its row of the worker's block tables (persistent_batch.py); -1: none
+    # What this step's prefill chunk scored of its prompt, when it asked (prompt_scores.py);
+    # the worker takes it into the step's result.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -92,6 +95,15 @@ class FlatBatch:
     prefill_context_lens: list[int] = field(default_factory=list)  # (P,)
     sample_rows: list[int] = field(default_factory=list)  # (S,) rows whose logits are sampled
     sampling_states: list[RequestState] = field(default_factory=list)  # (S,) in row order
+    # Prefill rows whose logits score the next prompt token, after the sampled rows, for the
+    # requests that ask for prompt logprobs: (state, first row, rows) per chunk.
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[RequestState, int, int]] = field(default_factory=list)
+
+    @property
+    def logit_rows(self) -> list[int]:
+        """The rows the model computes logits for: the sampled ones, then the scoring ones."""
+        return self.sample_rows + self.prompt_rows if self.prompt_rows else self.sample_rows
 
     def _add_rows(self, state: RequestState, start: int, stop: int, block_size: int) -> None:
         self.input_ids += state.token_ids[start:stop]
@@ -146,7 +158,12 @@ def flatten(
         context = min(start + num_new, state.prompt_len)
         if context <= start:
             continue
+        first_row = len(flat.input_ids)
         flat._add_rows(state, start, context, block_size)
+        scored = min(context, state.prompt_len - 1) - start  # rows whose next token is prompt
+        if state.sampling.prompt_logprobs is not None and scored > 0:
+            flat.prompt_rows += range(first_row, first_row + scored)
+            flat.prompt_spans.append((state, start, scored))
         flat.prefill_starts.append(start)
         flat.prefill_blocks.append(state.block_ids[: -(-context // block_size)])
         flat.prefill_query_starts.append(len(flat.input_ids))

@@ -21,6 +21,7 @@ from services.engine_worker.kv_tiers.transfer import BlockTransfer
 from services.engine_worker.manifest import artifact_digests, combined_digest, describe
 from services.engine_worker.persistent_batch import HeldRequests
 from services.engine_worker.preparation import ready_runner
+from services.engine_worker.prompt_scores import take_prompt_logprobs
 from services.engine_worker.step_failures import (
     FaultInjector,
     InjectedFault,
@@ -31,7 +32,7 @@ from services.engine_worker.step_inputs import RequestState
 from services.engine_worker.torch_backend.step_formats import StepFormats
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, ModelValidationError, Reason
-from shared.model_entry import ModelEntry, is_entry, read_entry
+from shared.model_entry import verified_source
 from shared.model_paths import resolve_model_path
 from shared.sampling import SamplingParams
 from shared.step import (
@@ -61,7 +62,7 @@ class Worker:
         self._rng = torch.Generator().manual_seed(0)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()  # built once, from whichever thread asks first
-        self.entry, self.model_path = self._verified_source(config.model)
+        self.entry, self.model_path = verified_source(resolve_model_path(config.model))
         artifact = open_artifact(self.model_path)
         artifact.validate()
         self.architecture = arch = artifact.architecture
@@ -107,16 +108,6 @@ class Worker:
             warmup_seconds=phases["compile"] + phases["warmup"],
             preparation=self.preparation.to_dict(),
         )
-
-    @staticmethod
-    def _verified_source(model: str | None) -> tuple[ModelEntry | None, str]:
-        """The artifact's path; a repository version's digests checked before it is read."""
-        path = resolve_model_path(model)
-        if not is_entry(path):
-            return None, path
-        entry = read_entry(path)
-        entry.verify()
-        return entry, entry.artifact_path
 
     def _check_memory_fits(self, formats: StepFormats) -> None:
         """Weights (packed ones come from a float32 copy, the peak), the KV budget and what a
@@ -261,9 +252,14 @@ class Worker:
             failed += failed_running
         for failure in failed:
             self.requests.drop_failed(failure.request_id)
-        return StepResult(plan.step_id, tuple(sampled), tuple(failed), tuple(load_failures))
+        scores = take_prompt_logprobs(scheduled, failed)
+        return StepResult(plan.step_id, tuple(sampled), tuple(failed), tuple(load_failures), scores)
 
     def _admit(self, new: NewRequestPlan) -> RequestState:
+        if new.sampling.prompt_logprobs is not None and not self.runner.scores_prompts:
+            raise KvmeshError(
+                Reason.INVALID_ARGUMENT, f"the {self.backend} backend computes no prompt logprobs"
+            )
         state = RequestState.from_plan(new)
         if new.sampling.response_format is not None:
             state.matcher = self.grammars().matcher(new.sampling.response_format)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.groups import Groups
+from services.scheduler.prompt_scores import PromptScores
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.speculation import Speculator
 from services.scheduler.tier_loads import TierLoads
@@ -37,6 +38,7 @@ class ResultUpdates:
     tier_loads: TierLoads
     speculator: Speculator
     groups: Groups
+    prompt_scores: PromptScores
     num_finished: int
     _freed_since_last_plan: list[str]
 
@@ -56,6 +58,8 @@ class ResultUpdates:
         """Advance counters by what the plan computed, append sampled tokens, finish requests."""
         # Failures first: a failed request's blocks must not be cached as computed below.
         outputs = [self._fail(f) for f in result.failed if f.request_id in self.requests]
+        if result.prompt_logprobs:
+            self.prompt_scores.add(result.prompt_logprobs, self.requests)
         sampled = {s.request_id: s for s in result.sampled}
         short_loads = {f.request_id: f for f in result.load_failures}
         requests, running = self.requests, RequestStatus.RUNNING
@@ -89,6 +93,7 @@ class ResultUpdates:
                 if reason is None
                 else self._finish(request, reason, (token.token_id,), logprobs)
             )
+        self.prompt_scores.attach(outputs)
         return outputs
 
     def _advance(
@@ -142,9 +147,12 @@ class ResultUpdates:
         logprobs: tuple = (),
     ) -> RequestOutput:
         held = request.prefill_only and reason == FinishReason.FINISH_REASON_LENGTH
+        scores = self.prompt_scores.take(request.request_id)
         self._end(request, hold=held)
         request.finish_reason = reason
-        return request.final_output(new_token_ids, logprobs)
+        output = request.final_output(new_token_ids, logprobs)
+        output.prompt_logprobs = scores
+        return output
 
     def _end(self, request: Request, drop_cached: bool = False, hold: bool = False) -> None:
         """Out of its queue and the pool (unless held: a lease); then the worker forgets it."""
@@ -159,6 +167,7 @@ class ResultUpdates:
             self._freed_since_last_plan.append(request.request_id)
         self.groups.remove(request)
         self.speculator.forget(request)
+        self.prompt_scores.forget(request.request_id)
         request.forget_in_flight()
         self.num_finished += 1
         request.status = RequestStatus.FINISHED

@@ -18,6 +18,7 @@ from services.scheduler.block_manager import BlockManager, PrefixMatch
 from services.scheduler.fair_share import TenantShares
 from services.scheduler.groups import Groups
 from services.scheduler.request import Request, RequestStatus, check_prompt_fits
+from services.scheduler.prompt_scores import PromptScores
 from services.scheduler.result_updates import ResultUpdates
 from services.scheduler.scheduler_load import SchedulerLoad
 from services.scheduler.speculation import Speculator
@@ -56,6 +57,7 @@ class Scheduler(ResultUpdates):
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key
         self.groups = Groups()
+        self.prompt_scores = PromptScores()
         self.speculator = Speculator(config.speculative, self.block_manager, self.max_model_len)
         self._arrivals = itertools.count()
         self._step_ids = itertools.count()
@@ -147,10 +149,13 @@ class Scheduler(ResultUpdates):
         ):
             request = shares.next_waiting(admissible)
             admissible.remove(request)
-            prefix = self.groups.fork(request, self.block_size)
-            if prefix is None and self.groups.is_held(request):
-                continue  # a sibling admitted just now computes its prompt
-            prefix = prefix or self.block_manager.match_prefix(request)
+            if request.sampling.prompt_logprobs is not None:  # scores every prompt token
+                prefix = PrefixMatch(block_size=self.block_size, from_cache=False)
+            else:
+                prefix = self.groups.fork(request, self.block_size)
+                if prefix is None and self.groups.is_held(request):
+                    continue  # a sibling admitted just now computes its prompt
+                prefix = prefix or self.block_manager.match_prefix(request)
             loads = self.tier_loads.plan(request, prefix)
             request.num_computed_tokens = prefix.num_tokens + len(loads) * self.block_size
             num_new = request.tokens_to_schedule(budget, self.config.prefill_chunk_size)

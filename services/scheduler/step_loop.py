@@ -170,6 +170,7 @@ class StepLoop:
                 tokens = scheduler_pb2.SubmitTokens(
                     token_ids=output.new_token_ids,
                     logprobs=[logprobs_to_pb(lp) for lp in output.logprobs],
+                    prompt_logprobs=[logprobs_to_pb(lp) for lp in output.prompt_logprobs],
                 )
                 if tracked.trace.first_token_at is None:
                     tracked.trace.first_token(now)

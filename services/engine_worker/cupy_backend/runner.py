@@ -66,6 +66,9 @@ def step_limits(config: EngineConfig) -> StepLimits:
 class Runner:
     # The worker's persistent block tables (persistent_batch.py); set by the worker once built.
     block_tables: BlockTables | None = None
+    # Prompt logprobs need logits at every prefill row, past the workspace's sampled rows:
+    # the worker refuses them on this backend (the torch backend computes them).
+    scores_prompts = False
 
     def __init__(
         self,

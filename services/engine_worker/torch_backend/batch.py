@@ -9,7 +9,7 @@ from typing import Any
 import numpy
 import torch
 
-from services.engine_worker.step_inputs import RequestState, flatten
+from services.engine_worker.step_inputs import FlatBatch, RequestState, flatten
 from services.engine_worker.torch_backend.attention import (
     AttentionMetadata,
     DecodeIndex,
@@ -23,8 +23,9 @@ class StepBatch:
     input_ids: torch.Tensor  # (T,)
     positions: torch.Tensor  # (T,)
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # (S,) rows whose logits are sampled
+    sample_rows: torch.Tensor  # (S + Q,) rows whose logits are sampled, then scoring rows
     sampling_states: tuple[RequestState, ...]  # (S,) in sample_rows order
+    flat: FlatBatch  # the rows it was built from
 
 
 def build_batch(
@@ -71,8 +72,9 @@ def build_batch(
         torch.tensor(flat.input_ids, dtype=torch.long),
         positions,
         meta,
-        torch.tensor(flat.sample_rows, dtype=torch.long),
+        torch.tensor(flat.logit_rows, dtype=torch.long),
         tuple(flat.sampling_states),
+        flat,
     )
 
 

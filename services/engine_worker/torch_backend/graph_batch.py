@@ -60,7 +60,7 @@ class GraphBatch:
             torch.tensor(flat.decode_context_lens, dtype=torch.long),
             torch.tensor(segments, dtype=torch.long).view(len(segments), 3),
             table(flat.prefill_blocks),
-            torch.tensor(flat.sample_rows, dtype=torch.long),
+            torch.tensor(flat.logit_rows, dtype=torch.long),
         )
 
     def mark_dynamic(self) -> None:

@@ -17,7 +17,8 @@ from services.engine_worker.artifacts.architecture import ModelArchitecture
 from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.kv_cache import KVCache, KVCacheShape
 from services.engine_worker.persistent_batch import BlockTables
-from services.engine_worker.step_inputs import RequestState, flatten, unique_states
+from services.engine_worker.prompt_scores import score_prompts
+from services.engine_worker.step_inputs import FlatBatch, RequestState, flatten, unique_states
 from services.engine_worker.torch_backend.batch import build_batch
 from services.engine_worker.torch_backend.compiled_model import CompiledCausalLM, can_compile
 from services.engine_worker.torch_backend.graph_batch import GraphBatch
@@ -32,6 +33,7 @@ from shared.step import FailedRequest, SampledToken
 class Runner:
     # The worker's persistent block tables (persistent_batch.py); set by the worker once built.
     block_tables: BlockTables | None = None
+    scores_prompts = True  # computes prompt logprobs (prompt_scores.py)
 
     def __init__(
         self,
@@ -93,7 +95,7 @@ class Runner:
         tables = None if self.block_tables is None else self.block_tables.table
         if self.compiled is not None:
             flat = flatten(scheduled, self.kv_cache.shape.block_size, tables)
-            logits = self.compiled.forward(GraphBatch.of(flat))
+            logits = self._scored(self.compiled.forward(GraphBatch.of(flat)), flat)
             states = tuple(flat.sampling_states)
             return unique_states(states), sample_and_verify(logits, states, rng)
         arch = self.arch
@@ -117,8 +119,18 @@ class Runner:
         logits = self.model.forward(
             batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.sample_rows
         )
+        logits = self._scored(logits.cpu(), batch.flat)
         states = batch.sampling_states
-        return unique_states(states), sample_and_verify(logits.cpu(), states, rng)
+        return unique_states(states), sample_and_verify(logits, states, rng)
+
+    @staticmethod
+    def _scored(logits: torch.Tensor, flat: FlatBatch) -> torch.Tensor:
+        """The sampled rows' logits; the prompt-scoring rows after them go to score_prompts."""
+        if not flat.prompt_rows:
+            return logits
+        num_sampled = len(flat.sample_rows)
+        score_prompts(logits[num_sampled:], flat)
+        return logits[:num_sampled]
 
     def prompt_log_softmax(self, state: RequestState) -> torch.Tensor:
         """(prompt_len - 1, vocab): the next-token log-distribution after each prompt prefix,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shared.pb.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/v1/engine_worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"4\n\x0b\x45mbedInputs\x12%\n\x06inputs\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.EmbedInput\"8\n\x0c\x45mbedVectors\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.Embedding\"\x16\n\x14\x45mbedderModelRequest\"0\n\x15PrepareFormatResponse\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\"\xdb\x01\n\x0eNewRequestPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\nprompt_len\x18\x07 \x01(\r\x12\x13\n\x0bload_hashes\x18\x08 \x03(\x06\"\xa3\x01\n\x0eRunningColumns\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x03(\r\x12\x18\n\x10new_block_counts\x18\x03 \x03(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\x12\x14\n\x0c\x64raft_counts\x18\x05 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x06 \x03(\r\"|\n\x0cPrefillTrace\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x16\n\x0estart_position\x18\x05 \x01(\r\"\xa6\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x19.kvmesh.v1.NewRequestPlan\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12/\n\x0eprefill_traces\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.PrefillTrace\x12*\n\x07running\x18\x08 \x01(\x0b\x32\x19.kvmesh.v1.RunningColumns\x12*\n\x0c\x62lock_copies\x18\x06 \x03(\x0b\x32\x14.kvmesh.v1.BlockCopy\x12+\n\x0c\x62lock_writes\x18\x07 \x03(\x0b\x32\x15.kvmesh.v1.BlockWriteJ\x04\x08\x03\x10\x04\"E\n\nBlockWrite\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x06\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"0\n\tBlockCopy\x12\x0e\n\x06source\x18\x01 \x01(\r\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\r\"\xc9\x01\n\x0eSampledColumns\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_accepted_drafts\x18\x03 \x03(\r\x12\x14\n\x0clogprob_rows\x18\x04 \x03(\r\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x30\n\x0e\x64raft_logprobs\x18\x06 \x03(\x0b\x32\x18.kvmesh.v1.DraftLogprobs\";\n\rDraftLogprobs\x12*\n\x08logprobs\x18\x01 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\"\xbc\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12(\n\x06\x66\x61iled\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.FailedRequest\x12-\n\rload_failures\x18\x05 \x03(\x0b\x32\x16.kvmesh.v1.LoadFailure\x12*\n\x07sampled\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SampledColumnsJ\x04\x08\x02\x10\x03\"N\n\x0bLoadFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"G\n\rFailedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nerror_type\x18\x03 \x01(\t\"\x13\n\x11WorkerInfoRequest\"Z\n\nWorkerInfo\x12#\n\x05model\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.ModelInfo\x12\'\n\x08kv_tiers\x18\x02 \x01(\x0b\x32\x15.kvmesh.v1.KVTierInfo\"C\n\nKVTierInfo\x12\r\n\x05tiers\x18\x01 \x03(\t\x12\r\n\x05write\x18\x02 \x01(\t\x12\x17\n\x0fload_min_tokens\x18\x03 \x01(\r\"#\n\x0b\x42lockLookup\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\"(\n\x11\x42lockLookupResult\x12\x13\n\x0bnum_leading\x18\x01 \x01(\r\"_\n\x0bPullRequest\x12\x15\n\rsource_worker\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"Q\n\nPullResult\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0f\n\x07outcome\x18\x04 \x01(\t\"5\n\rExportRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"\x1d\n\x0b\x42lockRecord\x12\x0e\n\x06record\x18\x01 \x01(\x0c\"\x0f\n\rWarmupRequest\"!\n\x0eWarmupResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x32\xda\x03\n\x0c\x45ngineWorker\x12\x36\n\x04Step\x12\x13.kvmesh.v1.StepPlan\x1a\x15.kvmesh.v1.StepResult(\x01\x30\x01\x12>\n\x07GetInfo\x12\x1c.kvmesh.v1.WorkerInfoRequest\x1a\x15.kvmesh.v1.WorkerInfo\x12\x44\n\x0cLookupBlocks\x12\x16.kvmesh.v1.BlockLookup\x1a\x1c.kvmesh.v1.BlockLookupResult\x12=\n\x06Warmup\x12\x18.kvmesh.v1.WarmupRequest\x1a\x19.kvmesh.v1.WarmupResponse\x12L\n\rPrepareFormat\x12\x19.kvmesh.v1.ResponseFormat\x1a .kvmesh.v1.PrepareFormatResponse\x12;\n\nPullBlocks\x12\x16.kvmesh.v1.PullRequest\x1a\x15.kvmesh.v1.PullResult\x12\x42\n\x0c\x45xportBlocks\x12\x18.kvmesh.v1.ExportRequest\x1a\x16.kvmesh.v1.BlockRecord0\x01\x32\x87\x01\n\x08\x45mbedder\x12\x38\n\x05\x45mbed\x12\x16.kvmesh.v1.EmbedInputs\x1a\x17.kvmesh.v1.EmbedVectors\x12\x41\n\x08GetModel\x12\x1f.kvmesh.v1.EmbedderModelRequest\x1a\x14.kvmesh.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/v1/engine_worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"4\n\x0b\x45mbedInputs\x12%\n\x06inputs\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.EmbedInput\"8\n\x0c\x45mbedVectors\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.Embedding\"\x16\n\x14\x45mbedderModelRequest\"0\n\x15PrepareFormatResponse\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\"\xdb\x01\n\x0eNewRequestPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\nprompt_len\x18\x07 \x01(\r\x12\x13\n\x0bload_hashes\x18\x08 \x03(\x06\"\xa3\x01\n\x0eRunningColumns\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x03(\r\x12\x18\n\x10new_block_counts\x18\x03 \x03(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\x12\x14\n\x0c\x64raft_counts\x18\x05 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x06 \x03(\r\"|\n\x0cPrefillTrace\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x16\n\x0estart_position\x18\x05 \x01(\r\"\xa6\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x19.kvmesh.v1.NewRequestPlan\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12/\n\x0eprefill_traces\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.PrefillTrace\x12*\n\x07running\x18\x08 \x01(\x0b\x32\x19.kvmesh.v1.RunningColumns\x12*\n\x0c\x62lock_copies\x18\x06 \x03(\x0b\x32\x14.kvmesh.v1.BlockCopy\x12+\n\x0c\x62lock_writes\x18\x07 \x03(\x0b\x32\x15.kvmesh.v1.BlockWriteJ\x04\x08\x03\x10\x04\"E\n\nBlockWrite\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x06\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"0\n\tBlockCopy\x12\x0e\n\x06source\x18\x01 \x01(\r\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\r\"\xc9\x01\n\x0eSampledColumns\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_accepted_drafts\x18\x03 \x03(\r\x12\x14\n\x0clogprob_rows\x18\x04 \x03(\r\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x30\n\x0e\x64raft_logprobs\x18\x06 \x03(\x0b\x32\x18.kvmesh.v1.DraftLogprobs\";\n\rDraftLogprobs\x12*\n\x08logprobs\x18\x01 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\"\xf0\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12(\n\x06\x66\x61iled\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.FailedRequest\x12-\n\rload_failures\x18\x05 \x03(\x0b\x32\x16.kvmesh.v1.LoadFailure\x12*\n\x07sampled\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SampledColumns\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.kvmesh.v1.PromptLogprobsJ\x04\x08\x02\x10\x03\"h\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\"N\n\x0bLoadFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"G\n\rFailedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nerror_type\x18\x03 \x01(\t\"\x13\n\x11WorkerInfoRequest\"Z\n\nWorkerInfo\x12#\n\x05model\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.ModelInfo\x12\'\n\x08kv_tiers\x18\x02 \x01(\x0b\x32\x15.kvmesh.v1.KVTierInfo\"C\n\nKVTierInfo\x12\r\n\x05tiers\x18\x01 \x03(\t\x12\r\n\x05write\x18\x02 \x01(\t\x12\x17\n\x0fload_min_tokens\x18\x03 \x01(\r\"#\n\x0b\x42lockLookup\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\"(\n\x11\x42lockLookupResult\x12\x13\n\x0bnum_leading\x18\x01 \x01(\r\"_\n\x0bPullRequest\x12\x15\n\rsource_worker\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"Q\n\nPullResult\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0f\n\x07outcome\x18\x04 \x01(\t\"5\n\rExportRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"\x1d\n\x0b\x42lockRecord\x12\x0e\n\x06record\x18\x01 \x01(\x0c\"\x0f\n\rWarmupRequest\"!\n\x0eWarmupResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x32\xda\x03\n\x0c\x45ngineWorker\x12\x36\n\x04Step\x12\x13.kvmesh.v1.StepPlan\x1a\x15.kvmesh.v1.StepResult(\x01\x30\x01\x12>\n\x07GetInfo\x12\x1c.kvmesh.v1.WorkerInfoRequest\x1a\x15.kvmesh.v1.WorkerInfo\x12\x44\n\x0cLookupBlocks\x12\x16.kvmesh.v1.BlockLookup\x1a\x1c.kvmesh.v1.BlockLookupResult\x12=\n\x06Warmup\x12\x18.kvmesh.v1.WarmupRequest\x1a\x19.kvmesh.v1.WarmupResponse\x12L\n\rPrepareFormat\x12\x19.kvmesh.v1.ResponseFormat\x1a .kvmesh.v1.PrepareFormatResponse\x12;\n\nPullBlocks\x12\x16.kvmesh.v1.PullRequest\x1a\x15.kvmesh.v1.PullResult\x12\x42\n\x0c\x45xportBlocks\x12\x18.kvmesh.v1.ExportRequest\x1a\x16.kvmesh.v1.BlockRecord0\x01\x32\x87\x01\n\x08\x45mbedder\x12\x38\n\x05\x45mbed\x12\x16.kvmesh.v1.EmbedInputs\x1a\x17.kvmesh.v1.EmbedVectors\x12\x41\n\x08GetModel\x12\x1f.kvmesh.v1.EmbedderModelRequest\x1a\x14.kvmesh.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -57,35 +57,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTLOGPROBS']._serialized_start=1390
   _globals['_DRAFTLOGPROBS']._serialized_end=1449
   _globals['_STEPRESULT']._serialized_start=1452
-  _globals['_STEPRESULT']._serialized_end=1640
-  _globals['_LOADFAILURE']._serialized_start=1642
-  _globals['_LOADFAILURE']._serialized_end=1720
-  _globals['_FAILEDREQUEST']._serialized_start=1722
-  _globals['_FAILEDREQUEST']._serialized_end=1793
-  _globals['_WORKERINFOREQUEST']._serialized_start=1795
-  _globals['_WORKERINFOREQUEST']._serialized_end=1814
-  _globals['_WORKERINFO']._serialized_start=1816
-  _globals['_WORKERINFO']._serialized_end=1906
-  _globals['_KVTIERINFO']._serialized_start=1908
-  _globals['_KVTIERINFO']._serialized_end=1975
-  _globals['_BLOCKLOOKUP']._serialized_start=1977
-  _globals['_BLOCKLOOKUP']._serialized_end=2012
-  _globals['_BLOCKLOOKUPRESULT']._serialized_start=2014
-  _globals['_BLOCKLOOKUPRESULT']._serialized_end=2054
-  _globals['_PULLREQUEST']._serialized_start=2056
-  _globals['_PULLREQUEST']._serialized_end=2151
-  _globals['_PULLRESULT']._serialized_start=2153
-  _globals['_PULLRESULT']._serialized_end=2234
-  _globals['_EXPORTREQUEST']._serialized_start=2236
-  _globals['_EXPORTREQUEST']._serialized_end=2289
-  _globals['_BLOCKRECORD']._serialized_start=2291
-  _globals['_BLOCKRECORD']._serialized_end=2320
-  _globals['_WARMUPREQUEST']._serialized_start=2322
-  _globals['_WARMUPREQUEST']._serialized_end=2337
-  _globals['_WARMUPRESPONSE']._serialized_start=2339
-  _globals['_WARMUPRESPONSE']._serialized_end=2372
-  _globals['_ENGINEWORKER']._serialized_start=2375
-  _globals['_ENGINEWORKER']._serialized_end=2849
-  _globals['_EMBEDDER']._serialized_start=2852
-  _globals['_EMBEDDER']._serialized_end=2987
+  _globals['_STEPRESULT']._serialized_end=1692
+  _globals['_PROMPTLOGPROBS']._serialized_start=1694
+  _globals['_PROMPTLOGPROBS']._serialized_end=1798
+  _globals['_LOADFAILURE']._serialized_start=1800
+  _globals['_LOADFAILURE']._serialized_end=1878
+  _globals['_FAILEDREQUEST']._serialized_start=1880
+  _globals['_FAILEDREQUEST']._serialized_end=1951
+  _globals['_WORKERINFOREQUEST']._serialized_start=1953
+  _globals['_WORKERINFOREQUEST']._serialized_end=1972
+  _globals['_WORKERINFO']._serialized_start=1974
+  _globals['_WORKERINFO']._serialized_end=2064
+  _globals['_KVTIERINFO']._serialized_start=2066
+  _globals['_KVTIERINFO']._serialized_end=2133
+  _globals['_BLOCKLOOKUP']._serialized_start=2135
+  _globals['_BLOCKLOOKUP']._serialized_end=2170
+  _globals['_BLOCKLOOKUPRESULT']._serialized_start=2172
+  _globals['_BLOCKLOOKUPRESULT']._serialized_end=2212
+  _globals['_PULLREQUEST']._serialized_start=2214
+  _globals['_PULLREQUEST']._serialized_end=2309
+  _globals['_PULLRESULT']._serialized_start=2311
+  _globals['_PULLRESULT']._serialized_end=2392
+  _globals['_EXPORTREQUEST']._serialized_start=2394
+  _globals['_EXPORTREQUEST']._serialized_end=2447
+  _globals['_BLOCKRECORD']._serialized_start=2449
+  _globals['_BLOCKRECORD']._serialized_end=2478
+  _globals['_WARMUPREQUEST']._serialized_start=2480
+  _globals['_WARMUPREQUEST']._serialized_end=2495
+  _globals['_WARMUPRESPONSE']._serialized_start=2497
+  _globals['_WARMUPRESPONSE']._serialized_end=2530
+  _globals['_ENGINEWORKER']._serialized_start=2533
+  _globals['_ENGINEWORKER']._serialized_end=3007
+  _globals['_EMBEDDER']._serialized_start=3010
+  _globals['_EMBEDDER']._serialized_end=3145
 # @@protoc_insertion_point(module_scope)

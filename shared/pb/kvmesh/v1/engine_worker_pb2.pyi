@@ -138,18 +138,30 @@ class DraftLogprobs(_message.Message):
     def __init__(self, logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "compute_ms", "failed", "load_failures", "sampled")
+    __slots__ = ("step_id", "compute_ms", "failed", "load_failures", "sampled", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     compute_ms: float
     failed: _containers.RepeatedCompositeFieldContainer[FailedRequest]
     load_failures: _containers.RepeatedCompositeFieldContainer[LoadFailure]
     sampled: SampledColumns
-    def __init__(self, step_id: _Optional[int] = ..., compute_ms: _Optional[float] = ..., failed: _Optional[_Iterable[_Union[FailedRequest, _Mapping]]] = ..., load_failures: _Optional[_Iterable[_Union[LoadFailure, _Mapping]]] = ..., sampled: _Optional[_Union[SampledColumns, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    def __init__(self, step_id: _Optional[int] = ..., compute_ms: _Optional[float] = ..., failed: _Optional[_Iterable[_Union[FailedRequest, _Mapping]]] = ..., load_failures: _Optional[_Iterable[_Union[LoadFailure, _Mapping]]] = ..., sampled: _Optional[_Union[SampledColumns, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("request_id", "first_position", "logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_position: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., first_position: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class LoadFailure(_message.Message):
     __slots__ = ("request_id", "num_computed_tokens", "reason")

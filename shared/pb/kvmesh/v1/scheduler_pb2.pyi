@@ -70,14 +70,16 @@ class SubmitAccepted(_message.Message):
     def __init__(self, queue_position: _Optional[int] = ..., handover_blocks: _Optional[int] = ..., handover_bytes: _Optional[int] = ..., handover_seconds: _Optional[float] = ..., handover_outcome: _Optional[str] = ...) -> None: ...
 
 class SubmitTokens(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "first")
+    __slots__ = ("token_ids", "logprobs", "first", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     first: FirstTokenTimings
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., first: _Optional[_Union[FirstTokenTimings, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., first: _Optional[_Union[FirstTokenTimings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class FirstTokenTimings(_message.Message):
     __slots__ = ("queue_ms", "prefill_ms", "cached_tokens", "loaded_tokens")
