@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from services.scheduler.block_manager import BlockManager, PrefixMatch
 from services.scheduler.fair_share import TenantShares
 from services.scheduler.groups import Groups
-from services.scheduler.request import Request, RequestStatus, check_prompt_fits
 from services.scheduler.prompt_scores import PromptScores
+from services.scheduler.request import Request, RequestStatus, check_prompt_fits
 from services.scheduler.result_updates import ResultUpdates
 from services.scheduler.scheduler_load import SchedulerLoad
 from services.scheduler.speculation import Speculator
