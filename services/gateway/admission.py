@@ -86,6 +86,11 @@ class Admission:
         candidates = self.catalog.schedulers(request.model)
         model = candidates[0].served_model()
         sampling = resolve_sampling(request.sampling, model.default_sampling, model.vocab_size)
+        if sampling.prompt_logprobs is not None and model.backend != "torch":
+            raise KvmeshError(  # the cupy backend computes logits for sampled rows only
+                Reason.INVALID_SAMPLING_PARAMS,
+                f"prompt_logprobs need the torch backend; {model.name} runs on {model.backend}",
+            )
         call.tools = tool_use(request)
         sampling = constrain_to_calls(call.tools, sampling)
         self.tokenizer.require()

@@ -127,7 +127,9 @@ class Relay:
             progress.first_timings = tokens.first
             progress.cached_tokens = tokens.first.cached_tokens
         self.admitted.routed.started()
-        released = self.stops.push(await self.text.push(ids, logprobs=tokens.logprobs))
+        prompt_scores = self._prompt_scores(tokens)
+        entries = [*prompt_scores, *tokens.logprobs]  # their bytes from the same round trip
+        released = self.stops.push(await self.text.push(ids, logprobs=entries))
         if self.output is not None:
             self.output.append(released)
         first = progress.first_token_at is None
@@ -140,6 +142,7 @@ class Relay:
                 logprobs=tokens.logprobs,
                 first_token=first,
                 tool_calls=calls,
+                prompt_logprobs=prompt_scores,
             )
         )
         if self.stops.matched is not None:
@@ -170,6 +173,14 @@ class Relay:
             return
         reason = finished.finish_reason if matched is None else common_pb2.FINISH_REASON_STOP_STRING
         yield self._completed(reason, matched or "", finished)
+
+    def _prompt_scores(self, tokens: scheduler_pb2.SubmitTokens) -> list[common_pb2.TokenLogprobs]:
+        """The prompt's logprobs when they came: an entry for its first token (which has
+        none) leads, so there is one per prompt token."""
+        if not tokens.prompt_logprobs:
+            return []
+        first = common_pb2.TokenLogprobs(token_id=self.admitted.token_ids[0])
+        return [first, *tokens.prompt_logprobs]
 
     def _split_calls(self, text: str, finish: bool) -> tuple[str, list[common_pb2.ToolCall]]:
         """The text's content and the tool calls it completes (none when tools are not

@@ -152,10 +152,10 @@ class Scheduler(ResultUpdates):
             if request.sampling.prompt_logprobs is not None:  # scores every prompt token
                 prefix = PrefixMatch(block_size=self.block_size, from_cache=False)
             else:
-                prefix = self.groups.fork(request, self.block_size)
-                if prefix is None and self.groups.is_held(request):
+                fork = self.groups.fork(request, self.block_size)
+                if fork is None and self.groups.is_held(request):
                     continue  # a sibling admitted just now computes its prompt
-                prefix = prefix or self.block_manager.match_prefix(request)
+                prefix = fork or self.block_manager.match_prefix(request)
             loads = self.tier_loads.plan(request, prefix)
             request.num_computed_tokens = prefix.num_tokens + len(loads) * self.block_size
             num_new = request.tokens_to_schedule(budget, self.config.prefill_chunk_size)

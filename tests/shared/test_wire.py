@@ -26,6 +26,7 @@ from shared.step import (
     FailedRequest,
     LoadFailure,
     NewRequestPlan,
+    PromptLogprobs,
     RunningRequestPlan,
     SampledToken,
     StepPlan,
@@ -47,6 +48,7 @@ SAMPLING = SamplingParams(
     ignore_eos=True,
     logprobs=2,
     disable_speculation=True,
+    prompt_logprobs=1,
 )
 
 
@@ -146,6 +148,7 @@ def test_the_codec_round_trips_every_field_of_a_plan_and_a_result() -> None:
         ),
         (FailedRequest("e", "EXECUTION_FAILED", "RuntimeError"),),
         (LoadFailure("a", 4, "checksum"),),
+        (PromptLogprobs("f", 3, (TokenLogprobs(7, -2.5, ((8, -0.5),)),)),),
     )
     _non_default_everywhere(plan)
     _non_default_everywhere(result)

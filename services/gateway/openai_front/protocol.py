@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway.openai_front.echo import ask_for_prompt
 from services.gateway.openai_front.fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -87,6 +88,8 @@ class OpenAIRequest:
     # every chunk
     continuous_usage: bool = False
     logprobs: bool = False  # render logprobs in the answer
+    echo: bool = False  # completions: the prompt (and its logprobs) before the completion
+    echo_only: bool = False  # max_tokens 0 with echo: the prompt scored, nothing generated
     # A completions batch: one request per prompt, the first `generate` (empty: only that)
     batch: list[inference_pb2.GenerateRequest] = field(default_factory=list)
     model: str = ""
@@ -152,6 +155,9 @@ def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
             raise _invalid(f"'logprobs' must be at most {MAX_COMPLETION_LOGPROBS}")
         request.logprobs = True
         sampling.logprobs = top
+    if _flag(body, "echo"):
+        request.echo, request.echo_only = True, limit == 0
+        ask_for_prompt(sampling, prompts[0], request.logprobs, request.echo_only)
     request.batch = one_per_prompt(request.generate, prompts)
     return request
 
@@ -185,6 +191,8 @@ def _common(
     body: dict[str, Any], generate: inference_pb2.GenerateRequest, *, chat: bool
 ) -> OpenAIRequest:
     for name, default in _UNSUPPORTED.items():
+        if name == "echo" and not chat:
+            continue  # completions echo the prompt (parse_completion)
         value = body.get(name)
         if value not in (None, default) and value != [] and value != {}:
             raise _invalid(f"'{name}' = {value!r} is not supported (only {default!r})")

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway.openai_front.echo import echoed_prompt
 from services.gateway.openai_front.protocol import OpenAIRequest
 from services.gateway.openai_front.tools import tool_call_object
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
@@ -49,6 +50,8 @@ class Choice:
     text_offset: int = 0  # characters of completion logprob tokens so far (text_offset)
     started: bool = False  # a chunk went out (a chat stream's first one carries the role)
     num_streamed_calls: int = 0  # tool calls streamed so far (each delta's call index)
+    echoed: bool = False  # its prompt went first (echo)
+    prompt_entries: list[common_pb2.TokenLogprobs] = field(default_factory=list)  # echo's
 
 
 @dataclass
@@ -96,10 +99,11 @@ class ResponseBuilder:
         """The chunk for one delta; None when it has nothing to show (text held back)."""
         choice = self.choice(index)
         self.streamed_tokens += len(delta.token_ids)
-        logprobs = self._logprobs(choice, list(delta.logprobs)) if self.request.logprobs else None
-        if not delta.text and not logprobs and not delta.tool_calls and choice.started:
+        text, entries, echoed = self._shown(choice, delta)
+        logprobs = self._logprobs(choice, entries, echoed) if self.request.logprobs else None
+        if not text and not logprobs and not delta.tool_calls and choice.started:
             return None
-        return self._chunk(self._choice(choice, delta.text, logprobs, list(delta.tool_calls)))
+        return self._chunk(self._choice(choice, text, logprobs, list(delta.tool_calls)))
 
     def finish_chunks(self, event: inference_pb2.GenerateEvent) -> list[dict[str, Any]]:
         """The completion's last chunk (with its finish reason) and, after the last
@@ -116,8 +120,9 @@ class ResponseBuilder:
         choice = self.choice(event.index)
         kind = event.WhichOneof("event")
         if kind == "delta":
-            choice.text.append(event.delta.text)
-            choice.logprob_entries.extend(event.delta.logprobs)
+            text, entries, _ = self._shown(choice, event.delta)
+            choice.text.append(text)
+            choice.logprob_entries.extend(entries)
             choice.tool_calls.extend(event.delta.tool_calls)
         elif kind == "usage":
             choice.usage = event.usage
@@ -129,8 +134,8 @@ class ResponseBuilder:
         answer = self._chunk(None)
         for index in sorted(self.choices):
             choice = self.choices[index]
-            entries = choice.logprob_entries
-            logprobs = self._logprobs(choice, entries) if self.request.logprobs else None
+            entries, echoed = choice.logprob_entries, bool(choice.prompt_entries)
+            logprobs = self._logprobs(choice, entries, echoed) if self.request.logprobs else None
             text = "".join(choice.text)
             answer["choices"].append(self._choice(choice, text, logprobs, choice.tool_calls))
         answer["usage"] = usage_object(self.total_usage())
@@ -144,9 +149,10 @@ class ResponseBuilder:
             if choice.usage is not None:
                 by_prompt.setdefault(choice.index // n, []).append(choice.usage)
         usages = [u for group in by_prompt.values() for u in group]
+        shown = not self.request.echo_only  # its one computed token is not an answer
         return inference_pb2.Usage(
             prompt_tokens=sum(group[0].prompt_tokens for group in by_prompt.values()),
-            completion_tokens=sum(u.completion_tokens for u in usages),
+            completion_tokens=sum(u.completion_tokens for u in usages) if shown else 0,
             cached_tokens=sum(max(u.cached_tokens for u in group) for group in by_prompt.values()),
         )
 
@@ -203,21 +209,42 @@ class ResponseBuilder:
         choice["finish_reason"] = finish
         return choice
 
+    def _shown(
+        self, choice: Choice, delta: inference_pb2.Delta
+    ) -> tuple[str, list[common_pb2.TokenLogprobs], bool]:
+        """A delta's text and logprob entries as the answer shows them: after the prompt's
+        on its completion's first delta (echo, then True), none of an echo-only answer's."""
+        text, entries = delta.text, list(delta.logprobs)
+        if self.request.echo_only:
+            text, entries = "", []
+        if not self.request.echo or choice.echoed:
+            return text, entries, False
+        choice.echoed = True
+        prompts = self.request.batch or [self.request.generate]
+        prompt = prompts[choice.index // max(self.request.generate.n, 1)]
+        prompt_text, choice.prompt_entries = echoed_prompt(prompt, delta)
+        return prompt_text + text, choice.prompt_entries + entries, True
+
     def _logprobs(
-        self, choice: Choice, entries: list[common_pb2.TokenLogprobs]
+        self, choice: Choice, entries: list[common_pb2.TokenLogprobs], echoed: bool = False
     ) -> dict[str, Any] | None:
+        """`echoed`: entries start with the prompt's, whose first token has no logprob."""
         if self.request.chat:
             return {"content": [_chat_logprob(e) for e in entries], "refusal": None}
         offsets = []
         for entry in entries:
             offsets.append(choice.text_offset)
             choice.text_offset += len(_token_text(entry.token_bytes))
+        token_logprobs: list[float | None] = [e.logprob for e in entries]
+        top_logprobs: list[dict[str, float] | None] = [
+            {_token_text(t.token_bytes): t.logprob for t in e.top} for e in entries
+        ]
+        if echoed and choice.prompt_entries:
+            token_logprobs[0] = top_logprobs[0] = None
         return {
             "tokens": [_token_text(e.token_bytes) for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [
-                {_token_text(t.token_bytes): t.logprob for t in e.top} for e in entries
-            ],
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
             "text_offset": offsets,
         }
 
