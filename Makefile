@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-startup bench-kv-tiers bench-pd bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu test-gpu-standin gpu-check-prepare gpu-check bench-kernels bench-gpu bench-peers bench-cpu bench-kquants bench-spec bench-host profile-step perplexity soak clean
+.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-startup bench-kv-tiers bench-pd bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu test-gpu-standin gpu-check-prepare gpu-check bench-kernels bench-gpu bench-peers bench-cpu bench-kquants bench-spec bench-host profile-step perplexity eval-smoke soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -191,6 +191,19 @@ bench-kquants: $(STAMP)
 # Perplexity of the shipped text in each weight format.
 perplexity: $(STAMP)
 	$(BIN)/python -m loadtest.perplexity
+
+# lm-eval (EleutherAI's harness) against a float32 mesh: a multiple-choice task and a perplexity
+# task through the OpenAI front, its accuracy checked against transformers. lm-eval gets its own
+# venv (torch pinned first, the CPU wheel on disk). About 5 minutes, the install once more.
+EVAL_VENV := .venv-eval
+$(EVAL_VENV)/.installed:
+	python3 -m venv $(EVAL_VENV)
+	$(EVAL_VENV)/bin/pip install -q torch==2.13.0
+	$(EVAL_VENV)/bin/pip install -q 'lm-eval[api]==0.4.13' transformers
+	touch $@
+
+eval-smoke: $(STAMP) $(EVAL_VENV)/.installed
+	$(BIN)/python -m loadtest.eval_smoke --lm-eval $(EVAL_VENV)/bin/lm_eval
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

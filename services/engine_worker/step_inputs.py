@@ -96,7 +96,7 @@ class FlatBatch:
     sample_rows: list[int] = field(default_factory=list)  # (S,) rows whose logits are sampled
     sampling_states: list[RequestState] = field(default_factory=list)  # (S,) in row order
     # Prefill rows whose logits score the next prompt token, after the sampled rows, for the
-    # requests that ask for prompt logprobs: (state, first row, rows) per chunk.
+    # requests that ask for prompt logprobs: (state, chunk start position, rows) per chunk.
     prompt_rows: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[RequestState, int, int]] = field(default_factory=list)
 

@@ -60,7 +60,9 @@ def prefill_sampling(sampling: SamplingParams) -> SamplingParams:
 
 
 def decode_sampling(sampling: SamplingParams, emitted: int) -> SamplingParams:
-    return replace(sampling, max_tokens=sampling.max_tokens - emitted)
+    """The prompt's logprobs came with the prefill pair's token: the decode pair loads the
+    prompt's blocks instead of scoring it again."""
+    return replace(sampling, max_tokens=sampling.max_tokens - emitted, prompt_logprobs=None)
 
 
 def handover_record(
