@@ -107,7 +107,8 @@ def transformers_scores(checkpoint: str, samples: list[dict]) -> list[list[float
     scores = []
     for sample in samples:
         row = []
-        for context, continuation in (a["arguments"] for a in sample["arguments"].values()):
+        requests = sorted(sample["arguments"].items(), key=lambda item: int(item[0].split("_")[-1]))
+        for context, continuation in ((a["arg_0"], a["arg_1"]) for _, a in requests):
             spaces = len(context) - len(context.rstrip())  # lm-eval moves them to the answer
             if spaces:
                 context, continuation = context[:-spaces], context[-spaces:] + continuation
@@ -142,7 +143,7 @@ def main() -> None:
         abs(a - b) for o, r in zip(ours, reference, strict=True) for a, b in zip(o, r, strict=True)
     )
     accuracy = found["results"]["kvmesh_capitals_mc"]["acc,none"]
-    truth = [s["target"] for s in samples]
+    truth = [int(s["target"]) for s in samples]
     expected = sum(
         max(range(len(r)), key=r.__getitem__) == t for r, t in zip(reference, truth, strict=True)
     ) / len(samples)
