@@ -18,7 +18,7 @@ from kvmesh.rollout import RolloutController
 from kvmesh.service_process import free_port
 from shared.errors import KvmeshError, Reason
 from shared.flag_forwarding import scheduler_flag_args, worker_flag_args
-from shared.flags import add_scheduler_flags, add_worker_flags, env_default
+from shared.flags import add_scheduler_flags, add_worker_flags, engine_config, env_default
 from shared.gateway_flags import add_gateway_flags, gateway_flag_args
 from shared.handover_flags import add_handover_flags, handover_flag_args
 from shared.metrics import serve_metrics
@@ -143,7 +143,25 @@ def _interrupted(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def refused_flags(args: argparse.Namespace) -> str | None:
+    """Why the engine configuration every worker builds from the forwarded flags is invalid,
+    found here, before any service starts (a worker would exit with it seconds later)."""
+    checked = argparse.Namespace(**vars(args))
+    checked.kv_redis = checked.kv_redis or "redis://mesh"  # the mesh's own, named at start
+    try:
+        engine_config(checked)
+    except KvmeshError as error:
+        return error.message
+    except ValueError as error:  # a size such as --kv-memory that does not parse
+        return str(error)
+    return None
+
+
 def run_up(args: argparse.Namespace) -> int:
+    refused = refused_flags(args)
+    if refused is not None:
+        print(f"kvmesh up: error: {refused}", file=sys.stderr)
+        return 2  # argparse's status for a bad argument
     mesh = Mesh(mesh_config(args))
     print(f"kvmesh: starting the mesh (logs in {mesh.log_dir})", file=sys.stderr)
     started = time.perf_counter()

@@ -97,3 +97,17 @@ def test_bad_input_gives_a_stable_reason_and_exit_code(args: list[str], message:
     result = kvmesh(*args)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--kv-tiers", "dsk"], "kv tiers must be among host, disk, redis, got ['dsk']"),
+        (["--kv-memory", "12XB"], "cannot parse a size from '12XB'"),
+    ],
+)
+def test_up_refuses_a_bad_worker_flag_before_starting_anything(flags, words) -> None:
+    result = kvmesh("up", *flags, "--prompt", "hi")
+    assert result.returncode == 2
+    assert f"kvmesh up: error: {words}" in result.stderr
+    assert "starting the mesh" not in result.stderr  # no service was started
