@@ -3,6 +3,7 @@ health says SERVING, restarted in place, stopped with SIGTERM then SIGKILL."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -21,6 +22,7 @@ from shared.parent_watch import PARENT_ENV, parent_death_signal
 from shared.tls import sync_channel
 
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+PROGRESS_EVERY_S = 20.0  # how often a start that is still waiting says so, and why
 LOWEST_LISTEN_PORT = 10000
 _handed_out: set[int] = set()  # never the same port twice from one launcher
 
@@ -98,6 +100,14 @@ class ServiceProcess:
         with open(self.log_path, errors="replace") as handle:
             return "".join(handle.readlines()[-lines:])
 
+    def last_message(self) -> str:
+        """Its log's last message (the text of a JSON log line)."""
+        tail = self.log_tail(1).strip()
+        try:
+            return str(json.loads(tail).get("msg", tail))
+        except (ValueError, AttributeError):
+            return tail
+
     def restart(self) -> None:
         """Same command, same port (SIGKILL first if it still runs)."""
         with self._replacing:
@@ -119,9 +129,16 @@ class ServiceProcess:
     def wait_ready(self, deadline: float, health_name: str = "") -> None:
         """Until its health says SERVING (`health_name` "": ready; LIVENESS: listening);
         refused at once when it exits, or at the deadline."""
+        started = time.monotonic()
+        next_note = started + PROGRESS_EVERY_S
         with sync_channel(self.grpc_address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
+                if time.monotonic() > next_note:  # a long first start is not silent
+                    waited = time.monotonic() - started
+                    note = f"kvmesh: {self.name} not ready after {waited:.0f}s"
+                    print(f"{note}: {self.last_message()}", file=sys.stderr, flush=True)
+                    next_note += PROGRESS_EVERY_S
                 if self.process.poll() is not None:
                     raise KvmeshError(
                         Reason.INTERNAL,

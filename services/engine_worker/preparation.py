@@ -128,6 +128,10 @@ def ready_runner(
                         "preparing anew",
                         extra={"mismatch": found.mismatch},
                     )
+                log.info(  # what a first start waits on: 252 s on a 2-core AVX2 EPYC
+                    "preparing the model for this machine (packing, compiling), once: "
+                    "later starts load the result"
+                )
                 preparation = Preparation("prepared", key.id, mismatch=found.mismatch)
                 preparation.lock_wait_seconds = waited
                 return _prepare_and_store(worker, artifact, formats, key, store, preparation)
