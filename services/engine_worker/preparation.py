@@ -212,6 +212,7 @@ def _prepare_and_store(
     try:
         _warm_up(worker, runner, formats, preparation)
         if table is not None:
+            log.info("waiting for the step's programs to compile (AOTInductor, C++)")
             compiling = time.perf_counter()
             table.finish()
             preparation.phases["compile"] += time.perf_counter() - compiling
