@@ -177,8 +177,9 @@ class Relay:
     def _prompt_scores(self, tokens: scheduler_pb2.SubmitTokens) -> list[common_pb2.TokenLogprobs]:
         """The prompt's logprobs when they came: an entry for its first token (which has
         none) leads, so there is one per prompt token."""
-        if not tokens.prompt_logprobs:
-            return []
+        asked = self.admitted.sampling.prompt_logprobs is not None
+        if not tokens.prompt_logprobs and not (asked and self.progress.first_token_at is None):
+            return []  # a one-token prompt has no scored positions, but still its entry
         first = common_pb2.TokenLogprobs(token_id=self.admitted.token_ids[0])
         return [first, *tokens.prompt_logprobs]
 

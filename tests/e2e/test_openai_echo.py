@@ -105,3 +105,16 @@ async def test_grpc_prompt_logprobs_come_on_the_first_delta(mesh: Mesh) -> None:
     assert b"".join(e.token_bytes for e in first) == PROMPT.encode()
     assert not any(d.prompt_logprobs for d in deltas[1:])
     assert events[-1].WhichOneof("event") == "completed"
+
+
+async def test_a_one_token_prompt_has_its_one_entry(mesh: Mesh) -> None:
+    sampling = common_pb2.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    request = inference_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=[504]), sampling=sampling
+    )
+    async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
+        inference = inference_pb2_grpc.InferenceStub(channel)
+        events = [event async for event in inference.Generate(request)]
+    (first, *_) = [e.delta for e in events if e.WhichOneof("event") == "delta"]
+    assert [e.token_id for e in first.prompt_logprobs] == [504]
+    assert first.prompt_logprobs[0].token_bytes == b"The"
