@@ -128,10 +128,8 @@ def ready_runner(
                         "preparing anew",
                         extra={"mismatch": found.mismatch},
                     )
-                log.info(  # what a first start waits on: 252 s on a 2-core AVX2 EPYC
-                    "preparing the model for this machine (packing, compiling), once: "
-                    "later starts load the result"
-                )
+                # Said first: the launcher shows it while a first start waits (minutes).
+                log.info("preparing the model for this machine, once; later starts load it")
                 preparation = Preparation("prepared", key.id, mismatch=found.mismatch)
                 preparation.lock_wait_seconds = waited
                 return _prepare_and_store(worker, artifact, formats, key, store, preparation)

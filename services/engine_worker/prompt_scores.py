@@ -1,21 +1,19 @@
 """Prompt logprobs: the logprob of each prompt token given the ones before it, from the logits
 of the prefill rows that computed them (evaluation harnesses score text this way).
 
-A chunk's rows come after the step's sampled rows (`FlatBatch.logit_rows`); each request's
-scores go on its state for the step's result, one `PromptLogprobs` per chunk.
+A chunk's rows come after the step's sampled rows (`FlatBatch.logit_rows`); each chunk gives
+one `PromptLogprobs` for the step's result.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from services.engine_worker.step_inputs import FlatBatch, RequestState
-from shared.step import FailedRequest, PromptLogprobs, TokenLogprobs
+from services.engine_worker.step_inputs import FlatBatch
+from shared.step import PromptLogprobs, TokenLogprobs
 
 
-def score_prompts(logits: torch.Tensor, flat: FlatBatch) -> None:
+def score_prompts(logits: torch.Tensor, flat: FlatBatch) -> list[PromptLogprobs]:
     """logits: (len(flat.prompt_rows), vocab), in prompt_rows order. Row j of a chunk that
     starts at prompt position `start` scores prompt token start + j + 1."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
@@ -23,7 +21,7 @@ def score_prompts(logits: torch.Tensor, flat: FlatBatch) -> None:
     top_values = top_ids = None
     if widest:
         top_values, top_ids = (t.tolist() for t in torch.topk(log_probs, widest))
-    row = 0
+    row, scores = 0, []
     for state, start, count in flat.prompt_spans:
         targets = state.token_ids[start + 1 : start + 1 + count]
         rows = torch.arange(row, row + count)
@@ -36,19 +34,6 @@ def score_prompts(logits: torch.Tensor, flat: FlatBatch) -> None:
                 ids, values = top_ids[row + index][:top_n], top_values[row + index][:top_n]
                 top = tuple(zip(ids, values, strict=True))
             entries.append(TokenLogprobs(token, logprob, top))
-        state.prompt_logprobs = PromptLogprobs(state.request_id, start + 1, tuple(entries))
+        scores.append(PromptLogprobs(state.request_id, start + 1, tuple(entries)))
         row += count
-
-
-def take_prompt_logprobs(
-    scheduled: Sequence[tuple[RequestState, int]], failed: Sequence[FailedRequest]
-) -> tuple[PromptLogprobs, ...]:
-    """The step's scores off its requests' states, but a failed request's (its pass may have
-    scored before it failed; it ends anyway)."""
-    failed_ids = {failure.request_id for failure in failed}
-    scores = []
-    for state, _ in scheduled:
-        if state.prompt_logprobs is not None and state.request_id not in failed_ids:
-            scores.append(state.prompt_logprobs)
-        state.prompt_logprobs = None
-    return tuple(scores)
+    return scores

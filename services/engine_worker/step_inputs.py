@@ -16,7 +16,7 @@ import llguidance
 import numpy
 
 from shared.sampling import SamplingParams
-from shared.step import NewRequestPlan, PromptLogprobs, RunningRequestPlan
+from shared.step import NewRequestPlan, RunningRequestPlan
 
 
 @dataclass
@@ -33,9 +33,6 @@ class RequestState:
     num_drafts: int = 0  # draft tokens at the end of token_ids, verified by this step
     speculated: bool = False  # this step's plan gave it drafts (a response format may take all)
     slot: int = -1  # its row of the worker's block tables (persistent_batch.py); -1: none
-    # What this step's prefill chunk scored of its prompt, when it asked (prompt_scores.py);
-    # the worker takes it into the step's result.
-    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -21,7 +21,6 @@ from services.engine_worker.kv_tiers.transfer import BlockTransfer
 from services.engine_worker.manifest import artifact_digests, combined_digest, describe
 from services.engine_worker.persistent_batch import HeldRequests
 from services.engine_worker.preparation import ready_runner
-from services.engine_worker.prompt_scores import take_prompt_logprobs
 from services.engine_worker.step_failures import (
     FaultInjector,
     InjectedFault,
@@ -252,7 +251,7 @@ class Worker:
             failed += failed_running
         for failure in failed:
             self.requests.drop_failed(failure.request_id)
-        scores = take_prompt_logprobs(scheduled, failed)
+        scores = self.runner.take_prompt_scores()
         return StepResult(plan.step_id, tuple(sampled), tuple(failed), tuple(load_failures), scores)
 
     def _admit(self, new: NewRequestPlan) -> RequestState:

@@ -41,7 +41,7 @@ from services.engine_worker.step_failures import NonFiniteLogits, failure_of
 from services.engine_worker.step_inputs import RequestState, unique_states
 from services.engine_worker.verification import sample_and_verify
 from shared.config import EngineConfig
-from shared.step import FailedRequest, SampledToken, TokenLogprobs
+from shared.step import FailedRequest, PromptLogprobs, SampledToken, TokenLogprobs
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -69,6 +69,10 @@ class Runner:
     # Prompt logprobs need logits at every prefill row, past the workspace's sampled rows:
     # the worker refuses them on this backend (the torch backend computes them).
     scores_prompts = False
+
+    @staticmethod
+    def take_prompt_scores() -> tuple[PromptLogprobs, ...]:
+        return ()
 
     def __init__(
         self,

@@ -27,7 +27,7 @@ from services.engine_worker.torch_backend.step_formats import DTYPES
 from services.engine_worker.torch_backend.weights import Int4Source, TorchWeights
 from services.engine_worker.verification import sample_and_verify
 from shared.config import EngineConfig
-from shared.step import FailedRequest, SampledToken
+from shared.step import FailedRequest, PromptLogprobs, SampledToken
 
 
 class Runner:
@@ -59,6 +59,7 @@ class Runner:
         # the CPU with a compiler, and only then may the pool's dtype differ from the activations'.
         kv_dtype = DTYPES[config.cache.dtype]
         self.kv_cache = KVCache(kv_shape, kv_dtype, str(self.device))
+        self._prompt_scores: list[PromptLogprobs] = []  # steps' scores the worker has not taken
         self.compiled = None
         if config.compile == "auto" and arch.llama_layer and can_compile(torch_weights):
             self.compiled = CompiledCausalLM(self.model, self.kv_cache)
@@ -123,14 +124,19 @@ class Runner:
         states = batch.sampling_states
         return unique_states(states), sample_and_verify(logits, states, rng)
 
-    @staticmethod
-    def _scored(logits: torch.Tensor, flat: FlatBatch) -> torch.Tensor:
+    def _scored(self, logits: torch.Tensor, flat: FlatBatch) -> torch.Tensor:
         """The sampled rows' logits; the prompt-scoring rows after them go to score_prompts."""
         if not flat.prompt_rows:
             return logits
         num_sampled = len(flat.sample_rows)
-        score_prompts(logits[num_sampled:], flat)
+        self._prompt_scores += score_prompts(logits[num_sampled:], flat)
         return logits[:num_sampled]
+
+    def take_prompt_scores(self) -> tuple[PromptLogprobs, ...]:
+        """What the steps since the last call scored. A step rerun request by request (one
+        that raised) may give a chunk twice: the scheduler keeps each position once."""
+        scores, self._prompt_scores = tuple(self._prompt_scores), []
+        return scores
 
     def prompt_log_softmax(self, state: RequestState) -> torch.Tensor:
         """(prompt_len - 1, vocab): the next-token log-distribution after each prompt prefix,
