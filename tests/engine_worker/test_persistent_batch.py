@@ -44,6 +44,9 @@ class CheckingRunner:
     def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
         self.runner.copy_blocks(pairs)
 
+    def take_prompt_scores(self):  # type: ignore[no-untyped-def]
+        return self.runner.take_prompt_scores()
+
     def step(self, scheduled: list[tuple[RequestState, int]], rng: torch.Generator):  # type: ignore[no-untyped-def]
         tables = self.runner.block_tables
         persistent = flatten(scheduled, BLOCK, tables.table)
