@@ -46,13 +46,14 @@ def _watch(parent: int) -> None:
     os._exit(1)
 
 
-def parent_death_signal() -> Callable[[], None] | None:
-    """For a child we do not own the code of (redis-server): a preexec_fn that has the kernel
-    SIGKILL it when the thread that started it exits. libc is looked up here, in the parent:
-    the child between fork and exec only makes the one call. None where there is no prctl."""
+def parent_death_signal(signum: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """For a child we do not own the code of (redis-server), or one that must not outlive us (a
+    compiling child): a preexec_fn that has the kernel send it `signum` when the thread that
+    started it exits. libc is looked up here, in the parent: the child between fork and exec
+    only makes the one call. None where there is no prctl."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
-    kill = int(signal.SIGKILL)
-    return lambda: prctl(_PR_SET_PDEATHSIG, kill)
+    number = int(signum)
+    return lambda: prctl(_PR_SET_PDEATHSIG, number)

@@ -122,3 +122,15 @@ def test_services_never_import_each_other() -> None:
             if target.startswith("services.") and target.split(".")[1] != own
         }
         assert not others, f"{name} imports services {others}"
+
+
+def test_the_cli_package_never_imports_the_benchmarks() -> None:
+    """`kvmesh` is what users install and run; `loadtest` builds on it (`kvmesh bench` runs
+    `loadtest.bench_cli` as a module by name)."""
+    modules = _modules()
+    found = {
+        name: sorted(t for t in _imports(path, modules) if t.startswith("loadtest"))
+        for name, path in modules.items()
+        if name.startswith("kvmesh")
+    }
+    assert not {name: targets for name, targets in found.items() if targets}

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 from services.engine_worker.embed.server import EmbedderService
+from services.engine_worker.preparation_underway import abandon_all
 from services.engine_worker.server import EngineWorkerService
 from services.engine_worker.step_failures import BreakerDefaults, CircuitBreaker, FaultInjector
 from shared.flag_env import env_default, env_float, env_int
@@ -52,6 +54,14 @@ async def serve(args: argparse.Namespace) -> None:
 
     loading.add_done_callback(stop_if_refused)
     await runtime.serve_until_signalled(args.drain_seconds)
+    if not loading.done():
+        # Stopped while loading: waiting for the torch thread could mean minutes of compiling.
+        abandoned = abandon_all()
+        logging.getLogger("kvmesh").warning(
+            "stopped while loading the model", extra={"preparations_abandoned": abandoned}
+        )
+        logging.shutdown()
+        os._exit(0)
     if loading.done() and not loading.cancelled() and loading.exception() is not None:
         raise SystemExit(2)
 

@@ -23,6 +23,7 @@ from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.backends import BACKENDS
 from services.engine_worker.compile_cache import cache_root, warm_up_cached
 from services.engine_worker.kv_cache import KVCacheShape
+from services.engine_worker.preparation_underway import underway
 from services.engine_worker.prepared_artifact import (
     PreparedArtifact,
     PreparedKey,
@@ -205,34 +206,35 @@ def _prepare_and_store(
     runner, num_parameters = _build(worker, artifact, formats, preparation)
     staging = store.begin(key)
     table = runner.compiled.programs if runner.compiled is not None else None
-    if table is not None:  # the step's programs compile into the artifact as warm-up runs
-        table.record_into(staging / PROGRAMS)
-    try:
-        _warm_up(worker, runner, formats, preparation)
-        if table is not None:
-            log.info("waiting for the step's programs to compile (AOTInductor, C++)")
-            compiling = time.perf_counter()
-            table.finish()
-            preparation.phases["compile"] += time.perf_counter() - compiling
-    finally:
-        if table is not None:
-            table.record_into(None)
-    fixture = worker.greedy(list(FIXTURE_PROMPT), FIXTURE_TOKENS)
-    saving = time.perf_counter()
-    files = save_packed(runner.model.weights, str(staging))
-    programs = sorted(table.compiled) if table is not None else []
-    files += [f"{PROGRAMS}/{name}{PROGRAM_SUFFIX}" for name in programs]
-    stored = store.commit(
-        key,
-        staging,
-        files,
-        {
-            "num_parameters": num_parameters,
-            "step_programs": programs,
-            "fixture": {"prompt_ids": list(FIXTURE_PROMPT), "expected_ids": fixture},
-            "phases": preparation.to_dict()["phases"],
-        },
-    )
+    with underway(staging, table):
+        if table is not None:  # the step's programs compile into the artifact as warm-up runs
+            table.record_into(staging / PROGRAMS)
+        try:
+            _warm_up(worker, runner, formats, preparation)
+            if table is not None:
+                log.info("waiting for the step's programs to compile (AOTInductor, C++)")
+                compiling = time.perf_counter()
+                table.finish()
+                preparation.phases["compile"] += time.perf_counter() - compiling
+        finally:
+            if table is not None:
+                table.record_into(None)
+        fixture = worker.greedy(list(FIXTURE_PROMPT), FIXTURE_TOKENS)
+        saving = time.perf_counter()
+        files = save_packed(runner.model.weights, str(staging))
+        programs = sorted(table.compiled) if table is not None else []
+        files += [f"{PROGRAMS}/{name}{PROGRAM_SUFFIX}" for name in programs]
+        stored = store.commit(
+            key,
+            staging,
+            files,
+            {
+                "num_parameters": num_parameters,
+                "step_programs": programs,
+                "fixture": {"prompt_ids": list(FIXTURE_PROMPT), "expected_ids": fixture},
+                "phases": preparation.to_dict()["phases"],
+            },
+        )
     preparation.directory = str(stored.directory)
     preparation.phases["store"] = time.perf_counter() - saving
     log.info("model prepared and stored", extra=preparation.to_dict())

@@ -206,9 +206,12 @@ class PreparedStore:
             yield time.perf_counter() - started
 
     def begin(self, key: PreparedKey) -> Path:
-        """A fresh temporary folder to fill, on the same file system as the final one."""
-        staging = self.writable_root() / f".{key.id}.{os.getpid()}.tmp"
-        shutil.rmtree(staging, ignore_errors=True)
+        """A fresh temporary folder to fill, on the same file system as the final one. Called
+        with the key's lock held: any other staging folder of this key is a killed start's."""
+        root = self.writable_root()
+        for stale in root.glob(f".{key.id}.*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        staging = root / f".{key.id}.{os.getpid()}.tmp"
         staging.mkdir()
         return staging
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.cli import main
-from services.engine_worker.prepared_artifact import MANIFEST
+from services.engine_worker.prepared_artifact import MANIFEST, PreparedKey, PreparedStore
 from services.engine_worker.server import model_info
 from services.engine_worker.worker import Worker
 from shared.config import EngineConfig
@@ -164,3 +164,18 @@ def test_kvmesh_prepare_writes_where_out_says_and_a_worker_there_loads_it(
     )
     assert Worker(config).manifest.preparation["directory"] == str(out / printed["id"])
     assert not (tmp_path / "cache" / "prepared").exists()
+
+
+def test_a_killed_starts_staging_folder_goes_with_the_next_preparation(tmp_path: Path) -> None:
+    key, other = (
+        PreparedKey(*["x"] * 9, "packed", "float32", "float32", 16, compiled)
+        for compiled in (True, False)
+    )
+    store = PreparedStore([tmp_path])
+    killed = tmp_path / f".{key.id}.4242.tmp"  # a SIGKILLed worker's, pid long gone
+    (killed / "programs").mkdir(parents=True)
+    preparing_other = tmp_path / f".{other.id}.4243.tmp"  # another key: its own lock
+    preparing_other.mkdir()
+    with store.locked(key):
+        staging = store.begin(key)
+    assert staging.is_dir() and not killed.exists() and preparing_other.is_dir()

@@ -21,8 +21,10 @@ artifact's key pins the rest (weights, formats, CPU, torch).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +35,8 @@ from typing import Any
 import torch
 import torch.fx.experimental._config as fx_config
 import torch.utils._pytree as pytree
+
+from shared.parent_watch import parent_death_signal
 
 # AOTInductor's package format: the library, its wrapper source and metadata, in one zip.
 PROGRAM_SUFFIX = ".pt2"
@@ -117,9 +121,24 @@ class _Compiling:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.log = package.with_suffix(".log")  # a file: a full pipe would stall the child
         with open(self.log, "w") as log:
+            # A session of its own: a kill reaches the C++ compilers it starts too. It is told
+            # when this process dies, and takes them with it (`_compile`).
             self.process = subprocess.Popen(
-                [*command, json.dumps(settings)], env=env, stdout=log, stderr=log
+                [*command, json.dumps(settings)],
+                env=env,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                preexec_fn=parent_death_signal(signal.SIGTERM),
             )
+
+    def kill(self) -> None:
+        """Ends the child and everything it started; its files go."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        for path in (self.exported, self.log, self.package):
+            path.unlink(missing_ok=True)
 
     def wait(self) -> Program:
         self.process.wait()
@@ -170,10 +189,15 @@ class ProgramTable:
                 self.programs[name] = compiling.wait()
                 self.compiled[name] = compiling.package
         finally:
-            for compiling in self._compiling.values():
-                compiling.process.kill()  # after a failure, the others are not waited for
-            self._compiling.clear()
+            self.abandon()  # after a failure, the others are not waited for
             self.compile_seconds += time.perf_counter() - started
+
+    def abandon(self) -> None:
+        """Stops what is still compiling (a failure, or the worker stopped while preparing)."""
+        for name, compiling in self._compiling.items():
+            if name not in self.compiled:
+                compiling.kill()
+        self._compiling.clear()
 
     def load(self, saved: dict[str, Path]) -> None:
         for name, path in saved.items():
@@ -182,6 +206,9 @@ class ProgramTable:
 
 def _compile(exported: str, package: str, settings: dict[str, Any]) -> None:
     import importlib
+
+    # Sent by the kernel when the worker dies: this process's group (its C++ compilers) with it.
+    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
 
     for module in settings["modules"]:
         importlib.import_module(module)

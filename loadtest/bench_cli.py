@@ -1,22 +1,30 @@
-"""`kvmesh bench`: a workload against a running server, at one load or a sweep of them."""
+"""`kvmesh bench`: a workload against a running server, at one load or a sweep of them.
+
+`kvmesh bench ARGS` runs `python -m loadtest.bench_cli ARGS`: the CLI names this module and
+never imports it, so the `kvmesh` package does not depend on the benchmarks."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvmesh import run_file
+from loadtest.bench import BenchPlan, run, write_report
+from loadtest.driver import LoadShape
+from loadtest.report import DEFINITIONS, Slo, markdown_table
+from loadtest.workload import Workload
+
+DESCRIPTION = "A workload against kvmesh gRPC or any OpenAI HTTP API, at one load or a sweep."
 
 
 def _numbers(text: str) -> list[float]:
     return [float(part) for part in text.split(",") if part]
 
 
-def add_bench_parser(commands: argparse._SubParsersAction) -> None:
-    bench = commands.add_parser(
-        "bench", help="send a workload to a server (kvmesh gRPC or any OpenAI HTTP API)"
-    )
+def build_parser() -> argparse.ArgumentParser:
+    bench = argparse.ArgumentParser(prog="kvmesh bench", description=DESCRIPTION)
     bench.add_argument(
         "target",
         nargs="?",
@@ -44,19 +52,15 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--vocab-size", type=int, help="prompt ids range (asked of kvmesh gRPC)")
     bench.add_argument("--max-context", type=int, help="cap prompt + output (asked of kvmesh gRPC)")
     bench.add_argument("--no-progress", action="store_true")
+    return bench
 
 
 def _ms(value: float | None) -> float | None:
     return None if value is None else value / 1e3
 
 
-def run_bench_command(args: argparse.Namespace) -> int:
-    # here, not at the top: every `kvmesh` command imports this module
-    from loadtest.bench import BenchPlan, run, write_report
-    from loadtest.driver import LoadShape
-    from loadtest.report import DEFINITIONS, Slo, markdown_table
-    from loadtest.workload import Workload
-
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.rate:
         loads = [
             LoadShape(rate=rate, duration_s=args.duration, seed=args.seed) for rate in args.rate
@@ -90,3 +94,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
