@@ -21,7 +21,8 @@ from shared.flags import add_engine_flags, engine_config
 from shared.pb.kvmesh.v1 import common_pb2
 from shared.sampling import ResponseFormat, SamplingParams
 
-BENCH_MODULE = "loadtest.bench_cli"
+# Commands run as another package's module, by name: `kvmesh` does not import the benchmarks.
+DELEGATED = {"bench": "loadtest.bench_cli"}
 BENCH_HELP = "send a workload to a server (kvmesh gRPC or any OpenAI HTTP API)"
 
 
@@ -195,9 +196,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:
-        # A module named, not imported: the kvmesh package does not depend on loadtest.
-        os.execv(sys.executable, [sys.executable, "-m", BENCH_MODULE, *argv[1:]])
+    if argv[:1] and argv[0] in DELEGATED:
+        os.execv(sys.executable, [sys.executable, "-m", DELEGATED[argv[0]], *argv[1:]])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":

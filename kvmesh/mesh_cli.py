@@ -16,6 +16,7 @@ from kvmesh.launcher import Mesh, MeshConfig
 from kvmesh.remote_cli import stream_to_terminal
 from kvmesh.rollout import RolloutController
 from kvmesh.service_process import free_port
+from services.engine_worker.preparation_underway import EAGER_WHILE_COMPILING
 from shared.errors import KvmeshError, Reason
 from shared.flag_forwarding import scheduler_flag_args, worker_flag_args
 from shared.flags import add_scheduler_flags, add_worker_flags, engine_config, env_default
@@ -185,6 +186,14 @@ def run_up(args: argparse.Namespace) -> int:
         addresses = mesh_addresses(mesh, control_address, own_metrics)
         recorded = run_file.write(addresses)
         print(f"kvmesh: ready in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+        for service in mesh.services:
+            if service.has_logged(EAGER_WHILE_COMPILING):
+                print(
+                    f"kvmesh: {service.name} answers on its eager step while its compiled step "
+                    "compiles (minutes, once on this machine): it switches when that is done, "
+                    "and later starts load it in seconds",
+                    file=sys.stderr,
+                )
         for name, value in addresses.items():
             if isinstance(value, dict):
                 for service, url in value.items():

@@ -44,10 +44,14 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def _help_blocks(name: str, parser: argparse.ArgumentParser, depth: int) -> Iterator[str]:
+    from kvmesh.cli import DELEGATED
+
     with _columns(100):
         text = parser.format_help().rstrip()
     yield f"{'#' * depth} `{name}`\n\n```text\n{text}\n```\n"
     for sub_name, sub in subcommands(parser).items():
+        if name == "kvmesh" and sub_name in DELEGATED:  # its flags are its module's own parser
+            sub = importlib.import_module(DELEGATED[sub_name]).build_parser()
         yield from _help_blocks(f"{name} {sub_name}", sub, depth + 1)
 
 

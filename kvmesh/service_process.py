@@ -100,6 +100,11 @@ class ServiceProcess:
         with open(self.log_path, errors="replace") as handle:
             return "".join(handle.readlines()[-lines:])
 
+    def has_logged(self, message: str) -> bool:
+        """Whether a line of its log carries `message` (read whole: for start-up lines)."""
+        with open(self.log_path, errors="replace") as handle:
+            return any(f'"msg": "{message}"' in line for line in handle)
+
     def last_message(self) -> str:
         """Its log's last message (the text of a JSON log line)."""
         tail = self.log_tail(1).strip()

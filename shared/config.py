@@ -131,6 +131,7 @@ class SchedulerConfig:
         )
 
 
+PREPARED_MODES = ("auto", "wait", "off")
 KV_TIERS = ("host", "disk", "redis")
 KV_WRITE_POLICIES = ("through", "back")
 
@@ -220,9 +221,10 @@ class EngineConfig:
     # auto: a packed model on the CPU runs as one compiled graph (compiled_model.py);
     # off: eager. KVMESH_COMPILE sets the default (the test suite's is off, see conftest.py).
     compile: str = field(default_factory=lambda: os.environ.get("KVMESH_COMPILE", "auto"))
-    # auto: load a prepared artifact matching this worker, else prepare one and store it
-    # (services/engine_worker/preparation.py); off: prepare in memory only. KVMESH_PREPARED
-    # sets the default (the test suite's is off, see conftest.py).
+    # auto: load a prepared artifact matching this worker, else prepare one and store it (a
+    # served worker answers on the eager step meanwhile); wait: the same, ready once prepared;
+    # off: prepare in memory only. KVMESH_PREPARED sets the default (the test suite's is off,
+    # see conftest.py).
     prepared: str = field(default_factory=lambda: os.environ.get("KVMESH_PREPARED", "auto"))
     prepared_dir: str | None = None  # searched first and written to; else the cache folder
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -251,6 +253,6 @@ class EngineConfig:
             self.compile in ("auto", "off"), f"compile must be auto or off, got {self.compile!r}"
         )
         _require(
-            self.prepared in ("auto", "off"),
-            f"prepared must be auto or off, got {self.prepared!r}",
+            self.prepared in PREPARED_MODES,
+            f"prepared must be one of {', '.join(PREPARED_MODES)}, got {self.prepared!r}",
         )

@@ -11,6 +11,7 @@ import dataclasses
 
 from shared.config import (
     KV_CACHE_DTYPES,
+    PREPARED_MODES,
     WEIGHT_FORMATS,
     CacheConfig,
     EngineConfig,
@@ -65,10 +66,11 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--prepared",
         default=env_default("prepared", "auto"),
-        choices=["auto", "off"],
+        choices=PREPARED_MODES,
         help="auto: load a prepared artifact (packed weights, compiled step) made for this "
-        "model, machine and runtime, else prepare one and store it for the next start; off: "
-        "prepare in memory only",
+        "model, machine and runtime, else prepare one and store it for the next start, a served "
+        "worker answering on the eager step while its compiled step compiles; wait: the same, "
+        "ready only once prepared; off: prepare in memory only",
     )
     group.add_argument(
         "--prepared-dir",

@@ -54,9 +54,10 @@ async def serve(args: argparse.Namespace) -> None:
 
     loading.add_done_callback(stop_if_refused)
     await runtime.serve_until_signalled(args.drain_seconds)
-    if not loading.done():
-        # Stopped while loading: waiting for the torch thread could mean minutes of compiling.
-        abandoned = abandon_all()
+    # Stopped while preparing (before ready, or serving while the compiled step compiles): its
+    # compilers stop now rather than finish minutes later.
+    abandoned = abandon_all()
+    if not loading.done():  # the torch thread is busy loading: not waited for
         logging.getLogger("kvmesh").warning(
             "stopped while loading the model", extra={"preparations_abandoned": abandoned}
         )

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+from typing import TYPE_CHECKING
 
+from services.engine_worker.backends import BACKENDS
+from shared.config import EngineConfig
 from shared.errors import KvmeshError, Reason
+
+if TYPE_CHECKING:
+    from services.engine_worker.artifacts.architecture import ModelArchitecture
+    from services.engine_worker.kv_cache import KVCacheShape
+    from services.engine_worker.torch_backend.step_formats import StepFormats
 
 
 def available_bytes(backend: str) -> int:
@@ -41,3 +50,34 @@ def check_memory_fits(parts: dict[str, int], backend: str) -> None:
             f"{available / 2**20:.0f} MiB are free on this machine: lower --kv-memory, "
             "--max-num-batched-tokens or the weights' precision, or serve it elsewhere",
         )
+
+
+def check_worker_fits(
+    arch: ModelArchitecture,
+    formats: StepFormats,
+    config: EngineConfig,
+    kv_shape: KVCacheShape,
+    backend: str,
+    max_model_len: int,
+) -> None:
+    """Weights (packed ones come from a float32 copy, the peak), the KV budget and what a
+    step needs besides: checked before any is allocated, not found short while others serve."""
+    step = importlib.import_module(BACKENDS[backend]).Runner.step_memory_bytes
+    check_memory_fits(
+        {
+            "weights": arch.num_parameters * formats.load_dtype.itemsize,
+            "KV cache": kv_shape.num_bytes(formats.kv_cache.itemsize),
+            "step workspace": step(
+                arch, formats.activations, formats.runner_config(config), max_model_len
+            ),
+        },
+        backend,
+    )
+
+
+def served_context(config: EngineConfig, model_len: int) -> int:
+    """--max-model-len, which may not exceed the model's own context; else the model's."""
+    if (config.max_model_len or 0) > model_len:
+        message = f"max_model_len {config.max_model_len} exceeds the model's context length"
+        raise KvmeshError(Reason.INVALID_ARGUMENT, f"{message} {model_len}")
+    return config.max_model_len or model_len

@@ -13,17 +13,19 @@ from __future__ import annotations
 import importlib
 import logging
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from services.engine_worker import preparing
 from services.engine_worker.artifacts.architecture import ModelArchitecture
 from services.engine_worker.artifacts.loader import ModelArtifact
 from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.backends import BACKENDS
 from services.engine_worker.compile_cache import cache_root, warm_up_cached
 from services.engine_worker.kv_cache import KVCacheShape
-from services.engine_worker.preparation_underway import underway
+from services.engine_worker.preparation_underway import EAGER_WHILE_COMPILING
 from services.engine_worker.prepared_artifact import (
     PreparedArtifact,
     PreparedKey,
@@ -49,25 +51,25 @@ class Worker(Protocol):
     kv_shape: KVCacheShape
     max_model_len: int
     runner: Any
+    pending_preparation: preparing.Started | None
+    preparation: Preparation
+    scratch_start: int  # blocks from here are the worker's own, for fixtures while it serves
 
     def warm_up(self) -> None: ...
 
-    def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]: ...
+    def greedy(self, prompt_ids: list[int], max_tokens: int, first_block: int = 0) -> list[int]: ...
 
 
 log = logging.getLogger("kvmesh.engine_worker.preparation")
-
-PROGRAMS = "programs"
-# A prepared artifact's own fixture: greedy tokens after a fixed prompt, reproduced at load.
-FIXTURE_PROMPT = tuple(range(1, 25))
-FIXTURE_TOKENS = 4
 
 
 @dataclass
 class Preparation:
     """What the manifest says of how this runner was made ready."""
 
-    source: str = "off"  # loaded (a prepared artifact) | prepared (and stored) | off
+    # loaded (a prepared artifact) | prepared (and stored) | preparing (serving on the eager
+    # step, its compiled programs compiling; `prepared` once they serve) | off
+    source: str = "off"
     id: str = ""
     directory: str = ""
     mismatch: str = ""  # a stored artifact of this model that was not used, and why
@@ -111,16 +113,23 @@ def store_for(worker: Worker) -> PreparedStore:
 
 
 def ready_runner(
-    worker: Worker, artifact: ModelArtifact, formats: StepFormats, source_digest: str
-) -> tuple[Any, int, Preparation]:
-    """The runner, loaded and warmed up; the weights' parameter count; how it was made."""
+    worker: Worker,
+    artifact: ModelArtifact,
+    formats: StepFormats,
+    source_digest: str,
+    background: bool = False,
+) -> tuple[Any, int, Preparation, preparing.Started | None]:
+    """The runner, loaded and warmed up; the weights' parameter count; how it was made; and,
+    with `background` (a served worker, `--prepared auto`), a preparation whose compiled step is
+    still compiling, for the caller to `finish_pending` between two steps."""
     if not _preparable(worker, formats):
-        return _from_source(worker, artifact, formats, Preparation())
+        return (*_from_source(worker, artifact, formats, Preparation()), None)
     key = prepared_key(worker, formats, source_digest)
     store = store_for(worker)
     found, waited = store.lookup(key), 0.0
     if found.artifact is None:
-        with store.locked(key) as waited:  # another worker may be preparing this key
+        with ExitStack() as held:
+            waited = held.enter_context(store.locked(key))  # another worker may be preparing
             found = store.lookup(key)  # what it stored while this one waited
             if found.artifact is None:
                 if found.mismatch:
@@ -133,10 +142,50 @@ def ready_runner(
                 log.info("preparing the model for this machine, once; later starts load it")
                 preparation = Preparation("prepared", key.id, mismatch=found.mismatch)
                 preparation.lock_wait_seconds = waited
-                return _prepare_and_store(worker, artifact, formats, key, store, preparation)
+                runner, num_parameters = _build(worker, artifact, formats, preparation)
+                started = preparing.start(runner, num_parameters, key, store, held.pop_all())
+                try:
+                    _warm_up(worker, runner, formats, preparation)
+                except BaseException:
+                    preparing.release(started)
+                    raise
+                if background and worker.config.prepared == "auto" and started.compiling:
+                    preparation.source = "preparing"
+                    log.info(EAGER_WHILE_COMPILING)
+                    return runner, num_parameters, preparation, started
+                finish_preparing(worker, started, preparation, first_block=0)
+                return runner, num_parameters, preparation, None
     preparation = Preparation("loaded", key.id, str(found.artifact.directory))
     preparation.lock_wait_seconds = waited
-    return _from_prepared(worker, found.artifact, formats, preparation)
+    return (*_from_prepared(worker, found.artifact, formats, preparation), None)
+
+
+def finish_preparing(
+    worker: Worker, started: preparing.Started, preparation: Preparation, first_block: int
+) -> None:
+    """The compiled programs loaded (they serve from the next step), the artifact stored.
+    `first_block`: where the fixture's scratch blocks start."""
+    directory = preparing.finish(started, worker.greedy, first_block, preparation.phases)
+    preparation.source, preparation.directory = "prepared", str(directory)
+    log.info("model prepared and stored", extra=preparation.to_dict())
+
+
+def finish_pending(worker: Worker) -> bool:
+    """A served worker's preparation finished between two steps; whether the compiled step
+    serves. If its programs failed to compile, the eager step serves on and the next start
+    prepares again."""
+    started, worker.pending_preparation = worker.pending_preparation, None
+    if started is None:
+        return False
+    try:
+        finish_preparing(worker, started, worker.preparation, first_block=worker.scratch_start)
+        return True
+    except Exception:
+        log.exception("preparing the compiled step failed: serving on; the next start prepares")
+        worker.preparation.source = "off"
+        if started.table is not None:
+            started.table.eager_fallback = True
+        return False
 
 
 def _preparable(worker: Worker, formats: StepFormats) -> bool:
@@ -193,54 +242,6 @@ def _warm_up(worker: Worker, runner: Any, formats: StepFormats, preparation: Pre
     preparation.phases["warmup"] = time.perf_counter() - started - compiled
 
 
-def _prepare_and_store(
-    worker: Worker,
-    artifact: ModelArtifact,
-    formats: StepFormats,
-    key: PreparedKey,
-    store: PreparedStore,
-    preparation: Preparation,
-) -> tuple[Any, int, Preparation]:
-    from services.engine_worker.torch_backend.packed_state import save_packed
-
-    runner, num_parameters = _build(worker, artifact, formats, preparation)
-    staging = store.begin(key)
-    table = runner.compiled.programs if runner.compiled is not None else None
-    with underway(staging, table):
-        if table is not None:  # the step's programs compile into the artifact as warm-up runs
-            table.record_into(staging / PROGRAMS)
-        try:
-            _warm_up(worker, runner, formats, preparation)
-            if table is not None:
-                log.info("waiting for the step's programs to compile (AOTInductor, C++)")
-                compiling = time.perf_counter()
-                table.finish()
-                preparation.phases["compile"] += time.perf_counter() - compiling
-        finally:
-            if table is not None:
-                table.record_into(None)
-        fixture = worker.greedy(list(FIXTURE_PROMPT), FIXTURE_TOKENS)
-        saving = time.perf_counter()
-        files = save_packed(runner.model.weights, str(staging))
-        programs = sorted(table.compiled) if table is not None else []
-        files += [f"{PROGRAMS}/{name}{PROGRAM_SUFFIX}" for name in programs]
-        stored = store.commit(
-            key,
-            staging,
-            files,
-            {
-                "num_parameters": num_parameters,
-                "step_programs": programs,
-                "fixture": {"prompt_ids": list(FIXTURE_PROMPT), "expected_ids": fixture},
-                "phases": preparation.to_dict()["phases"],
-            },
-        )
-    preparation.directory = str(stored.directory)
-    preparation.phases["store"] = time.perf_counter() - saving
-    log.info("model prepared and stored", extra=preparation.to_dict())
-    return runner, num_parameters, preparation
-
-
 def _from_prepared(
     worker: Worker, stored: PreparedArtifact, formats: StepFormats, preparation: Preparation
 ) -> tuple[Any, int, Preparation]:
@@ -252,7 +253,7 @@ def _from_prepared(
     runner = _runner(worker, formats, weights)
     manifest = stored.manifest
     if runner.compiled is not None:
-        programs = stored.directory / PROGRAMS
+        programs = stored.directory / preparing.PROGRAMS
         runner.compiled.load_programs(
             {name: programs / f"{name}{PROGRAM_SUFFIX}" for name in manifest["step_programs"]}
         )

@@ -6,39 +6,44 @@ compilers; a staging folder a SIGKILL left is removed by the next start (`Prepar
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+# Logged by a worker that answers on its eager step while its compiled step compiles; `kvmesh
+# up` looks for it (this module imports no torch).
+EAGER_WHILE_COMPILING = "serving on the eager step while the compiled step compiles"
+
 _lock = threading.Lock()
-_underway: dict[int, tuple[Path, Any]] = {}
+_tokens = itertools.count(1)
+_under_way: dict[int, tuple[Path, Any]] = {}
 
 
-@contextmanager
-def underway(staging: Path, table: Any) -> Iterator[None]:
+def under_way(staging: Path, table: Any) -> int:
     """Registers a preparation filling `staging` and compiling into `table` (a ProgramTable, or
-    None); on any exception, its compilers are stopped and the folder removed."""
-    token = id(staging)
+    None); the token `release` takes."""
     with _lock:
-        _underway[token] = (staging, table)
-    try:
-        yield
-    except BaseException:
-        _abandon(staging, table)
-        raise
-    finally:
-        with _lock:
-            _underway.pop(token, None)
+        token = next(_tokens)
+        _under_way[token] = (staging, table)
+    return token
+
+
+def release(token: int) -> None:
+    """The preparation is over: stored (nothing is left to remove) or failed (its compilers
+    stop, its staging folder goes)."""
+    with _lock:
+        found = _under_way.pop(token, None)
+    if found is not None:
+        _abandon(*found)
 
 
 def abandon_all() -> int:
     """From any thread: stops every preparation under way; how many there were."""
     with _lock:
-        found = list(_underway.values())
-        _underway.clear()
+        found = list(_under_way.values())
+        _under_way.clear()
     for staging, table in found:
         _abandon(staging, table)
     return len(found)

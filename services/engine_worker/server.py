@@ -41,6 +41,11 @@ STEP_FAILURES = Counter(
     "Requests a step could not compute (each failed alone)",
     ["reason"],
 )
+STEP_COMPILED = Gauge(
+    "kvmesh_step_compiled",
+    "Torch backend: 1 when the step runs compiled, 0 on the eager step (a first start serves on "
+    "it while its programs compile)",
+)
 MODEL_LOAD_SECONDS = Gauge(
     "kvmesh_model_load_seconds",
     "Seconds of this worker's start by phase: load (source or prepared artifact), prepare "
@@ -109,23 +114,48 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
         # Every torch call from one OS thread: OpenMP keeps a thread team per calling thread, and
         # a pool of several callers would leave teams spinning against each other on few cores.
         self._torch_thread = concurrent.futures.ThreadPoolExecutor(1, "torch")
+        self._preparing: asyncio.Task[None] | None = None  # the compiled step, compiling
 
     async def _in_torch_thread(self, function: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._torch_thread, function, *args)
 
     async def load(self) -> None:
         try:
-            self.worker = await self._in_torch_thread(Worker, self.config)
+            self.worker = await self._in_torch_thread(Worker, self.config, True)
             self.worker.faults = self.faults
         except KvmeshError as error:
             log.error("model refused", extra={"reason": error.reason.value, "error": error.message})
             raise
-        preparation = self.worker.manifest.preparation or {}
-        for phase, seconds in preparation.get("phases", {}).items():
-            MODEL_LOAD_SECONDS.labels(phase).set(seconds)
+        self._report_preparation()
         log.info("ready", extra={"manifest": self.worker.manifest.to_dict()})
         freeze_startup_heap()
         await self.runtime.set_ready(True)
+        if self.worker.pending_preparation is not None:
+            self._preparing = asyncio.create_task(self._finish_preparation(self.worker))
+
+    async def _finish_preparation(self, worker: Worker) -> None:
+        """Serving on the eager step meanwhile: the compiled programs switched in between two
+        steps once their compilers have exited (preparing.py)."""
+        pending = worker.pending_preparation
+        if pending is not None:
+            await asyncio.to_thread(pending.wait_compiled)  # no torch work: off the torch thread
+        if self.runtime.draining:  # stopped: its compilers were stopped, nothing to store
+            return
+        compiled = await self._in_torch_thread(worker.finish_preparation)
+        self._report_preparation()
+        if compiled:
+            log.info("compiled step serving", extra={"preparation": worker.manifest.preparation})
+
+    def _report_preparation(self) -> None:
+        worker = self._ready_worker()
+        for phase, seconds in (worker.manifest.preparation or {}).get("phases", {}).items():
+            MODEL_LOAD_SECONDS.labels(phase).set(seconds)
+        compiled = getattr(worker.runner, "compiled", None)
+        STEP_COMPILED.set(
+            compiled is not None
+            and worker.pending_preparation is None
+            and not compiled.programs.eager_fallback
+        )
 
     def _ready_worker(self) -> Worker:
         if self.worker is None:

@@ -5,22 +5,23 @@ Order matters: every check that can refuse a model runs before any large allocat
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 import threading
 import time
 
 import torch
 
 from services.engine_worker.artifacts.loader import open_artifact
-from services.engine_worker.backends import BACKENDS, backend_for_model
-from services.engine_worker.capacity import check_memory_fits
+from services.engine_worker.backends import backend_for_model
+from services.engine_worker.capacity import check_worker_fits, served_context
 from services.engine_worker.grammar import GrammarCompiler
 from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.kv_tiers.handover import Exports
 from services.engine_worker.kv_tiers.transfer import BlockTransfer
 from services.engine_worker.manifest import artifact_digests, combined_digest, describe
 from services.engine_worker.persistent_batch import HeldRequests
-from services.engine_worker.preparation import ready_runner
+from services.engine_worker.preparation import finish_pending, ready_runner
+from services.engine_worker.preparing import fixture_blocks
 from services.engine_worker.step_failures import (
     FaultInjector,
     InjectedFault,
@@ -52,7 +53,9 @@ class Worker:
     check the fixtures, describe), each a method of its own.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, background_preparation: bool = False) -> None:
+        """`background_preparation`: a served worker, whose server runs `finish_preparation`
+        between steps once the compiled step has compiled (preparing.py)."""
         started = time.perf_counter()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -65,7 +68,7 @@ class Worker:
         artifact = open_artifact(self.model_path)
         artifact.validate()
         self.architecture = arch = artifact.architecture
-        self.max_model_len = self._max_model_len(config, arch.max_position_embeddings)
+        self.max_model_len = served_context(config, arch.max_position_embeddings)
         self.backend = backend_for_model(config.backend, arch, self.model_path)
         formats = StepFormats.resolve(config, self.backend, artifact.quantization, arch.llama_layer)
         self.kv_shape = KVCacheShape.from_budget(
@@ -74,12 +77,17 @@ class Worker:
             config.cache.kv_memory_bytes,
             formats.kv_cache,
         )
-        self._check_memory_fits(formats)
+        self.scratch_start = self.kv_shape.num_blocks  # blocks from here: fixtures' only
+        check_worker_fits(arch, formats, config, self.kv_shape, self.backend, self.max_model_len)
         self.requests = HeldRequests.for_context(self.max_model_len, config.cache.block_size)
         digests = artifact_digests(self.entry, self.model_path)
-        self.runner, num_parameters, self.preparation = ready_runner(
-            self, artifact, formats, combined_digest(digests)
+        # A repository version's fixtures were recorded with its compiled step: checked on it.
+        background = background_preparation and not (self.entry and self.entry.fixtures)
+        self.runner, num_parameters, self.preparation, self.pending_preparation = ready_runner(
+            self, artifact, formats, combined_digest(digests), background
         )
+        if self.pending_preparation is not None:  # its fixture's blocks, never the scheduler's
+            self.scratch_start -= fixture_blocks(self.kv_shape.block_size)
         self.runner.block_tables = self.requests.tables
         self.kv_transfer = BlockTransfer.open(
             config.kv_tiers, combined_digest(digests), formats.kv_cache, self.runner.kv_pool
@@ -98,7 +106,7 @@ class Worker:
             formats,
             backend=self.backend,
             max_model_len=self.max_model_len,
-            kv_shape=self.kv_shape,
+            kv_shape=dataclasses.replace(self.kv_shape, num_blocks=self.num_kv_blocks),
             quantization=artifact.quantization,
             num_parameters=num_parameters,
             digests=digests,
@@ -106,20 +114,6 @@ class Worker:
             load_seconds=time.perf_counter() - started - phases["compile"] - phases["warmup"],
             warmup_seconds=phases["compile"] + phases["warmup"],
             preparation=self.preparation.to_dict(),
-        )
-
-    def _check_memory_fits(self, formats: StepFormats) -> None:
-        """Weights (packed ones come from a float32 copy, the peak), the KV budget and what a
-        step needs besides: checked before any is allocated, not found short while others serve."""
-        arch, config = self.architecture, formats.runner_config(self.config)
-        step = importlib.import_module(BACKENDS[self.backend]).Runner.step_memory_bytes
-        check_memory_fits(
-            {
-                "weights": arch.num_parameters * formats.load_dtype.itemsize,
-                "KV cache": self.kv_shape.num_bytes(formats.kv_cache.itemsize),
-                "step workspace": step(arch, formats.activations, config, self.max_model_len),
-            },
-            self.backend,
         )
 
     def _check_fixtures(self) -> None:
@@ -137,16 +131,18 @@ class Worker:
                     found=found,
                 )
 
-    @staticmethod
-    def _max_model_len(config: EngineConfig, model_len: int) -> int:
-        if (config.max_model_len or 0) > model_len:
-            message = f"max_model_len {config.max_model_len} exceeds the model's context length"
-            raise KvmeshError(Reason.INVALID_ARGUMENT, f"{message} {model_len}")
-        return config.max_model_len or model_len
-
     @property
     def num_kv_blocks(self) -> int:
-        return self.kv_shape.num_blocks
+        """The blocks the scheduler may use: all but those kept for fixtures while serving."""
+        return self.scratch_start
+
+    def finish_preparation(self) -> bool:
+        """Between two steps, once the compiled programs have compiled: they serve from the
+        next step, the prepared artifact is stored, the manifest says so (preparation.py).
+        False: they failed, and the eager step serves on."""
+        compiled = finish_pending(self)
+        self.manifest = dataclasses.replace(self.manifest, preparation=self.preparation.to_dict())
+        return compiled
 
     def warm_up(self) -> None:
         """One mixed prefill + decode step on scratch blocks, so the first request pays no
@@ -162,17 +158,23 @@ class Worker:
         decode = RequestState("warmup-decode-alone", tokens[:2], [0], 1, params, 1)
         self._run_scratch([(decode, 1)])
 
-    def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
-        """Greedy tokens (EOS included) on scratch blocks: how warm-up fixtures are checked."""
+    def greedy(self, prompt_ids: list[int], max_tokens: int, first_block: int = 0) -> list[int]:
+        """Greedy tokens (EOS included) on scratch blocks from `first_block`: how warm-up
+        fixtures are checked."""
         block = self.kv_shape.block_size
         num_blocks = -(-(len(prompt_ids) + max_tokens) // block)
-        if not prompt_ids or num_blocks > self.kv_shape.num_blocks:
+        if not prompt_ids or first_block + num_blocks > self.kv_shape.num_blocks:
             raise KvmeshError(
                 Reason.INVALID_ARGUMENT, "a fixture needs a prompt that fits the KV cache"
             )
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         state = RequestState(
-            "fixture", list(prompt_ids), list(range(num_blocks)), 0, params, len(prompt_ids)
+            "fixture",
+            list(prompt_ids),
+            list(range(first_block, first_block + num_blocks)),
+            0,
+            params,
+            len(prompt_ids),
         )
         scheduled = len(prompt_ids)
         for _ in range(max_tokens):

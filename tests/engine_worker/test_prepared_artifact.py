@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,26 +31,45 @@ SERVE = """
 import json, sys
 from services.engine_worker.worker import Worker
 from shared.config import CacheConfig, EngineConfig
+background = sys.argv[5] == "background"  # as a served worker: eager steps while it compiles
 worker = Worker(EngineConfig(model=sys.argv[1], quantize="int4", compile=sys.argv[2],
-                             prepared="auto", cache=CacheConfig(kv_memory_bytes=int(sys.argv[4]))))
-outputs = []
-for prompt in json.loads(sys.argv[3]):
-    tokens = worker.greedy(prompt, 6)
-    scores = worker.prompt_log_softmax(prompt + tokens)
-    outputs.append([tokens, scores[len(prompt) - 1 :].max(dim=-1).values.tolist()])
+                             prepared="auto", cache=CacheConfig(kv_memory_bytes=int(sys.argv[4]))),
+                background)
+
+def outputs():
+    found = []
+    for prompt in json.loads(sys.argv[3]):
+        tokens = worker.greedy(prompt, 6)
+        scores = worker.prompt_log_softmax(prompt + tokens)
+        found.append([tokens, scores[len(prompt) - 1 :].max(dim=-1).values.tolist()])
+    return found
+
+eager = {}
+if background:
+    eager = {"source": worker.manifest.preparation["source"], "kv_blocks": worker.num_kv_blocks,
+             "outputs": outputs()}
+    worker.pending_preparation.wait_compiled()
+    worker.finish_preparation()
+result = outputs()
 dynamo = "torch._dynamo.convert_frame" in sys.modules
-print(json.dumps({"preparation": worker.manifest.preparation, "outputs": outputs,
-                  "dynamo": dynamo}))
+print(json.dumps({"preparation": worker.manifest.preparation, "outputs": result,
+                  "dynamo": dynamo, "eager": eager, "pool_blocks": worker.kv_shape.num_blocks}))
 """
 
 
 def serve_in_processes(
-    model: str, compile: str, cache: Path, count: int = 1, kv_memory: int = 64 << 20
-) -> list[dict[str, object]]:
+    model: str,
+    compile: str,
+    cache: Path,
+    count: int = 1,
+    kv_memory: int = 64 << 20,
+    mode: str = "wait",
+) -> list[dict[str, Any]]:
     # A loaded program checks its inputs' shapes against those it was compiled for: one fixed
     # by mistake fails the step with an error instead of reading out of bounds.
     env = {**os.environ, "KVMESH_CACHE_DIR": str(cache), "AOTI_RUNTIME_CHECK_INPUTS": "1"}
-    args = [sys.executable, "-c", SERVE, model, compile, json.dumps(PROMPTS), str(kv_memory)]
+    prompts = json.dumps(PROMPTS)
+    args = [sys.executable, "-c", SERVE, model, compile, prompts, str(kv_memory), mode]
     processes = [
         subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True) for _ in range(count)
     ]
@@ -72,8 +92,12 @@ def test_a_prepared_compiled_model_loads_elsewhere_with_the_same_bits(
 ) -> None:
     # Another --kv-memory: the programs take the pool's block count as a size of their own,
     # the decode program as the prefill one (their input checks are on: serve_in_processes).
-    (first,) = serve_in_processes(tiny_qwen2_dir, "auto", tmp_path, kv_memory=2 << 20)
+    # The first as a served worker prepares: eager steps until its programs have compiled.
+    (first,) = serve_in_processes(tiny_qwen2_dir, "auto", tmp_path, 1, 2 << 20, "background")
     (second,) = serve_in_processes(tiny_qwen2_dir, "auto", tmp_path, kv_memory=6 << 20)
+    eager = first["eager"]
+    assert eager["source"] == "preparing" and len(eager["outputs"]) == len(PROMPTS)
+    assert eager["kv_blocks"] < first["pool_blocks"]  # the fixture's blocks kept from requests
     prepared, loaded = first["preparation"], second["preparation"]
     assert (prepared["source"], loaded["source"]) == ("prepared", "loaded")
     assert prepared["id"] == loaded["id"] and prepared["phases"]["compile"] > 0

@@ -163,6 +163,9 @@ class ProgramTable:
         self.compile_seconds = 0.0  # exporting, and waiting for the compiling processes
         self._folder: Path | None = None
         self._compiling: dict[str, _Compiling] = {}
+        # Programs that failed to compile while the worker served: the function runs eagerly
+        # on, rather than a lazy trace stalling a live step.
+        self.eager_fallback = False
 
     def record_into(self, folder: Path | None) -> None:
         self._folder = folder
@@ -172,7 +175,7 @@ class ProgramTable:
     ) -> Callable[..., Any] | None:
         program = self.programs.get(name)
         if program is not None or self._folder is None:
-            return program
+            return function if program is None and self.eager_fallback else program
         if name not in self._compiling:
             started = time.perf_counter()
             self._folder.mkdir(parents=True, exist_ok=True)
@@ -180,6 +183,15 @@ class ProgramTable:
             self._compiling[name] = _Compiling(function, args, package, options.get("options"))
             self.compile_seconds += time.perf_counter() - started
         return function
+
+    @property
+    def compiling(self) -> bool:
+        return bool(self._compiling)
+
+    def wait_children(self) -> None:
+        """Blocks until every compiling child has exited (any thread: nothing is loaded)."""
+        for compiling in list(self._compiling.values()):
+            compiling.process.wait()
 
     def finish(self) -> None:
         """Waits for the programs compiling and loads them."""

@@ -1,5 +1,6 @@
-"""A `kvmesh up` stopped while its worker prepares the model (the step's programs compiling in
-child processes) leaves nothing behind: no process, no staging folder."""
+"""A first `kvmesh up` on a machine with no prepared artifact answers while its worker's step
+programs compile in child processes; stopped then, it leaves nothing behind: no process, no
+staging folder. (The switch to the compiled programs: test_prepared_artifact.py.)"""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from kvmesh.client import MeshClient, generate_request
 
 STOP_WITHIN_S = 10.0
 
@@ -30,13 +33,20 @@ def processes_with(marker: str) -> dict[int, str]:
     return found
 
 
-def test_sigterm_while_compiling_leaves_no_process_and_no_staging_folder(
+def gateway_address(log: Path) -> str | None:
+    for line in log.read_text().splitlines():
+        if line.startswith("kvmesh:   gateway: "):
+            return line.split()[-1]
+    return None
+
+
+def test_a_first_start_answers_while_compiling_and_sigterm_leaves_nothing_behind(
     tiny_qwen2_dir: str, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
     marker = f"KVMESH_CACHE_DIR={cache}"
     log = tmp_path / "up.log"  # a file: a full pipe would stall the launcher
-    flags = "--quantize int4 --compile auto --prepared auto --kv-memory 64MiB --prompt hi"
+    flags = "--quantize int4 --compile auto --prepared auto --kv-memory 64MiB"
     up = subprocess.Popen(
         [sys.executable, "-m", "kvmesh", "up", "--model", tiny_qwen2_dir, *flags.split()],
         env={**os.environ, "KVMESH_CACHE_DIR": str(cache)},
@@ -46,10 +56,16 @@ def test_sigterm_while_compiling_leaves_no_process_and_no_staging_folder(
     )
     try:
         deadline = time.monotonic() + 300
-        while not any("saved_programs" in line for line in processes_with(marker).values()):
+        while (address := gateway_address(log)) is None:
             assert up.poll() is None, log.read_text()[-2000:]
-            assert time.monotonic() < deadline, "no program ever compiled"
+            assert time.monotonic() < deadline, "never ready"
             time.sleep(0.2)
+        request = generate_request(token_ids=[5, 9, 11, 2], max_tokens=4, temperature=0.0)
+        with MeshClient(address) as client:
+            events = list(client.stream(request, timeout=60))
+        assert sum(len(e.delta.token_ids) for e in events if e.HasField("delta")) == 4
+        compiling = [c for c in processes_with(marker).values() if "saved_programs" in c]
+        assert compiling, "answered, but after the programs compiled: nothing showed"
         assert list((cache / "prepared").glob(".*.tmp"))  # what must go
         up.send_signal(signal.SIGTERM)
         stopped = time.monotonic()

@@ -1,0 +1,120 @@
+"""Preparing a model anew, in two halves: `start` packs the weights and runs the warm-up steps,
+which export the step's programs and start compiling each in a child process (minutes on a
+2-core machine, most of a cold start); `finish` waits for them, loads them, records the fixture
+and stores the artifact.
+
+A worker in `wait` mode runs both before it is ready. A served worker in `auto` mode is ready
+after `start`: its steps run the exported graphs eagerly until the server, once the children
+have exited, runs `finish` on the torch thread between two steps, and the compiled step serves
+from the next. The fixture then runs on blocks the scheduler was never given.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from services.engine_worker import preparation_underway
+from services.engine_worker.prepared_artifact import PreparedKey, PreparedStore
+from services.engine_worker.torch_backend.saved_programs import PROGRAM_SUFFIX, ProgramTable
+
+log = logging.getLogger("kvmesh.engine_worker.preparation")
+
+PROGRAMS = "programs"
+# A prepared artifact's own fixture: greedy tokens after a fixed prompt, reproduced at load.
+FIXTURE_PROMPT = tuple(range(1, 25))
+FIXTURE_TOKENS = 4
+
+
+def fixture_blocks(block_size: int) -> int:
+    return -(-(len(FIXTURE_PROMPT) + FIXTURE_TOKENS) // block_size)
+
+
+class Greedy(Protocol):
+    def __call__(
+        self, prompt_ids: list[int], max_tokens: int, first_block: int = 0
+    ) -> list[int]: ...
+
+
+@dataclass
+class Started:
+    """A preparation between its halves; it holds the key's lock until it is stored."""
+
+    runner: Any
+    num_parameters: int
+    key: PreparedKey
+    store: PreparedStore
+    staging: Path
+    table: ProgramTable | None
+    lock: ExitStack
+    token: int = 0  # its entry in preparation_underway
+
+    @property
+    def compiling(self) -> bool:
+        return self.table is not None and self.table.compiling
+
+    def wait_compiled(self) -> None:
+        """Blocks until the compiling children exit (no torch work: any thread)."""
+        if self.table is not None:
+            self.table.wait_children()
+
+
+def start(
+    runner: Any, num_parameters: int, key: PreparedKey, store: PreparedStore, lock: ExitStack
+) -> Started:
+    """Called before the warm-up steps: they compile the programs into the staging folder."""
+    staging = store.begin(key)
+    table = runner.compiled.programs if runner.compiled is not None else None
+    if table is not None:
+        table.record_into(staging / PROGRAMS)
+    started = Started(runner, num_parameters, key, store, staging, table, lock)
+    started.token = preparation_underway.under_way(staging, table)
+    return started
+
+
+def release(started: Started) -> None:
+    """Ends a preparation that will not be finished: its children, staging folder and lock go."""
+    preparation_underway.release(started.token)
+    started.lock.close()
+
+
+def finish(started: Started, greedy: Greedy, first_block: int, phases: dict[str, float]) -> Path:
+    """Loads the compiled programs, records the fixture, stores the artifact (with `phases`,
+    which gains this half's compile wait and store), lets go of the lock; the stored folder. On
+    any failure the staging folder and the children go."""
+    from services.engine_worker.torch_backend.packed_state import save_packed
+
+    table = started.table
+    try:
+        if table is not None:
+            log.info("waiting for the step's programs to compile (AOTInductor, C++)")
+            compiling = time.perf_counter()
+            try:
+                table.finish()
+            finally:
+                table.record_into(None)
+            phases["compile"] = phases.get("compile", 0.0) + time.perf_counter() - compiling
+        fixture = greedy(list(FIXTURE_PROMPT), FIXTURE_TOKENS, first_block)
+        saving = time.perf_counter()
+        files = save_packed(started.runner.model.weights, str(started.staging))
+        programs = sorted(table.compiled) if table is not None else []
+        files += [f"{PROGRAMS}/{name}{PROGRAM_SUFFIX}" for name in programs]
+        stored = started.store.commit(
+            started.key,
+            started.staging,
+            files,
+            {
+                "num_parameters": started.num_parameters,
+                "step_programs": programs,
+                "fixture": {"prompt_ids": list(FIXTURE_PROMPT), "expected_ids": fixture},
+                "phases": {name: round(seconds, 3) for name, seconds in phases.items()},
+            },
+        )
+        phases["store"] = time.perf_counter() - saving
+        return stored.directory
+    finally:
+        release(started)  # abandons what is left when it did not get this far
