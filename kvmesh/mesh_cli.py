@@ -16,7 +16,11 @@ from kvmesh.launcher import Mesh, MeshConfig
 from kvmesh.remote_cli import stream_to_terminal
 from kvmesh.rollout import RolloutController
 from kvmesh.service_process import free_port
-from services.engine_worker.preparation_underway import EAGER_WHILE_COMPILING
+from services.engine_worker.preparation_underway import (
+    COMPILED_SERVING,
+    EAGER_WHILE_COMPILING,
+    PREPARATION_FAILED,
+)
 from shared.errors import KvmeshError, Reason
 from shared.flag_forwarding import scheduler_flag_args, worker_flag_args
 from shared.flags import add_scheduler_flags, add_worker_flags, engine_config, env_default
@@ -158,6 +162,28 @@ def refused_flags(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _wait_for_compiled_steps(mesh: Mesh) -> None:
+    """A one-shot start whose workers answered on the eager step: stopping now would throw
+    their compiling away, so the next start would compile again. Ctrl-C still stops at once."""
+    preparing = [s for s in mesh.services if s.has_logged(EAGER_WHILE_COMPILING)]
+    if not preparing:
+        return
+    print(
+        "kvmesh: waiting for the compiled step to finish compiling and be stored, so that "
+        "later starts take seconds (Ctrl-C stops now; the next start compiles again)",
+        file=sys.stderr,
+    )
+    started = time.perf_counter()
+    while any(
+        s.process.poll() is None
+        and not s.has_logged(COMPILED_SERVING)
+        and not s.has_logged(PREPARATION_FAILED)
+        for s in preparing
+    ):
+        time.sleep(1.0)
+    print(f"kvmesh: stored after {time.perf_counter() - started:.0f}s more", file=sys.stderr)
+
+
 def run_up(args: argparse.Namespace) -> int:
     refused = refused_flags(args)
     if refused is not None:
@@ -209,7 +235,9 @@ def run_up(args: argparse.Namespace) -> int:
         if args.prompt:
             messages = [{"role": "user", "content": args.prompt}]
             request = generate_request(messages=messages, max_tokens=128, temperature=0.0)
-            return stream_to_terminal(mesh.gateway_address, request, None)
+            status = stream_to_terminal(mesh.gateway_address, request, None)
+            _wait_for_compiled_steps(mesh)
+            return status
         print("kvmesh: Ctrl-C drains and stops every service", file=sys.stderr)
         while True:
             time.sleep(3600)

@@ -36,10 +36,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.client import MeshClient, generate_request
 from kvmesh.service_process import free_port
+from services.engine_worker.preparation_underway import COMPILED_SERVING
 from shared.model_paths import default_model_path
 
 PROMPT = "Say hello."
-COMPILED_SERVING = "compiled step serving"  # the worker's log line at the switch
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 QUESTIONS = Path(__file__).with_name("texts") / "parity_questions.txt"
 # A worker in its own process: the 16 parity questions' greedy tokens and their logprobs.

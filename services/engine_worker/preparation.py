@@ -25,7 +25,7 @@ from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.backends import BACKENDS
 from services.engine_worker.compile_cache import cache_root, warm_up_cached
 from services.engine_worker.kv_cache import KVCacheShape
-from services.engine_worker.preparation_underway import EAGER_WHILE_COMPILING
+from services.engine_worker.preparation_underway import EAGER_WHILE_COMPILING, PREPARATION_FAILED
 from services.engine_worker.prepared_artifact import (
     PreparedArtifact,
     PreparedKey,
@@ -181,7 +181,7 @@ def finish_pending(worker: Worker) -> bool:
         finish_preparing(worker, started, worker.preparation, first_block=worker.scratch_start)
         return True
     except Exception:
-        log.exception("preparing the compiled step failed: serving on; the next start prepares")
+        log.exception(PREPARATION_FAILED)
         worker.preparation.source = "off"
         if started.table is not None:
             started.table.eager_fallback = True

@@ -15,6 +15,8 @@ from typing import Any
 # Logged by a worker that answers on its eager step while its compiled step compiles; `kvmesh
 # up` looks for it (this module imports no torch).
 EAGER_WHILE_COMPILING = "serving on the eager step while the compiled step compiles"
+COMPILED_SERVING = "compiled step serving"  # and the artifact stored
+PREPARATION_FAILED = "preparing the compiled step failed: serving on; the next start prepares"
 
 _lock = threading.Lock()
 _tokens = itertools.count(1)

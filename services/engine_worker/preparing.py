@@ -1,12 +1,12 @@
-"""Preparing a model anew, in two halves: `start` packs the weights and runs the warm-up steps,
-which export the step's programs and start compiling each in a child process (minutes on a
-2-core machine, most of a cold start); `finish` waits for them, loads them, records the fixture
-and stores the artifact.
+"""Preparing a model anew, in two halves around the warm-up steps: `start` opens the staging
+folder and points the step's program table at it, so that the warm-up steps export the step's
+programs and start compiling each in a child process (minutes on a 2-core machine, most of a
+cold start); `finish` waits for them, loads them, records the fixture and stores the artifact.
 
 A worker in `wait` mode runs both before it is ready. A served worker in `auto` mode is ready
-after `start`: its steps run the exported graphs eagerly until the server, once the children
-have exited, runs `finish` on the torch thread between two steps, and the compiled step serves
-from the next. The fixture then runs on blocks the scheduler was never given.
+after the warm-up: its steps run the exported graphs eagerly until the server, once the
+children have exited, runs `finish` on the torch thread between two steps, and the compiled
+step serves from the next. The fixture then runs on blocks the scheduler was never given.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.engine_worker.kv_tiers.handover import LeaseEnded
+from services.engine_worker.preparation_underway import COMPILED_SERVING
 from services.engine_worker.step_failures import CircuitBreaker, FaultInjector
 from services.engine_worker.step_telemetry import record_step
 from services.engine_worker.worker import Worker
@@ -144,7 +145,7 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
         compiled = await self._in_torch_thread(worker.finish_preparation)
         self._report_preparation()
         if compiled:
-            log.info("compiled step serving", extra={"preparation": worker.manifest.preparation})
+            log.info(COMPILED_SERVING, extra={"preparation": worker.manifest.preparation})
 
     def _report_preparation(self) -> None:
         worker = self._ready_worker()
