@@ -18,21 +18,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from services.engine_worker import preparing
 from services.engine_worker.artifacts.architecture import ModelArchitecture
 from services.engine_worker.artifacts.loader import ModelArtifact
 from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.backends import BACKENDS
+from services.engine_worker.background_preparation import ChildPreparation, load_programs
 from services.engine_worker.compile_cache import cache_root, warm_up_cached
 from services.engine_worker.kv_cache import KVCacheShape
-from services.engine_worker.preparation_underway import EAGER_WHILE_COMPILING, PREPARATION_FAILED
+from services.engine_worker.preparation_underway import EAGER_WHILE_COMPILING
 from services.engine_worker.prepared_artifact import (
     PreparedArtifact,
     PreparedKey,
     PreparedStore,
     runtime_key_parts,
 )
-from services.engine_worker.torch_backend.saved_programs import PROGRAM_SUFFIX
 from services.engine_worker.torch_backend.step_formats import StepFormats, dtype_name
 from services.engine_worker.torch_backend.weights import int4_source
 from shared.config import EngineConfig
@@ -51,7 +53,7 @@ class Worker(Protocol):
     kv_shape: KVCacheShape
     max_model_len: int
     runner: Any
-    pending_preparation: preparing.Started | None
+    pending_preparation: ChildPreparation | None
     preparation: Preparation
     scratch_start: int  # blocks from here are the worker's own, for fixtures while it serves
 
@@ -118,28 +120,23 @@ def ready_runner(
     formats: StepFormats,
     source_digest: str,
     background: bool = False,
-) -> tuple[Any, int, Preparation, preparing.Started | None]:
+) -> tuple[Any, int, Preparation, ChildPreparation | None]:
     """The runner, loaded and warmed up; the weights' parameter count; how it was made; and,
-    with `background` (a served worker, `--prepared auto`), a preparation whose compiled step is
-    still compiling, for the caller to `finish_pending` between two steps."""
+    with `background` (a served worker, `--prepared auto`) and no artifact stored yet, the
+    child preparing it, for the caller to `finish_pending` between two steps."""
     if not _preparable(worker, formats):
         return (*_from_source(worker, artifact, formats, Preparation()), None)
     key = prepared_key(worker, formats, source_digest)
     store = store_for(worker)
     found, waited = store.lookup(key), 0.0
+    if found.artifact is None and background and worker.config.prepared == "auto":
+        return _in_background(worker, artifact, formats, key, store, found.mismatch)
     if found.artifact is None:
         with ExitStack() as held:
             waited = held.enter_context(store.locked(key))  # another worker may be preparing
             found = store.lookup(key)  # what it stored while this one waited
             if found.artifact is None:
-                if found.mismatch:
-                    log.warning(
-                        "prepared artifact not used: it was made for another runtime; "
-                        "preparing anew",
-                        extra={"mismatch": found.mismatch},
-                    )
-                # Said first: the launcher shows it while a first start waits (minutes).
-                log.info("preparing the model for this machine, once; later starts load it")
+                _say_preparing(found.mismatch)
                 preparation = Preparation("prepared", key.id, mismatch=found.mismatch)
                 preparation.lock_wait_seconds = waited
                 runner, num_parameters = _build(worker, artifact, formats, preparation)
@@ -149,48 +146,58 @@ def ready_runner(
                 except BaseException:
                     preparing.release(started)
                     raise
-                if background and worker.config.prepared == "auto" and started.compiling:
-                    preparation.source = "preparing"
-                    log.info(EAGER_WHILE_COMPILING)
-                    return runner, num_parameters, preparation, started
-                finish_preparing(worker, started, preparation, first_block=0)
+                directory = preparing.finish(started, worker.greedy, preparation.phases)
+                preparation.directory = str(directory)
+                log.info("model prepared and stored", extra=preparation.to_dict())
                 return runner, num_parameters, preparation, None
     preparation = Preparation("loaded", key.id, str(found.artifact.directory))
     preparation.lock_wait_seconds = waited
     return (*_from_prepared(worker, found.artifact, formats, preparation), None)
 
 
-def finish_preparing(
-    worker: Worker, started: preparing.Started, preparation: Preparation, first_block: int
-) -> None:
-    """The compiled programs loaded (they serve from the next step), the artifact stored.
-    `first_block`: where the fixture's scratch blocks start."""
-    directory = preparing.finish(started, worker.greedy, first_block, preparation.phases)
-    preparation.source, preparation.directory = "prepared", str(directory)
-    log.info("model prepared and stored", extra=preparation.to_dict())
+def _say_preparing(mismatch: str) -> None:
+    if mismatch:
+        log.warning(
+            "prepared artifact not used: it was made for another runtime; preparing anew",
+            extra={"mismatch": mismatch},
+        )
+    # Said first: the launcher shows it while a first start waits (minutes).
+    log.info("preparing the model for this machine, once; later starts load it")
 
 
-def finish_pending(worker: Worker) -> bool:
-    """A served worker's preparation finished between two steps; whether the compiled step
-    serves. If its programs failed to compile, the eager step serves on and the next start
-    prepares again."""
-    started, worker.pending_preparation = worker.pending_preparation, None
-    if started is None:
-        return False
+def _in_background(
+    worker: Worker,
+    artifact: ModelArtifact,
+    formats: StepFormats,
+    key: PreparedKey,
+    store: PreparedStore,
+    mismatch: str,
+) -> tuple[Any, int, Preparation, ChildPreparation]:
+    """The child started first (both pack at once), then this worker's own runner, its step
+    run eagerly until the child's programs are loaded."""
+    _say_preparing(mismatch)
+    child = ChildPreparation(worker.config, key, store)
+    # A core left to the child: a torch pool whose threads lose their core to another process
+    # stalls at every barrier (a 54-token answer took 30 s on 2 cores with both threads).
+    child.serving_threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, child.serving_threads - 1))
     try:
-        finish_preparing(worker, started, worker.preparation, first_block=worker.scratch_start)
-        return True
-    except Exception:
-        log.exception(PREPARATION_FAILED)
-        worker.preparation.source = "off"
-        if started.table is not None:
-            started.table.eager_fallback = True
-        return False
+        preparation = Preparation("preparing", key.id, mismatch=mismatch)
+        runner, num_parameters = _build(worker, artifact, formats, preparation)
+        if runner.compiled is not None:
+            runner.compiled.programs.eager_fallback = True
+        _warm_up(worker, runner, formats, preparation)
+    except BaseException:
+        child.stop()
+        torch.set_num_threads(child.serving_threads)
+        raise
+    log.info(EAGER_WHILE_COMPILING)
+    return runner, num_parameters, preparation, child
 
 
 def _preparable(worker: Worker, formats: StepFormats) -> bool:
     config = worker.config
-    return config.prepared == "auto" and worker.backend == "torch" and formats.weights == "packed"
+    return config.prepared != "off" and worker.backend == "torch" and formats.weights == "packed"
 
 
 def _from_source(
@@ -253,10 +260,7 @@ def _from_prepared(
     runner = _runner(worker, formats, weights)
     manifest = stored.manifest
     if runner.compiled is not None:
-        programs = stored.directory / preparing.PROGRAMS
-        runner.compiled.load_programs(
-            {name: programs / f"{name}{PROGRAM_SUFFIX}" for name in manifest["step_programs"]}
-        )
+        load_programs(runner.compiled, stored)
     loaded = time.perf_counter()
     worker.runner = runner
     # Its fixture is its warm-up: a prefill step, then decode steps, through both programs

@@ -2,11 +2,8 @@
 folder and points the step's program table at it, so that the warm-up steps export the step's
 programs and start compiling each in a child process (minutes on a 2-core machine, most of a
 cold start); `finish` waits for them, loads them, records the fixture and stores the artifact.
-
-A worker in `wait` mode runs both before it is ready. A served worker in `auto` mode is ready
-after the warm-up: its steps run the exported graphs eagerly until the server, once the
-children have exited, runs `finish` on the torch thread between two steps, and the compiled
-step serves from the next. The fixture then runs on blocks the scheduler was never given.
+Until it is stored, the preparation is registered in preparation_underway, so that a stopped
+worker leaves neither compilers nor a staging folder behind.
 """
 
 from __future__ import annotations
@@ -35,9 +32,7 @@ def fixture_blocks(block_size: int) -> int:
 
 
 class Greedy(Protocol):
-    def __call__(
-        self, prompt_ids: list[int], max_tokens: int, first_block: int = 0
-    ) -> list[int]: ...
+    def __call__(self, prompt_ids: list[int], max_tokens: int) -> list[int]: ...
 
 
 @dataclass
@@ -53,15 +48,6 @@ class Started:
     lock: ExitStack
     token: int = 0  # its entry in preparation_underway
 
-    @property
-    def compiling(self) -> bool:
-        return self.table is not None and self.table.compiling
-
-    def wait_compiled(self) -> None:
-        """Blocks until the compiling children exit (no torch work: any thread)."""
-        if self.table is not None:
-            self.table.wait_children()
-
 
 def start(
     runner: Any, num_parameters: int, key: PreparedKey, store: PreparedStore, lock: ExitStack
@@ -72,7 +58,9 @@ def start(
     if table is not None:
         table.record_into(staging / PROGRAMS)
     started = Started(runner, num_parameters, key, store, staging, table, lock)
-    started.token = preparation_underway.under_way(staging, table)
+    started.token = preparation_underway.under_way(
+        lambda: preparation_underway.abandon_staging(staging, table)
+    )
     return started
 
 
@@ -82,7 +70,7 @@ def release(started: Started) -> None:
     started.lock.close()
 
 
-def finish(started: Started, greedy: Greedy, first_block: int, phases: dict[str, float]) -> Path:
+def finish(started: Started, greedy: Greedy, phases: dict[str, float]) -> Path:
     """Loads the compiled programs, records the fixture, stores the artifact (with `phases`,
     which gains this half's compile wait and store), lets go of the lock; the stored folder. On
     any failure the staging folder and the children go."""
@@ -98,7 +86,7 @@ def finish(started: Started, greedy: Greedy, first_block: int, phases: dict[str,
             finally:
                 table.record_into(None)
             phases["compile"] = phases.get("compile", 0.0) + time.perf_counter() - compiling
-        fixture = greedy(list(FIXTURE_PROMPT), FIXTURE_TOKENS, first_block)
+        fixture = greedy(list(FIXTURE_PROMPT), FIXTURE_TOKENS)
         saving = time.perf_counter()
         files = save_packed(started.runner.model.weights, str(started.staging))
         programs = sorted(table.compiled) if table is not None else []

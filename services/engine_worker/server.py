@@ -18,7 +18,7 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.engine_worker.kv_tiers.handover import LeaseEnded
-from services.engine_worker.preparation_underway import COMPILED_SERVING
+from services.engine_worker.preparation_underway import COMPILED_SERVING, PREPARATION_FAILED
 from services.engine_worker.step_failures import CircuitBreaker, FaultInjector
 from services.engine_worker.step_telemetry import record_step
 from services.engine_worker.worker import Worker
@@ -29,7 +29,7 @@ from shared.codec import (
     result_to_pb,
 )
 from shared.config import EngineConfig
-from shared.errors import KvmeshError, Reason
+from shared.errors import KvmeshError, ModelValidationError, Reason
 from shared.heap import freeze_startup_heap
 from shared.metrics import TOKEN_SECONDS
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
@@ -135,13 +135,15 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
             self._preparing = asyncio.create_task(self._finish_preparation(self.worker))
 
     async def _finish_preparation(self, worker: Worker) -> None:
-        """Serving on the eager step meanwhile: the compiled programs switched in between two
-        steps once their compilers have exited (preparing.py)."""
+        """Serving on the eager step meanwhile: the stored programs switched in between two
+        steps once the child preparing them has exited (background_preparation.py)."""
         pending = worker.pending_preparation
         if pending is not None:
-            await asyncio.to_thread(pending.wait_compiled)  # no torch work: off the torch thread
-        if self.runtime.draining:  # stopped: its compilers were stopped, nothing to store
-            return
+            try:  # the child's exit and the artifact's digests: off the torch thread
+                await asyncio.to_thread(pending.wait)
+            except (RuntimeError, ModelValidationError) as error:
+                if not self.runtime.draining:  # stopped: the child was stopped
+                    log.error(PREPARATION_FAILED, extra={"error": str(error)[-1000:]})
         compiled = await self._in_torch_thread(worker.finish_preparation)
         self._report_preparation()
         if compiled:

@@ -13,6 +13,7 @@ import torch
 
 from services.engine_worker.artifacts.loader import open_artifact
 from services.engine_worker.backends import backend_for_model
+from services.engine_worker.background_preparation import finish_pending
 from services.engine_worker.capacity import check_worker_fits, served_context
 from services.engine_worker.grammar import GrammarCompiler
 from services.engine_worker.kv_cache import KVCacheShape
@@ -20,7 +21,7 @@ from services.engine_worker.kv_tiers.handover import Exports
 from services.engine_worker.kv_tiers.transfer import BlockTransfer
 from services.engine_worker.manifest import artifact_digests, combined_digest, describe
 from services.engine_worker.persistent_batch import HeldRequests
-from services.engine_worker.preparation import finish_pending, ready_runner
+from services.engine_worker.preparation import ready_runner
 from services.engine_worker.preparing import fixture_blocks
 from services.engine_worker.step_failures import (
     FaultInjector,

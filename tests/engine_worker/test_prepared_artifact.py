@@ -48,7 +48,7 @@ eager = {}
 if background:
     eager = {"source": worker.manifest.preparation["source"], "kv_blocks": worker.num_kv_blocks,
              "outputs": outputs()}
-    worker.pending_preparation.wait_compiled()
+    worker.pending_preparation.wait()
     worker.finish_preparation()
 result = outputs()
 dynamo = "torch._dynamo.convert_frame" in sys.modules

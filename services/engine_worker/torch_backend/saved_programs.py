@@ -163,8 +163,9 @@ class ProgramTable:
         self.compile_seconds = 0.0  # exporting, and waiting for the compiling processes
         self._folder: Path | None = None
         self._compiling: dict[str, _Compiling] = {}
-        # Programs that failed to compile while the worker served: the function runs eagerly
-        # on, rather than a lazy trace stalling a live step.
+        # No program yet and none to trace: the function runs eagerly (a worker serving while
+        # its programs are prepared elsewhere, or after they failed), never a lazy trace that
+        # would stall a live step for minutes.
         self.eager_fallback = False
 
     def record_into(self, folder: Path | None) -> None:
@@ -183,15 +184,6 @@ class ProgramTable:
             self._compiling[name] = _Compiling(function, args, package, options.get("options"))
             self.compile_seconds += time.perf_counter() - started
         return function
-
-    @property
-    def compiling(self) -> bool:
-        return bool(self._compiling)
-
-    def wait_children(self) -> None:
-        """Blocks until every compiling child has exited (any thread: nothing is loaded)."""
-        for compiling in list(self._compiling.values()):
-            compiling.process.wait()
 
     def finish(self) -> None:
         """Waits for the programs compiling and loads them."""
