@@ -13,6 +13,7 @@ Redis is not ours to change: the launcher starts it with the kernel's parent-dea
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -46,14 +47,29 @@ def _watch(parent: int) -> None:
     os._exit(1)
 
 
-def parent_death_signal(signum: int = signal.SIGKILL) -> Callable[[], None] | None:
-    """For a child we do not own the code of (redis-server), or one that must not outlive us (a
-    compiling child): a preexec_fn that has the kernel send it `signum` when the thread that
-    started it exits. libc is looked up here, in the parent: the child between fork and exec
-    only makes the one call. None where there is no prctl."""
+def parent_death_signal() -> Callable[[], None] | None:
+    """For a child we do not own the code of (redis-server): a preexec_fn that has the kernel
+    SIGKILL it when the thread that started it exits. libc is looked up here, in the parent:
+    the child between fork and exec only makes the one call. None where there is no prctl.
+    Not for a parent with other threads (a gRPC server's): see `die_with_parent`."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
-    number = int(signum)
-    return lambda: prctl(_PR_SET_PDEATHSIG, number)
+    kill = int(signal.SIGKILL)
+    return lambda: prctl(_PR_SET_PDEATHSIG, kill)
+
+
+PARENT_PID_ENV = "KVMESH_STARTED_BY_PID"
+
+
+def die_with_parent(signum: int) -> None:
+    """Called first thing by a child of ours (a compiling or preparing child): the kernel sends
+    it `signum` when the thread that started it exits. Set by the child itself: a preexec_fn is
+    unsafe in a process with other threads (Python's subprocess documentation), and a worker
+    has gRPC's. A parent already gone by then is caught too."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signum))
+    expected = os.environ.get(PARENT_PID_ENV)
+    if expected and int(expected) != os.getppid():
+        os.kill(os.getpid(), signum)

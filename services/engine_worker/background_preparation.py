@@ -30,7 +30,7 @@ from services.engine_worker.prepared_artifact import PreparedArtifact, PreparedK
 from services.engine_worker.preparing import PROGRAMS
 from services.engine_worker.torch_backend.saved_programs import PROGRAM_SUFFIX
 from shared.config import EngineConfig, KVTierConfig
-from shared.parent_watch import parent_death_signal
+from shared.parent_watch import PARENT_PID_ENV
 
 log = logging.getLogger("kvmesh.engine_worker.preparation")
 
@@ -64,7 +64,7 @@ class ChildPreparation:
                 stdout=out,
                 stderr=out,
                 start_new_session=True,
-                preexec_fn=parent_death_signal(signal.SIGTERM),
+                env={**os.environ, PARENT_PID_ENV: str(os.getpid())},
             )
         if self.process.stdin is not None:
             self.process.stdin.write(pickle.dumps(child_config(config)))

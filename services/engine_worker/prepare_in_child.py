@@ -13,6 +13,7 @@ from typing import NoReturn
 
 from services.engine_worker.worker import Worker
 from shared.logs import configure_logging
+from shared.parent_watch import die_with_parent
 
 CHILD_NICENESS = 10
 
@@ -24,6 +25,7 @@ def _stopped(signum: int, frame: object) -> NoReturn:
 
 def main() -> int:
     signal.signal(signal.SIGTERM, _stopped)
+    die_with_parent(signal.SIGTERM)
     # Below the serving worker, which answers meanwhile: its steps take the cores they need
     # and this child (and the compilers it starts) the rest.
     os.nice(CHILD_NICENESS)

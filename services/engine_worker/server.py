@@ -127,6 +127,9 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
         except KvmeshError as error:
             log.error("model refused", extra={"reason": error.reason.value, "error": error.message})
             raise
+        except Exception:
+            log.exception("model failed to load")
+            raise
         self._report_preparation()
         log.info("ready", extra={"manifest": self.worker.manifest.to_dict()})
         freeze_startup_heap()

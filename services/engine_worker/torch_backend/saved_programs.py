@@ -36,7 +36,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 import torch.utils._pytree as pytree
 
-from shared.parent_watch import parent_death_signal
+from shared.parent_watch import PARENT_PID_ENV, die_with_parent
 
 # AOTInductor's package format: the library, its wrapper source and metadata, in one zip.
 PROGRAM_SUFFIX = ".pt2"
@@ -119,6 +119,7 @@ class _Compiling:
         }
         command = [sys.executable, "-m", __name__, str(self.exported), str(package)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env[PARENT_PID_ENV] = str(os.getpid())
         self.log = package.with_suffix(".log")  # a file: a full pipe would stall the child
         with open(self.log, "w") as log:
             # A session of its own: a kill reaches the C++ compilers it starts too. It is told
@@ -129,7 +130,6 @@ class _Compiling:
                 stdout=log,
                 stderr=log,
                 start_new_session=True,
-                preexec_fn=parent_death_signal(signal.SIGTERM),
             )
 
     def kill(self) -> None:
@@ -213,6 +213,7 @@ def _compile(exported: str, package: str, settings: dict[str, Any]) -> None:
 
     # Sent by the kernel when the worker dies: this process's group (its C++ compilers) with it.
     signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+    die_with_parent(signal.SIGTERM)
 
     for module in settings["modules"]:
         importlib.import_module(module)
