@@ -15,7 +15,7 @@ from kvmesh.control_server import serve_control
 from kvmesh.launcher import Mesh, MeshConfig
 from kvmesh.remote_cli import stream_to_terminal
 from kvmesh.rollout import RolloutController
-from kvmesh.service_process import free_port
+from kvmesh.service_process import PROGRESS_EVERY_S, free_port
 from services.engine_worker.preparation_underway import (
     COMPILED_SERVING,
     EAGER_WHILE_COMPILING,
@@ -174,6 +174,7 @@ def _wait_for_compiled_steps(mesh: Mesh) -> None:
         file=sys.stderr,
     )
     started = time.perf_counter()
+    next_note = started + PROGRESS_EVERY_S
     while any(
         s.process.poll() is None
         and not s.has_logged(COMPILED_SERVING)
@@ -181,7 +182,16 @@ def _wait_for_compiled_steps(mesh: Mesh) -> None:
         for s in preparing
     ):
         time.sleep(1.0)
-    print(f"kvmesh: stored after {time.perf_counter() - started:.0f}s more", file=sys.stderr)
+        if time.perf_counter() >= next_note:
+            print(f"kvmesh: still compiling ({next_note - started:.0f}s)", file=sys.stderr)
+            next_note += PROGRESS_EVERY_S
+    failed = [s.name for s in preparing if not s.has_logged(COMPILED_SERVING)]
+    took = f"{time.perf_counter() - started:.0f}s"
+    if failed:
+        names = ", ".join(failed)
+        print(f"kvmesh: {names}: no compiled step stored ({took}; see its log)", file=sys.stderr)
+    else:
+        print(f"kvmesh: compiled and stored after {took} more", file=sys.stderr)
 
 
 def run_up(args: argparse.Namespace) -> int:
