@@ -252,16 +252,16 @@ def test_a_failed_capture_runs_eagerly_and_the_manifest_says_why(
 def test_the_fit_check_counts_what_the_runner_allocates_before_allocating(
     checkpoints, monkeypatch
 ) -> None:
-    from services.engine_worker import worker
+    from services.engine_worker import capacity
 
     checked: list[dict[str, int]] = []
-    original = worker.check_memory_fits
+    original = capacity.check_memory_fits
 
     def recording(parts: dict[str, int], backend: str) -> None:
         checked.append(dict(parts))
         original(parts, backend)
 
-    monkeypatch.setattr(worker, "check_memory_fits", recording)
+    monkeypatch.setattr(capacity, "check_memory_fits", recording)
     with installed() as state:
         ours = engine(checkpoints["llama"], "cupy")
         loaded = state.allocated_bytes
