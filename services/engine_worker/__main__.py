@@ -54,8 +54,8 @@ async def serve(args: argparse.Namespace) -> None:
 
     loading.add_done_callback(stop_if_refused)
     await runtime.serve_until_signalled(args.drain_seconds)
-    # Stopped while preparing (before ready, or serving while the compiled step compiles): its
-    # compilers stop now rather than finish minutes later.
+    # Stopped while preparing (before ready, or serving while a child prepares): the child or
+    # the compilers stop now rather than finish minutes later.
     abandoned = abandon_all()
     if not loading.done():  # the torch thread is busy loading: not waited for
         logging.getLogger("kvmesh").warning(

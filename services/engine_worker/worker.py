@@ -56,7 +56,8 @@ class Worker:
 
     def __init__(self, config: EngineConfig, background_preparation: bool = False) -> None:
         """`background_preparation`: a served worker, whose server runs `finish_preparation`
-        between steps once the compiled step has compiled (preparing.py)."""
+        between two steps once its child has stored the prepared artifact
+        (background_preparation.py)."""
         started = time.perf_counter()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -138,9 +139,9 @@ class Worker:
         return self.scratch_start
 
     def finish_preparation(self) -> bool:
-        """Between two steps, once the compiled programs have compiled: they serve from the
-        next step, the prepared artifact is stored, the manifest says so (preparation.py).
-        False: they failed, and the eager step serves on."""
+        """Between two steps, once the child has stored the prepared artifact: its programs
+        serve from the next step and the manifest says so (background_preparation.py).
+        False: the eager step serves on."""
         compiled = finish_pending(self)
         self.manifest = dataclasses.replace(self.manifest, preparation=self.preparation.to_dict())
         return compiled
