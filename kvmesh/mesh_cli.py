@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -27,6 +28,7 @@ from shared.flags import add_scheduler_flags, add_worker_flags, engine_config, e
 from shared.gateway_flags import add_gateway_flags, gateway_flag_args
 from shared.handover_flags import add_handover_flags, handover_flag_args
 from shared.metrics import serve_metrics
+from shared.model_paths import resolve_model_path
 from shared.model_repository import ModelRepository
 from shared.tenants import ApiKeys
 
@@ -149,16 +151,27 @@ def _interrupted(signum: int, frame: object) -> None:
 
 
 def refused_flags(args: argparse.Namespace) -> str | None:
-    """Why the engine configuration every worker builds from the forwarded flags is invalid,
-    found here, before any service starts (a worker would exit with it seconds later)."""
+    """Why the flags are invalid, found here, before any service starts (a service would exit
+    with it seconds later): the engine configuration every worker builds from them, the
+    model's path, the KV disk folder, the ports."""
     checked = argparse.Namespace(**vars(args))
     checked.kv_redis = checked.kv_redis or "redis://mesh"  # the mesh's own, named at start
     try:
-        engine_config(checked)
+        config = engine_config(checked)
+        if args.model:
+            resolve_model_path(args.model)
     except KvmeshError as error:
         return error.message
     except ValueError as error:  # a size such as --kv-memory that does not parse
         return str(error)
+    if "disk" in config.kv_tiers.tiers and config.kv_tiers.disk_dir:
+        try:  # the worker creates it too: here a bad path costs no start
+            os.makedirs(config.kv_tiers.disk_dir, exist_ok=True)
+        except OSError as error:
+            return f"--kv-disk-dir {config.kv_tiers.disk_dir!r}: {error.strerror}"
+    for name, value in sorted(vars(args).items()):
+        if name.endswith("port") and isinstance(value, int) and not -1 <= value <= 65535:
+            return f"--{name.replace('_', '-')} {value}: not a port (0-65535)"
     return None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from shared.errors import KvmeshError, Reason
 
@@ -133,6 +134,15 @@ class SchedulerConfig:
 
 PREPARED_MODES = ("auto", "wait", "off")
 KV_TIERS = ("host", "disk", "redis")
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def is_redis_url(url: str) -> bool:
+    """A URL redis-py can connect with: its scheme, and a host or a socket path."""
+    parts = urlsplit(url)
+    return parts.scheme in REDIS_SCHEMES and bool(parts.netloc or parts.path)
+
+
 KV_WRITE_POLICIES = ("through", "back")
 
 
@@ -166,6 +176,10 @@ class KVTierConfig:
         _require(
             "redis" not in self.tiers or bool(self.redis_url),
             "the redis kv tier needs a Redis URL (--kv-redis, or the mesh's --redis)",
+        )
+        _require(
+            not self.redis_url or is_redis_url(self.redis_url),
+            f"--kv-redis must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}",
         )
         _require(self.write_queue_blocks > 0, "the kv write queue needs room for a block")
         _require(self.load_min_tokens >= 0, "kv load min tokens must be >= 0")
