@@ -193,9 +193,9 @@ def main() -> int:
         cache = Path(scratch) / "cache"
         # Before prepared models: the step compiled lazily, Inductor's cache empty.
         results["kvmesh up, cold, --prepared off"] = mesh_start(Path(scratch) / "off", 1, "off")
-        # Today's first start: ready once the compiled step serves (as before this release).
+        # Ready only once the compiled step serves.
         results["kvmesh up, cold, --prepared wait"] = mesh_start(Path(scratch) / "wait", 1, "wait")
-        # The default: answers on the eager step, the compiled one switched in when compiled.
+        # The default: the eager step answers while a child prepares the compiled one.
         results["kvmesh up, cold"] = mesh_start(cache, until_compiled=True)
         # Warm starts take seconds: the median of three, each a fresh process tree.
         results["kvmesh up, warm"] = median_of(3, lambda: mesh_start(cache))

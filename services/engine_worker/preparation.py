@@ -53,13 +53,10 @@ class Worker(Protocol):
     kv_shape: KVCacheShape
     max_model_len: int
     runner: Any
-    pending_preparation: ChildPreparation | None
-    preparation: Preparation
-    scratch_start: int  # blocks from here are the worker's own, for fixtures while it serves
 
     def warm_up(self) -> None: ...
 
-    def greedy(self, prompt_ids: list[int], max_tokens: int, first_block: int = 0) -> list[int]: ...
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]: ...
 
 
 log = logging.getLogger("kvmesh.engine_worker.preparation")

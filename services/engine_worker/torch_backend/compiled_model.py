@@ -253,7 +253,9 @@ class CompiledCausalLM:
             model.signed_sin,
         )
         name = "step-prefill" if prefilling else "step-decode"
-        program = self.programs.programs.get(name)
+        program: Callable[..., torch.Tensor] | None = self.programs.programs.get(name)
+        if program is None and self.programs.eager_fallback:  # nothing to mark, export or trace
+            program = _graph
         if program is None:
             return self._traced(name, batch, args)
         with torch.inference_mode():

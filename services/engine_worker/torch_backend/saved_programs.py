@@ -176,7 +176,7 @@ class ProgramTable:
     ) -> Callable[..., Any] | None:
         program = self.programs.get(name)
         if program is not None or self._folder is None:
-            return function if program is None and self.eager_fallback else program
+            return program
         if name not in self._compiling:
             started = time.perf_counter()
             self._folder.mkdir(parents=True, exist_ok=True)
