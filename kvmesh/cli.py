@@ -16,10 +16,13 @@ from kvmesh.models_cli import add_models_parser, run_models
 from kvmesh.prepare_cli import add_prepare_parser, run_prepare
 from kvmesh.remote_cli import add_remote_flags, run_chat, run_remote_generate
 from kvmesh.trace_cli import add_trace_parser, run_trace
+from services.engine_worker.config import ENGINE_SETTINGS, engine_config
+from services.scheduler.config import BATCHING_SETTINGS, scheduler_config
+from shared.config import EngineConfig
 from shared.errors import KvmeshError
-from shared.flags import add_engine_flags, engine_config
 from shared.pb.kvmesh.v1 import common_pb2
 from shared.sampling import ResponseFormat, SamplingParams
+from shared.settings import SettingError, SettingsParser, add_settings
 
 # Commands run as another package's module, by name: `kvmesh` does not import the benchmarks.
 DELEGATED = {"bench": "loadtest.bench_cli"}
@@ -70,8 +73,16 @@ def _add_response_format_flags(parser: argparse.ArgumentParser) -> None:
     exclusive.add_argument("--grammar", help="a Lark grammar, inline or a file path")
 
 
+# The in-process engine (`generate`, `manifest`) is a worker and its scheduler in one process.
+IN_PROCESS_SETTINGS = (*ENGINE_SETTINGS, *BATCHING_SETTINGS)
+
+
+def in_process_config(args: argparse.Namespace) -> EngineConfig:
+    return engine_config(args, scheduler_config(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
+    parser = SettingsParser(prog="kvmesh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser(
         "generate", help="generate from a prompt or a JSONL file of prompts"
@@ -94,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--logprobs", type=int, help="return the top N logprobs per token")
     generate.add_argument("--ignore-eos", action="store_true")
     _add_response_format_flags(generate)
-    add_engine_flags(generate)
+    add_settings(generate, IN_PROCESS_SETTINGS)
     add_remote_flags(generate)
     chat = commands.add_parser("chat", help="a conversation with a running mesh (--addr)")
     chat.add_argument(
@@ -110,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--seed", type=int)
     add_up_parser(commands)
     manifest = commands.add_parser("manifest", help="load a model and print its manifest as JSON")
-    add_engine_flags(manifest)
+    add_settings(manifest, IN_PROCESS_SETTINGS)
     add_trace_parser(commands)
     # Listed for --help; main() hands `bench` to the load generator before parsing.
     commands.add_parser("bench", help=BENCH_HELP, add_help=False)
@@ -152,7 +163,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         args.addr = run_file.gateway(args.addr)
         return run_remote_generate(args, _remote_sampling(args))
     sampling = _sampling(args)
-    engine = Engine(engine_config(args))
+    engine = Engine(in_process_config(args))
     if args.prompt:
         prompt = (
             args.prompt
@@ -198,7 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in DELEGATED:
         os.execv(sys.executable, [sys.executable, "-m", DELEGATED[argv[0]], *argv[1:]])
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SettingError as error:
+        print(error, file=sys.stderr)
+        return 2  # argparse's status, in one line
     try:
         if args.command == "generate":
             return _run_generate(args)
@@ -217,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_prepare(args)
         from kvmesh.engine import Engine
 
-        print(json.dumps(Engine(engine_config(args)).manifest, indent=2))
+        print(json.dumps(Engine(in_process_config(args)).manifest, indent=2))
         return 0
     except KvmeshError as error:
         print(f"kvmesh: error: {error}", file=sys.stderr)

@@ -14,12 +14,14 @@ import time
 
 from kvmesh.local_redis import redis_command, wait_for_redis
 from kvmesh.mesh_config import MeshConfig, ModelPair
+from kvmesh.mesh_settings import serving_args
 from kvmesh.service_process import ServiceProcess, free_port
 from kvmesh.supervisor import Supervisor
 from shared.model_entry import ModelEntry
 from shared.model_paths import default_embedding_model_path, is_encoder
 from shared.model_repository import ModelRepository
 from shared.service import LIVENESS
+from shared.settings import SCHEDULER, WORKER
 from shared.tls import tls_config
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # the name clients use for the default embedding model
@@ -157,7 +159,7 @@ class Mesh:
         while any(s.name == f"engine-worker-{suffix}" for s in self.services):
             index += 1
             suffix = f"{entry.name}-{entry.version}-{index}"
-        worker_args = [*config.pair_worker_args, *entry.serving.worker_args()]
+        worker_args = [*config.pair_worker_args, *serving_args(entry, WORKER)]
         worker = self._spawn(
             f"engine-worker-{suffix}",
             "services.engine_worker",
@@ -167,7 +169,7 @@ class Mesh:
         )
         self.worker_addresses.append(worker)
         worker_process = self.services[-1]
-        scheduler_args = [*config.scheduler_args, *entry.serving.scheduler_args()]
+        scheduler_args = [*config.scheduler_args, *serving_args(entry, SCHEDULER)]
         if self.redis_url is None:
             raise RuntimeError("a scheduler needs the mesh's Redis, which is not started yet")
         scheduler = self._spawn(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
@@ -14,6 +13,7 @@ from kvmesh import run_file
 from kvmesh.client import generate_request
 from kvmesh.control_server import serve_control
 from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh_settings import UP_SETTINGS, refused, service_args
 from kvmesh.remote_cli import stream_to_terminal
 from kvmesh.rollout import RolloutController
 from kvmesh.service_process import PROGRESS_EVERY_S, free_port
@@ -23,35 +23,31 @@ from services.engine_worker.preparation_underway import (
     PREPARATION_FAILED,
 )
 from shared.errors import KvmeshError, Reason
-from shared.flag_forwarding import scheduler_flag_args, worker_flag_args
-from shared.flags import add_scheduler_flags, add_worker_flags, engine_config, env_default
-from shared.gateway_flags import add_gateway_flags, gateway_flag_args
-from shared.handover_flags import add_handover_flags, handover_flag_args
 from shared.metrics import serve_metrics
-from shared.model_paths import resolve_model_path
 from shared.model_repository import ModelRepository
+from shared.settings import GATEWAY, SCHEDULER, WORKER, add_settings, env_default, port, whole
 from shared.tenants import ApiKeys
 
 
 def add_up_parser(commands: argparse._SubParsersAction) -> None:
     up = commands.add_parser("up", help="start the whole mesh on this machine (Ctrl-C stops it)")
-    up.add_argument("--workers", type=int, default=1, help="engine-worker + scheduler pairs")
+    up.add_argument("--workers", type=whole(0), default=1, help="engine-worker + scheduler pairs")
     up.add_argument(
         "--prefill-workers",
-        type=int,
+        type=whole(0),
         default=0,
         help="pairs that only prefill, handing each request over to a decode pair (with "
         "--decode-workers, instead of --workers)",
     )
     up.add_argument(
-        "--decode-workers", type=int, default=0, help="pairs that decode what was handed over"
+        "--decode-workers", type=whole(0), default=0, help="pairs that decode what was handed over"
     )
     up.add_argument("--redis", help="use this Redis (redis://HOST:PORT) instead of starting one")
     up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=50051, help="gateway port; 0 picks a free one")
+    up.add_argument("--port", type=port, default=50051, help="gateway port; 0 picks a free one")
     up.add_argument(
         "--http-port",
-        type=int,
+        type=port,
         default=8000,
         help="the gateway's OpenAI-compatible HTTP port; 0 picks a free one, -1: off",
     )
@@ -76,7 +72,7 @@ def add_up_parser(commands: argparse._SubParsersAction) -> None:
     )
     up.add_argument(
         "--control-port",
-        type=int,
+        type=port,
         default=50050,
         help="rollout control (`kvmesh models deploy`); 0 picks a free one, -1: off",
     )
@@ -87,22 +83,19 @@ def add_up_parser(commands: argparse._SubParsersAction) -> None:
     )
     up.add_argument(
         "--metrics-port",
-        type=int,
+        type=port,
         default=0,
         help="this launcher's Prometheus endpoint (services restarted), on --host; 0 picks a "
         "free one, -1: off",
     )
-    add_worker_flags(up)  # forwarded to every engine-worker
-    add_scheduler_flags(up, step_limits=False)  # forwarded to every scheduler
-    add_handover_flags(up, per_pair=False)  # forwarded too; each pair's role is ours
-    add_gateway_flags(up)  # forwarded to the gateway
+    add_settings(up, UP_SETTINGS)  # the services' own, forwarded to each (mesh_settings.py)
     up.add_argument(
         "--prompt",
         help="once ready, stream one answer to this prompt through the gateway, then stop",
     )
 
 
-def mesh_config(args: argparse.Namespace) -> MeshConfig:
+def served_models(args: argparse.Namespace) -> list[str]:
     models = [spec for spec in args.models.split(",") if spec]
     if not models and args.model_repo:
         models = ModelRepository(args.model_repo).names()
@@ -111,6 +104,12 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
                 Reason.MODEL_NOT_FOUND,
                 f"no models in {args.model_repo}: add one with `kvmesh models add NAME PATH`",
             )
+    return models
+
+
+def mesh_config(args: argparse.Namespace, models: list[str] | None = None) -> MeshConfig:
+    if models is None:
+        models = served_models(args)
     return MeshConfig(
         model=args.model,
         workers=args.workers,
@@ -124,9 +123,9 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
         gateway_port=args.port,
         http_port=None if args.http_port < 0 else args.http_port,
         worker_threads=args.threads,
-        worker_args=worker_flag_args(args),
-        scheduler_args=scheduler_flag_args(args) + handover_flag_args(args),
-        gateway_args=gateway_flag_args(args),
+        worker_args=service_args(args, WORKER),
+        scheduler_args=service_args(args, SCHEDULER),
+        gateway_args=service_args(args, GATEWAY),
         log_dir=args.log_dir,
         supervise=not args.no_restart,
     )
@@ -148,31 +147,6 @@ def mesh_addresses(mesh: Mesh, control: str, own_metrics: str = "") -> dict[str,
 
 def _interrupted(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
-
-
-def refused_flags(args: argparse.Namespace) -> str | None:
-    """Why the flags are invalid, found here, before any service starts (a service would exit
-    with it seconds later): the engine configuration every worker builds from them, the
-    model's path, the KV disk folder, the ports."""
-    checked = argparse.Namespace(**vars(args))
-    checked.kv_redis = checked.kv_redis or "redis://mesh"  # the mesh's own, named at start
-    try:
-        config = engine_config(checked)
-        if args.model:
-            resolve_model_path(args.model)
-    except KvmeshError as error:
-        return error.message
-    except ValueError as error:  # a size such as --kv-memory that does not parse
-        return str(error)
-    if "disk" in config.kv_tiers.tiers and config.kv_tiers.disk_dir:
-        try:  # the worker creates it too: here a bad path costs no start
-            os.makedirs(config.kv_tiers.disk_dir, exist_ok=True)
-        except OSError as error:
-            return f"--kv-disk-dir {config.kv_tiers.disk_dir!r}: {error.strerror}"
-    for name, value in sorted(vars(args).items()):
-        if name.endswith("port") and isinstance(value, int) and not -1 <= value <= 65535:
-            return f"--{name.replace('_', '-')} {value}: not a port (0-65535)"
-    return None
 
 
 def _wait_for_compiled_steps(mesh: Mesh) -> None:
@@ -208,11 +182,15 @@ def _wait_for_compiled_steps(mesh: Mesh) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    refused = refused_flags(args)
-    if refused is not None:
-        print(f"kvmesh up: error: {refused}", file=sys.stderr)
+    try:
+        models = served_models(args)
+        refusal = refused(args, models)
+    except KvmeshError as error:
+        refusal = error.message
+    if refusal is not None:
+        print(f"kvmesh up: error: {refusal}", file=sys.stderr)
         return 2  # argparse's status for a bad argument
-    mesh = Mesh(mesh_config(args))
+    mesh = Mesh(mesh_config(args, models))
     print(f"kvmesh: starting the mesh (logs in {mesh.log_dir})", file=sys.stderr)
     started = time.perf_counter()
     control: grpc.Server | None = None

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.service_process import ServiceProcess
 from kvmesh.supervisor import BackOff
-from shared.step_limit_flags import step_limit_args_of
+from shared.step_limits import step_limit_args_of
 
 
 @dataclass

@@ -7,11 +7,12 @@ import dataclasses
 import os
 import sys
 
-from shared.config import KV_CACHE_DTYPES
+from kvmesh.mesh_settings import PER_MODEL, add_serving_flags, serving_of
+from services.engine_worker import config as worker_config
 from shared.errors import KvmeshError, Reason
-from shared.flag_env import env_default
-from shared.model_entry import ModelEntry, ServingConfig, WarmupFixture, write_entry
+from shared.model_entry import ModelEntry, WarmupFixture, write_entry
 from shared.model_repository import ModelRepository
+from shared.settings import env_default
 
 
 def add_models_parser(commands: argparse._SubParsersAction) -> None:
@@ -27,15 +28,7 @@ def add_models_parser(commands: argparse._SubParsersAction) -> None:
     add.add_argument("path", help="a GGUF file or an HF model directory")
     add.add_argument("--version", help="version name (default: the next number)")
     add.add_argument("--alias", action="append", default=[], help="another name (repeatable)")
-    serving = add.add_argument_group("serving config")
-    serving.add_argument("--backend", choices=["auto", "torch", "cupy"])
-    serving.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    serving.add_argument("--max-model-len", type=int)
-    serving.add_argument("--kv-memory", help="KV cache budget, e.g. 512MiB")
-    serving.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES))
-    serving.add_argument("--block-size", type=int)
-    serving.add_argument("--max-batched-tokens", type=int)
-    serving.add_argument("--chunk-size", type=int)
+    add_serving_flags(add)
     sampling = add.add_argument_group("default sampling (a request's own values win)")
     sampling.add_argument("--temperature", type=float)
     sampling.add_argument("--top-p", type=float)
@@ -91,16 +84,7 @@ def run_models(args: argparse.Namespace) -> int:
 
 
 def add_entry(repository: ModelRepository, args: argparse.Namespace) -> ModelEntry:
-    serving = ServingConfig(
-        backend=args.backend,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        kv_memory=args.kv_memory,
-        kv_cache_dtype=args.kv_cache_dtype,
-        block_size=args.block_size,
-        max_batched_tokens=args.max_batched_tokens,
-        chunk_size=args.chunk_size,
-    )
+    serving = serving_of(args)
     sampling = {
         key: value
         for key, value in (
@@ -128,29 +112,22 @@ def record_fixtures(entry: ModelEntry, prompts: list[str], num_tokens: int) -> M
     """Load the entry as a worker would, which prepares it (stored in its prepared/ folder)
     unless KVMESH_PREPARED is off; record each prompt's greedy output; save both."""
     from services.engine_worker.worker import Worker
-    from shared.config import CacheConfig, EngineConfig, parse_bytes
     from shared.text_tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(entry.artifact_path)
     if tokenizer is None and prompts:
         raise KvmeshError(Reason.TOKENIZER_UNAVAILABLE, "fixtures need the model's tokenizer")
-    serving = entry.serving
-    worker = Worker(
-        EngineConfig(
-            model=entry.directory,
-            backend=serving.backend or "auto",
-            dtype=serving.dtype or "float32",
-            # The formats the entry will serve in: a fixture's tokens are exact for those only.
-            weights=serving.weights or "auto",
-            quantize=serving.quantize,
-            max_model_len=serving.max_model_len,
-            cache=CacheConfig(
-                block_size=serving.block_size or 16,
-                kv_memory_bytes=parse_bytes(serving.kv_memory or "256MiB"),
-                dtype=serving.kv_cache_dtype or "auto",
-            ),
-        )
-    )
+    # The formats the entry will serve in: a fixture's tokens are exact for those only. Its
+    # KV tiers and step limits are the mesh's business, not the fixture's.
+    model = {s.dest for s in worker_config.MODEL_SETTINGS}
+    serving = [
+        part
+        for key, value in entry.serving.items()
+        if key in model
+        for part in PER_MODEL[key].as_args(value)
+    ]
+    argv = ["--model", entry.directory, "--kv-memory", "256MiB", *serving]
+    worker = Worker(worker_config.engine_config(worker_config.build_parser().parse_args(argv)))
     prepared = (worker.manifest.preparation or {}).get("id", "")
     fixtures = []
     for prompt in prompts:

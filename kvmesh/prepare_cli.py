@@ -7,7 +7,8 @@ import argparse
 import dataclasses
 import json
 
-from shared.flags import add_worker_flags, engine_config
+from services.engine_worker.config import ENGINE_SETTINGS, engine_config
+from shared.settings import add_settings
 
 
 def add_prepare_parser(commands: argparse._SubParsersAction) -> None:
@@ -26,7 +27,7 @@ def add_prepare_parser(commands: argparse._SubParsersAction) -> None:
         help="folder of prepared artifacts to write (what workers take as --prepared-dir); "
         "default: the repository version's prepared/, else $KVMESH_CACHE_DIR/prepared",
     )
-    add_worker_flags(prepare)
+    add_settings(prepare, ENGINE_SETTINGS)
 
 
 def run_prepare(args: argparse.Namespace) -> int:

@@ -31,6 +31,14 @@ def parse_bytes(text: str) -> int:
         raise KvmeshError(Reason.INVALID_ARGUMENT, f"cannot parse a size from {text!r}") from None
 
 
+def format_bytes(count: int) -> str:
+    """4 << 30 -> '4GiB': a default size as a flag shows it (parse_bytes reads it back)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale and count % scale == 0:
+            return f"{count // scale}{unit}"
+    return str(count)
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise KvmeshError(Reason.INVALID_ARGUMENT, message)

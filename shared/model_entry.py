@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,52 +47,33 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
-@dataclass(frozen=True)
-class ServingConfig:
-    """How the model serves; None leaves the flag's own default."""
+class ServingConfig(Mapping[str, Any]):
+    """An entry's [serving] table: setting (as its flag, with underscores: kv_memory) -> value,
+    for this model's pairs alone; an unset one is the mesh's. Which settings a model may set,
+    and their values, are checked where the settings are known: `kvmesh up` and `kvmesh models
+    add` (kvmesh/mesh_settings.py)."""
 
-    backend: str | None = None
-    dtype: str | None = None
-    weights: str | None = None  # auto or one of shared.config.WEIGHT_FORMATS
-    quantize: str | None = None  # int8 | int4
-    max_model_len: int | None = None
-    kv_memory: str | None = None
-    kv_cache_dtype: str | None = None  # auto or one of shared.config.KV_CACHE_DTYPES
-    block_size: int | None = None
-    max_batched_tokens: int | None = None
-    chunk_size: int | None = None
-    kv_tiers: str | None = None  # "disk,redis": as the --kv-* flags (shared/kv_tier_flags.py)
-    kv_write: str | None = None
-    kv_load_min_tokens: int | None = None
-    kv_disk_bytes: str | None = None
-    kv_redis_bytes: str | None = None
+    def __init__(self, values: Mapping[str, Any] | None = None, **more: Any) -> None:
+        merged = {**(values or {}), **more}
+        self._values = {key: value for key, value in merged.items() if value is not None}
 
-    def worker_args(self) -> list[str]:
-        return _flags(
-            ("--backend", self.backend),
-            ("--dtype", self.dtype),
-            ("--weights", self.weights),
-            ("--quantize", self.quantize),
-            ("--max-model-len", self.max_model_len),
-            ("--kv-memory", self.kv_memory),
-            ("--kv-cache-dtype", self.kv_cache_dtype),
-            ("--block-size", self.block_size),
-            ("--kv-tiers", self.kv_tiers),
-            ("--kv-write", self.kv_write),
-            ("--kv-load-min-tokens", self.kv_load_min_tokens),
-            ("--kv-disk-bytes", self.kv_disk_bytes),
-            ("--kv-redis-bytes", self.kv_redis_bytes),
-            ("--max-batched-tokens", self.max_batched_tokens),  # its scheduler's step limit
-        )
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
 
-    def scheduler_args(self) -> list[str]:
-        return _flags(
-            ("--max-batched-tokens", self.max_batched_tokens), ("--chunk-size", self.chunk_size)
-        )
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
 
+    def __len__(self) -> int:
+        return len(self._values)
 
-def _flags(*pairs: tuple[str, object]) -> list[str]:
-    return [part for flag, value in pairs if value is not None for part in (flag, str(value))]
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self._values) == dict(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._values.items())))
+
+    def __repr__(self) -> str:
+        return f"ServingConfig({self._values!r})"
 
 
 @dataclass(frozen=True)
@@ -110,7 +91,7 @@ class ModelEntry:
     directory: str  # <repo>/<name>/<version>
     artifact: str  # relative to the directory: a GGUF file or an HF directory
     sha256: Mapping[str, str]  # artifact file (relative) -> digest
-    serving: ServingConfig = ServingConfig()
+    serving: ServingConfig = field(default_factory=ServingConfig)
     default_sampling: Mapping[str, Any] = field(default_factory=dict)
     aliases: tuple[str, ...] = ()
     fixtures: tuple[WarmupFixture, ...] = ()
@@ -166,11 +147,7 @@ class ModelEntry:
             "",
             "[serving]",
         ]
-        lines += [
-            f"{key} = {_toml(value)}"
-            for key, value in vars(self.serving).items()
-            if value is not None
-        ]
+        lines += [f"{key} = {_toml(value)}" for key, value in self.serving.items()]
         lines += ["", "[sampling]"]
         lines += [f"{key} = {_toml(value)}" for key, value in self.default_sampling.items()]
         lines += ["", "[sha256]"]
@@ -243,7 +220,7 @@ def read_entry(directory: str) -> ModelEntry:
         with open(path, "rb") as handle:
             data = tomllib.load(handle)
         model = data["model"]
-        serving = ServingConfig(**data.get("serving", {}))
+        serving = ServingConfig(data.get("serving", {}))
         fixtures = tuple(
             WarmupFixture(tuple(f["prompt_ids"]), tuple(f["expected_ids"]))
             for f in data.get("warmup", [])

@@ -22,9 +22,9 @@ from grpc_reflection.v1alpha import reflection
 
 from shared.error_boundary import KvmeshErrors
 from shared.errors import KvmeshError, Reason
-from shared.flag_env import env_default, env_int
 from shared.metrics import serve_metrics
 from shared.parent_watch import watch_parent
+from shared.settings import Setting, add_settings, decimal, port
 from shared.telemetry import configure_tracing
 from shared.tls import server_credentials, tls_config
 from shared.undecodable import UndecodableRequests
@@ -71,27 +71,26 @@ PUBLIC_SERVER_OPTIONS = [
 log = logging.getLogger("kvmesh.service")
 
 
+def common_settings(default_port: int) -> tuple[Setting, ...]:
+    """What every service takes: where it listens, logs, drains, traces and serves metrics."""
+    return (
+        Setting("host", "127.0.0.1"),
+        Setting("port", default_port, None, port),
+        Setting("log-level", "INFO"),
+        Setting(
+            "drain-seconds", 30.0, "grace period for in-flight streams after SIGTERM", decimal(0.0)
+        ),
+        Setting(
+            "otlp-endpoint",
+            None,
+            "HOST:PORT of an OTLP/gRPC trace receiver (the trace-collector); unset: no tracing",
+        ),
+        Setting("metrics-port", 0, "serve Prometheus metrics on this port (0: not served)", port),
+    )
+
+
 def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
-    parser.add_argument("--host", default=env_default("host", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=env_int("port", default_port))
-    parser.add_argument("--log-level", default=env_default("log-level", "INFO"))
-    parser.add_argument(
-        "--drain-seconds",
-        type=float,
-        default=float(env_default("drain-seconds", None) or 30),
-        help="grace period for in-flight streams after SIGTERM",
-    )
-    parser.add_argument(
-        "--otlp-endpoint",
-        default=env_default("otlp-endpoint", None),
-        help="HOST:PORT of an OTLP/gRPC trace receiver (the trace-collector); unset: no tracing",
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=env_int("metrics-port", 0),
-        help="serve Prometheus metrics on this port (0: not served)",
-    )
+    add_settings(parser, common_settings(default_port))
 
 
 def start_observability(service_name: str, args: argparse.Namespace) -> None:

@@ -15,6 +15,7 @@ import yaml
 
 from kvmesh.cli import DELEGATED, build_parser
 from kvmesh.reference_docs import section, subcommands
+from shared.settings import SettingError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -62,7 +63,7 @@ def _check_command(words: list[str]) -> None:
             parser, args = importlib.import_module(DELEGATED[args[0]]).build_parser(), args[1:]
         try:
             parser.parse_args(args)
-        except SystemExit as stop:
+        except (SystemExit, SettingError) as stop:
             raise AssertionError(f"kvmesh does not take: {' '.join(words)}") from stop
     else:  # curl: the route and method must be the HTTP front's
         url = next(w for w in words[1:] if re.match(r"(https?://)?[\w.]+:\d+/", w))

@@ -7,17 +7,17 @@ import asyncio
 import logging
 import os
 
+from services.engine_worker.config import build_parser, engine_config
 from services.engine_worker.embed.server import EmbedderService
 from services.engine_worker.preparation_underway import abandon_all
 from services.engine_worker.server import EngineWorkerService
-from services.engine_worker.step_failures import BreakerDefaults, CircuitBreaker, FaultInjector
-from shared.flag_env import env_default, env_float, env_int
-from shared.flags import add_worker_flags, engine_config
+from services.engine_worker.step_failures import CircuitBreaker, FaultInjector
 from shared.logs import configure_logging
 from shared.model_entry import artifact_location
 from shared.model_paths import is_encoder, resolve_model_path
 from shared.pb.kvmesh.v1 import engine_worker_pb2_grpc
-from shared.service import ServiceRuntime, add_common_flags, start_observability
+from shared.service import ServiceRuntime, start_observability
+from shared.settings import parse_args_or_exit
 
 SERVICE_NAME = "kvmesh.v1.EngineWorker"
 EMBEDDER_SERVICE_NAME = "kvmesh.v1.Embedder"
@@ -67,59 +67,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(2)
 
 
-def add_failure_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("failures")
-    group.add_argument(
-        "--breaker-failures",
-        type=int,
-        default=env_int("breaker-failures", BreakerDefaults.max_failures),
-        help="failed requests within --breaker-window-seconds that turn this worker not ready "
-        "(its scheduler drains it, traffic moves); 0: never",
-    )
-    group.add_argument(
-        "--breaker-window-seconds",
-        type=float,
-        default=env_float("breaker-window-seconds", BreakerDefaults.window_s),
-    )
-    group.add_argument(
-        "--breaker-cooldown-seconds",
-        type=float,
-        default=env_float("breaker-cooldown-seconds", BreakerDefaults.cooldown_s),
-        help="how long a tripped worker stays not ready before it serves again",
-    )
-    group.add_argument(
-        "--inject-fault-token",
-        default=env_default("inject-fault-token", None),
-        help="tests only: TOKEN_ID[:AFTER][:worker],... fails every request whose prompt holds "
-        "TOKEN_ID once it has AFTER output tokens (default 1); with :worker, every request from "
-        "then on",
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """Every flag of this service (the configuration reference is generated from it)."""
-    parser = argparse.ArgumentParser(prog="services.engine_worker", description=__doc__)
-    add_common_flags(parser, default_port=50061)
-    add_worker_flags(parser)
-    parser.add_argument(
-        "--served-model-name",
-        default=env_default("served-model-name", None),
-        help="the name clients use for the model (default: the repository entry's, else the "
-        "artifact's file or folder name)",
-    )
-    parser.add_argument(
-        "--max-embed-batch-tokens",
-        type=int,
-        default=env_int("max-embed-batch-tokens", 16384),
-        help="embedding models: padded tokens (inputs x longest) per forward pass; 1: one "
-        "input at a time",
-    )
-    add_failure_flags(parser)
-    return parser
-
-
 def main() -> None:
-    args = build_parser().parse_args()
+    args = parse_args_or_exit(build_parser())
     configure_logging("engine-worker", args.log_level)
     start_observability("engine-worker", args)
     logging.getLogger("kvmesh").info("starting", extra={"model": args.model})

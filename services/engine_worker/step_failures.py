@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from services.engine_worker.config import BreakerDefaults
 from services.engine_worker.step_inputs import RequestState
 from shared.errors import Reason
 from shared.step import FailedRequest, SampledToken
@@ -140,12 +141,6 @@ def run_isolated(run: Callable[[Scheduled], StepOutcome], scheduled: Scheduled) 
         sampled += one_sampled
         failed += one_failed
     return sampled, failed
-
-
-class BreakerDefaults:
-    max_failures = 8
-    window_s = 60.0
-    cooldown_s = 30.0
 
 
 class CircuitBreaker:

@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from services.gateway.catalog import ModelCatalog
+from services.gateway.config import build_parser
 from services.gateway.engine_failures import TenantFailures
 from services.gateway.limits import RequestLimits
 from services.gateway.model_admin import ModelAdminService
@@ -17,12 +18,11 @@ from services.gateway.registry import BackendRegistry
 from services.gateway.router import Router, Watermarks
 from services.gateway.server import InferenceService
 from services.gateway.tokenizer_link import TokenizerLink
-from shared.flag_env import env_default, env_int
-from shared.gateway_flags import add_gateway_flags
 from shared.logs import configure_logging
 from shared.pb.kvmesh.v1 import inference_pb2_grpc, model_admin_pb2_grpc
 from shared.redis_link import RedisLink
-from shared.service import ServiceRuntime, add_common_flags, start_observability
+from shared.service import ServiceRuntime, start_observability
+from shared.settings import parse_args_or_exit
 from shared.tenants import ApiKeys
 
 SERVICE_NAME = "kvmesh.v1.Inference"
@@ -94,50 +94,8 @@ async def serve(args: argparse.Namespace) -> None:
         await link.close()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every flag of this service (the configuration reference is generated from it)."""
-    parser = argparse.ArgumentParser(prog="services.gateway", description=__doc__)
-    add_common_flags(parser, default_port=50051)
-    parser.add_argument(
-        "--tokenizer",
-        default=env_default("tokenizer", "127.0.0.1:50081"),
-        help="tokenizer address",
-    )
-    parser.add_argument(
-        "--scheduler",
-        default=env_default("scheduler", "127.0.0.1:50071"),
-        help="scheduler addresses, comma-separated; NAME[@VERSION]=HOST:PORT for one known to "
-        "serve that model (requests for it are then MODEL_NOT_READY, not NOT_FOUND, until "
-        "ready); dns:///HOST:PORT for every address HOST resolves to (a headless Service)",
-    )
-    parser.add_argument(
-        "--embedder",
-        default=env_default("embedder", ""),
-        help="engine-workers serving embedding models (Embed, /v1/embeddings), comma-separated, "
-        "each HOST:PORT or NAME[@VERSION]=HOST:PORT",
-    )
-    parser.add_argument(
-        "--default-model",
-        default=env_default("default-model", ""),
-        help="the model of requests that name none (default: the first scheduler's)",
-    )
-    parser.add_argument(
-        "--redis",
-        default=env_default("redis", None),
-        help="shared load, prefix-cache and rate-limit state, e.g. redis://host:6379/0",
-    )
-    parser.add_argument(
-        "--http-port",
-        type=int,
-        default=env_int("http-port", 8000),
-        help="OpenAI-compatible HTTP front (/v1/chat/completions, ...); 0: off",
-    )
-    add_gateway_flags(parser)
-    return parser
-
-
 def main() -> None:
-    args = build_parser().parse_args()
+    args = parse_args_or_exit(build_parser())
     configure_logging("gateway", args.log_level)
     start_observability("gateway", args)
     asyncio.run(serve(args))

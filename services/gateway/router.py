@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import redis.asyncio as redis
 
+from services.gateway.config import ROUTING_POLICIES
 from services.gateway.connections import SchedulerBackend
 from shared import redis_keys
 from shared.block_hash import hash_full_blocks
 from shared.errors import KvmeshError, Reason
-from shared.gateway_flags import ROUTING_POLICIES
 from shared.pb.kvmesh.v1 import inference_pb2
 from shared.queue_time import queue_time_s
 from shared.redis_link import RedisLink

@@ -8,15 +8,14 @@ import logging
 
 from prometheus_client import REGISTRY
 
+from services.scheduler.config import build_parser, handover_config, scheduler_config
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.redis_publisher import RedisPublisher
 from services.scheduler.server import SchedulerService
-from shared.flag_env import env_default, env_int
-from shared.flags import add_scheduler_flags, scheduler_config
-from shared.handover_flags import add_handover_flags, handover_config
 from shared.logs import configure_logging
 from shared.pb.kvmesh.v1 import scheduler_pb2_grpc
-from shared.service import ServiceRuntime, add_common_flags, start_observability
+from shared.service import ServiceRuntime, start_observability
+from shared.settings import parse_args_or_exit
 
 SERVICE_NAME = "kvmesh.v1.Scheduler"
 log = logging.getLogger("kvmesh.scheduler")
@@ -57,39 +56,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every flag of this service (the configuration reference is generated from it)."""
-    parser = argparse.ArgumentParser(prog="services.scheduler", description=__doc__)
-    add_common_flags(parser, default_port=50071)
-    parser.add_argument(
-        "--worker",
-        default=env_default("worker", "127.0.0.1:50061"),
-        help="engine-worker address",
-    )
-    parser.add_argument(
-        "--max-waiting",
-        type=int,
-        default=env_int("max-waiting", 1024),
-        help="queued requests beyond this are refused with OVERLOADED",
-    )
-    parser.add_argument(
-        "--redis",
-        default=env_default("redis", None),
-        help="publish load and prefix-cache contents here, e.g. redis://host:6379/0",
-    )
-    parser.add_argument(
-        "--advertise",
-        default=env_default("advertise", None),
-        help="the address gateways know this scheduler by, which names its Redis entries "
-        "(default: --host:--port)",
-    )
-    add_scheduler_flags(parser)
-    add_handover_flags(parser)
-    return parser
-
-
 def main() -> None:
-    args = build_parser().parse_args()
+    args = parse_args_or_exit(build_parser())
     configure_logging("scheduler", args.log_level)
     start_observability("scheduler", args)
     asyncio.run(serve(args))

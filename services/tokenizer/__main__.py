@@ -8,12 +8,12 @@ import logging
 
 from services.tokenizer.server import LoadedTokenizer, TokenizerService
 from shared.errors import KvmeshError, Reason
-from shared.flag_env import env_default
 from shared.logs import configure_logging
 from shared.model_entry import artifact_location
 from shared.model_paths import resolve_model_path
 from shared.pb.kvmesh.v1 import tokenizer_pb2_grpc
 from shared.service import ServiceRuntime, add_common_flags, start_observability
+from shared.settings import Setting, SettingsParser, add_settings, parse_args_or_exit
 from shared.text_tokenizer import load_tokenizer
 
 SERVICE_NAME = "kvmesh.v1.Tokenizer"
@@ -53,19 +53,24 @@ async def serve(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of this service (the configuration reference is generated from it)."""
-    parser = argparse.ArgumentParser(prog="services.tokenizer", description=__doc__)
+    parser = SettingsParser(prog="services.tokenizer", description=__doc__)
     add_common_flags(parser, default_port=50081)
-    parser.add_argument(
-        "--model",
-        default=env_default("model", None),
-        help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct), or "
-        "NAME=PATH,... for one tokenizer per model of a several-model mesh",
+    add_settings(
+        parser,
+        [
+            Setting(
+                "model",
+                None,
+                "GGUF file or HF model directory (default: SmolLM2-135M-Instruct), or "
+                "NAME=PATH,... for one tokenizer per model of a several-model mesh",
+            )
+        ],
     )
     return parser
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    args = parse_args_or_exit(build_parser())
     configure_logging("tokenizer", args.log_level)
     start_observability("tokenizer", args)
     asyncio.run(serve(args))

@@ -13,11 +13,18 @@ from services.trace_collector.forwarder import OtlpForwarder
 from services.trace_collector.server import TraceCollector, TracesService
 from services.trace_collector.span_store import SpanStore
 from shared.config import parse_bytes
-from shared.flag_env import env_default
 from shared.logs import configure_logging
 from shared.metrics import serve_metrics
 from shared.pb.kvmesh.v1 import traces_pb2_grpc
 from shared.service import ServiceRuntime, add_common_flags
+from shared.settings import (
+    Setting,
+    SettingsParser,
+    add_settings,
+    parse_args_or_exit,
+    readable_file,
+    size,
+)
 from shared.tenants import ApiKeys
 
 SERVICE_NAME = "kvmesh.v1.Traces"
@@ -45,28 +52,35 @@ async def serve(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of this service (the configuration reference is generated from it)."""
-    parser = argparse.ArgumentParser(prog="services.trace_collector", description=__doc__)
+    parser = SettingsParser(prog="services.trace_collector", description=__doc__)
     add_common_flags(parser, default_port=4317)
-    parser.add_argument(
-        "--max-memory",
-        default=env_default("max-memory", "256MiB"),
-        help="memory budget for stored spans; past it the oldest traces are evicted",
-    )
-    parser.add_argument(
-        "--api-keys-file",
-        default=env_default("api-keys-file", None),
-        help="the gateway's tenants (or KVMESH_API_KEYS): then only an admin's key reads traces",
-    )
-    parser.add_argument(
-        "--forward",
-        default=env_default("forward", None),
-        help="also send every span to this OTLP/gRPC endpoint (Jaeger, an OTel Collector)",
+    add_settings(
+        parser,
+        [
+            Setting(
+                "max-memory",
+                "256MiB",
+                "memory budget for stored spans; past it the oldest traces are evicted",
+                size,
+            ),
+            Setting(
+                "api-keys-file",
+                None,
+                "the gateway's tenants (or KVMESH_API_KEYS): then only an admin's key reads traces",
+                readable_file,
+            ),
+            Setting(
+                "forward",
+                None,
+                "also send every span to this OTLP/gRPC endpoint (Jaeger, an OTel Collector)",
+            ),
+        ],
     )
     return parser
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    args = parse_args_or_exit(build_parser())
     configure_logging("trace-collector", args.log_level)
     if args.metrics_port:  # the collector does not trace itself
         serve_metrics(args.host, args.metrics_port)

@@ -201,8 +201,7 @@ def test_a_steady_decode_step_is_one_copy_in_one_replay_one_copy_out(
 def test_a_larger_step_budget_reaches_the_worker_and_runs(checkpoints, standin) -> None:
     """A step of ~3,600 tokens, past the 2,048 default: the worker's buffers are sized from
     the flags its own parser takes (as `kvmesh up` forwards them), and it says so."""
-    from services.engine_worker.__main__ import build_parser
-    from shared.flags import engine_config
+    from services.engine_worker.config import build_parser, engine_config
 
     argv = ["--model", checkpoints["llama"], "--backend", "cupy", "--kv-memory", "16MiB"]
     config = engine_config(build_parser().parse_args([*argv, "--max-batched-tokens", "4096"]))

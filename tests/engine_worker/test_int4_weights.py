@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 from kvmesh.engine import Engine
 from services.engine_worker.artifacts.gguf_file import GGUFArtifact
 from services.engine_worker.artifacts.int4_groups import Int4Groups
+from services.engine_worker.config import build_parser, engine_config
 from services.engine_worker.torch_backend import graph_ops  # noqa: F401 (kvmesh:: ops)
 from services.engine_worker.torch_backend import weights as torch_weights
 from services.engine_worker.torch_backend.linear import (
@@ -21,8 +21,8 @@ from services.engine_worker.torch_backend.linear import (
 )
 from services.engine_worker.torch_backend.weights import resolve_weight_format
 from shared.config import CacheConfig, EngineConfig
-from shared.flags import add_scheduler_flags, add_worker_flags, engine_config
 from shared.sampling import SamplingParams
+from shared.settings import SettingError
 from tests.engine_worker.test_gguf_quantized import LAYER_TYPES, write_gguf
 from tests.model_fixtures import save_random_checkpoint
 
@@ -173,12 +173,10 @@ def test_without_a_fast_int4_kernel_packed_runs_int8_rows(
 
 
 def test_quantize_int4_is_a_flag_the_engine_takes() -> None:
-    parser = argparse.ArgumentParser()
-    add_worker_flags(parser)
-    add_scheduler_flags(parser, step_limits=False)
+    parser = build_parser()
     config = engine_config(parser.parse_args(["--quantize", "int4"]))
     assert config.quantize == "int4" and config.weights == "auto"
-    with pytest.raises(SystemExit):
+    with pytest.raises(SettingError):
         parser.parse_args(["--quantize", "int2"])
 
 

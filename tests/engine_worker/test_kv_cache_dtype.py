@@ -5,18 +5,18 @@ tested in test_compiled_model.py, where the compiled engine is."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
+from kvmesh.cli import build_parser as kvmesh_parser
 from kvmesh.engine import Engine
+from kvmesh.mesh_settings import service_args
+from services.engine_worker.config import build_parser, engine_config
 from services.engine_worker.kv_cache import kv_cache_dtype
 from services.engine_worker.worker import Worker
 from shared.config import CacheConfig, EngineConfig
 from shared.errors import KvmeshError, Reason
-from shared.flag_forwarding import worker_flag_args
-from shared.flags import add_worker_flags, engine_config
+from shared.settings import WORKER, SettingError
 
 
 def test_auto_is_float16_where_the_step_compiles_else_the_activation_dtype() -> None:
@@ -50,14 +50,15 @@ def test_an_eager_engine_keeps_its_activation_dtype_in_the_pool(tiny_llama_dir: 
 
 
 def test_the_flag_reaches_the_config_and_a_launcher_forwards_it() -> None:
-    parser = argparse.ArgumentParser()
-    add_worker_flags(parser)
+    parser = build_parser()
     args = parser.parse_args(["--kv-cache-dtype", "float32"])
     assert engine_config(args).cache.dtype == "float32"
-    forwarded = worker_flag_args(args)
+    forwarded = service_args(
+        kvmesh_parser().parse_args(["up", "--kv-cache-dtype", "float32"]), WORKER
+    )
     assert forwarded[forwarded.index("--kv-cache-dtype") + 1] == "float32"
     assert engine_config(parser.parse_args([])).cache.dtype == "auto"
-    with pytest.raises(SystemExit):
+    with pytest.raises(SettingError):
         parser.parse_args(["--kv-cache-dtype", "int8"])
     with pytest.raises(KvmeshError):
         CacheConfig(dtype="float8")

@@ -4,18 +4,19 @@ and a launcher forwards the same limits to both."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
+from kvmesh.cli import build_parser as kvmesh_parser
 from kvmesh.mesh_config import MeshConfig
+from kvmesh.mesh_settings import service_args
+from services.engine_worker import config as worker_config
+from services.scheduler import config as scheduler_config
 from services.scheduler.step_limits import check_step_limits
 from shared.config import SchedulerConfig, SpeculativeConfig
 from shared.errors import KvmeshError, Reason
-from shared.flag_forwarding import scheduler_flag_args, worker_flag_args
-from shared.flags import add_scheduler_flags, add_worker_flags, engine_config, scheduler_config
 from shared.pb.kvmesh.v1 import common_pb2
-from shared.step_limit_flags import step_limit_args_of
+from shared.settings import SCHEDULER, WORKER
+from shared.step_limits import step_limit_args_of
 
 
 def worker_info(tokens: int, rows: int) -> common_pb2.ModelInfo:
@@ -51,18 +52,14 @@ def test_a_worker_that_states_no_limits_is_taken_at_its_word() -> None:
 def test_the_worker_sizes_for_the_limits_its_schedulers_arguments_give() -> None:
     """`kvmesh up --max-batched-tokens 4096` reaches the worker's config, not a default: the
     launcher gives the worker the step limits of its scheduler's arguments."""
-    mesh = argparse.ArgumentParser()
-    add_worker_flags(mesh)
-    add_scheduler_flags(mesh, step_limits=False)
-    args = mesh.parse_args(["--max-batched-tokens", "4096", "--max-num-seqs", "16"])
-    worker = argparse.ArgumentParser()
-    add_worker_flags(worker)
-    scheduler = argparse.ArgumentParser()
-    add_scheduler_flags(scheduler)
-    scheduler_argv = scheduler_flag_args(args)
-    worker_argv = worker_flag_args(args) + step_limit_args_of(scheduler_argv)
-    worker_limits = engine_config(worker.parse_args(worker_argv)).scheduler
-    planned = scheduler_config(scheduler.parse_args(scheduler_argv))
+    up = ["up", "--max-batched-tokens", "4096", "--max-num-seqs", "16"]
+    args = kvmesh_parser().parse_args(up)
+    scheduler_argv = service_args(args, SCHEDULER)
+    worker_argv = service_args(args, WORKER) + step_limit_args_of(scheduler_argv)
+    worker = worker_config.build_parser().parse_args(worker_argv)
+    worker_limits = worker_config.engine_config(worker).scheduler
+    scheduler = scheduler_config.build_parser().parse_args(scheduler_argv)
+    planned = scheduler_config.scheduler_config(scheduler)
     assert worker_limits.max_num_batched_tokens == planned.max_num_batched_tokens == 4096
     assert worker_limits.max_sampled_rows == planned.max_sampled_rows == 16
     info = worker_info(worker_limits.max_num_batched_tokens, worker_limits.max_sampled_rows)
@@ -72,10 +69,9 @@ def test_the_worker_sizes_for_the_limits_its_schedulers_arguments_give() -> None
 def test_a_mesh_gives_the_worker_the_limits_of_handwritten_scheduler_arguments() -> None:
     """MeshConfig(scheduler_args=[...]) or a repository entry's [serving] batching: the
     worker is sized for them, defaults where they say nothing."""
-    worker = argparse.ArgumentParser()
-    add_worker_flags(worker)
+    worker = worker_config.build_parser()
     given = ["--role", "mixed", "--speculative", "ngram", "--num-speculative-tokens", "6"]
     mesh = MeshConfig(worker_args=["--kv-memory", "64MiB"], scheduler_args=given)
-    limits = engine_config(worker.parse_args(mesh.pair_worker_args)).scheduler
+    limits = worker_config.engine_config(worker.parse_args(mesh.pair_worker_args)).scheduler
     assert limits.max_sampled_rows == min(2048, 128 * 7)
     assert limits.max_num_batched_tokens == 2048

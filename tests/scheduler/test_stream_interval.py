@@ -3,19 +3,19 @@ time, and whatever it still holds before any terminal event (finish, expiry, wor
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
+from kvmesh.cli import build_parser as kvmesh_parser
+from kvmesh.mesh_settings import service_args
+from services.scheduler.config import build_parser, scheduler_config
 from services.scheduler.request_trace import RequestTrace
 from services.scheduler.step_loop import StepLoop
 from services.scheduler.tracked import Tracked
 from shared.config import SchedulerConfig
 from shared.errors import KvmeshError
-from shared.flag_forwarding import scheduler_flag_args
-from shared.flags import add_scheduler_flags, scheduler_config
 from shared.pb.kvmesh.v1 import scheduler_pb2
 from shared.sampling import SamplingParams
+from shared.settings import SCHEDULER, SettingError
 from tests.scheduler.fake_worker import FakeWorker
 from tests.scheduler.helpers import make_scheduler, run_to_completion
 
@@ -100,10 +100,10 @@ async def test_an_interval_of_one_sends_every_step() -> None:
 
 
 def test_kvmesh_up_forwards_the_interval_to_its_schedulers() -> None:
-    parser = argparse.ArgumentParser()
-    add_scheduler_flags(parser)
-    forwarded = scheduler_flag_args(parser.parse_args(["--stream-interval", "4"]))
-    assert scheduler_config(parser.parse_args(forwarded)).stream_interval == 4
-    assert "--stream-interval" not in scheduler_flag_args(parser.parse_args([]))
+    up = kvmesh_parser().parse_args(["up", "--stream-interval", "4"])
+    forwarded = service_args(up, SCHEDULER)
+    assert scheduler_config(build_parser().parse_args(forwarded)).stream_interval == 4
+    with pytest.raises(SettingError, match="argument --stream-interval: 0 is below 1"):
+        build_parser().parse_args(["--stream-interval", "0"])
     with pytest.raises(KvmeshError, match="stream_interval must be positive"):
-        scheduler_config(parser.parse_args(["--stream-interval", "0"]))
+        SchedulerConfig(stream_interval=0)

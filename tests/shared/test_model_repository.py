@@ -8,13 +8,15 @@ import os
 import pytest
 
 from kvmesh.cli import main
+from kvmesh.mesh_settings import serving_args
 from kvmesh.models_cli import record_fixtures
 from services.engine_worker import worker as worker_module
 from services.engine_worker.worker import Worker
 from shared.config import CacheConfig, EngineConfig
 from shared.errors import KvmeshError, ModelValidationError, Reason
-from shared.model_entry import ServingConfig, WarmupFixture, read_entry, write_entry
+from shared.model_entry import ModelEntry, ServingConfig, WarmupFixture, read_entry, write_entry
 from shared.model_repository import ModelRepository
+from shared.settings import SCHEDULER, WORKER
 
 
 def _config(path: str, kv_memory_bytes: int = 8 << 20) -> EngineConfig:
@@ -36,8 +38,8 @@ def test_add_numbers_versions_and_records_digests(tmp_path, tiny_llama_dir: str)
     assert repository.resolve("tiny").version == "2"
     assert repository.resolve("tiny@1") == read_entry(first.directory)
     entry = read_entry(first.directory)
-    assert entry.serving.worker_args() == ["--kv-memory", "8MiB"]
-    assert entry.serving.scheduler_args() == ["--chunk-size", "64"]
+    assert serving_args(entry, WORKER) == ["--kv-memory", "8MiB"]
+    assert serving_args(entry, SCHEDULER) == ["--chunk-size", "64"]
     assert read_entry(second.directory).aliases == ("small",)
     assert any(path.endswith("model.safetensors") for path in entry.sha256)
     assert all(len(digest) == 64 for digest in entry.sha256.values())
@@ -209,9 +211,10 @@ def test_up_with_a_repository_alone_serves_every_model(tmp_path, tiny_llama_dir:
 
 def test_an_entry_names_its_weight_format_for_the_worker() -> None:
     serving = ServingConfig(
-        weights="packed", quantize="int8", dtype="float32", kv_cache_dtype="float32"
+        dtype="float32", weights="packed", quantize="int8", kv_cache_dtype="float32"
     )
-    assert serving.worker_args() == [
+    entry = ModelEntry("m", "1", "/repo/m/1", "model.gguf", {}, serving)
+    assert serving_args(entry, WORKER) == [
         "--dtype",
         "float32",
         "--weights",
