@@ -13,7 +13,7 @@ import argparse
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 import grpc
@@ -24,7 +24,7 @@ from shared.error_boundary import KvmeshErrors
 from shared.errors import KvmeshError, Reason
 from shared.metrics import serve_metrics
 from shared.parent_watch import watch_parent
-from shared.settings import Setting, add_settings, decimal, port
+from shared.settings import Setting, SettingsParser, add_settings, decimal, port
 from shared.telemetry import configure_tracing
 from shared.tls import server_credentials, tls_config
 from shared.undecodable import UndecodableRequests
@@ -89,8 +89,13 @@ def common_settings(default_port: int) -> tuple[Setting, ...]:
     )
 
 
-def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
-    add_settings(parser, common_settings(default_port))
+def service_parser(
+    prog: str, description: str, default_port: int, settings: Iterable[Setting]
+) -> argparse.ArgumentParser:
+    """A service's parser: the common settings, then its own."""
+    parser = SettingsParser(prog=prog, description=description)
+    add_settings(parser, (*common_settings(default_port), *settings))
+    return parser
 
 
 def start_observability(service_name: str, args: argparse.Namespace) -> None:

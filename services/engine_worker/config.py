@@ -17,13 +17,11 @@ from shared.config import (
     format_bytes,
     parse_bytes,
 )
-from shared.service import add_common_flags
+from shared.service import service_parser
 from shared.settings import (
     UP,
     WORKER,
     Setting,
-    SettingsParser,
-    add_settings,
     choice,
     decimal,
     size,
@@ -203,17 +201,14 @@ SERVICE_SETTINGS = (
     ),
 )
 
-# What an engine reads (the in-process one of `kvmesh run` too): model, pool, tiers, limits.
+# What an engine reads (the in-process one of `kvmesh generate` too): model, pool, tiers, limits.
 ENGINE_SETTINGS = (*MODEL_SETTINGS, *KV_TIER_SETTINGS, *STEP_LIMIT_SETTINGS)
 SETTINGS = (*ENGINE_SETTINGS, *SERVICE_SETTINGS)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of this service (the configuration reference is generated from it)."""
-    parser = SettingsParser(prog="services.engine_worker", description=_DESCRIPTION)
-    add_common_flags(parser, default_port=DEFAULT_PORT)
-    add_settings(parser, SETTINGS)
-    return parser
+    return service_parser("services.engine_worker", _DESCRIPTION, DEFAULT_PORT, SETTINGS)
 
 
 def engine_config(

@@ -6,12 +6,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shared.service import add_common_flags
+from shared.service import service_parser
 from shared.settings import (
     GATEWAY,
     Setting,
-    SettingsParser,
-    add_settings,
     choice,
     decimal,
     readable_file,
@@ -179,7 +177,4 @@ SETTINGS = (*MESH_SETTINGS, *POLICY_SETTINGS)
 
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of this service (the configuration reference is generated from it)."""
-    parser = SettingsParser(prog="services.gateway", description=_DESCRIPTION)
-    add_common_flags(parser, default_port=DEFAULT_PORT)
-    add_settings(parser, SETTINGS)
-    return parser
+    return service_parser("services.gateway", _DESCRIPTION, DEFAULT_PORT, SETTINGS)

@@ -9,12 +9,10 @@ import dataclasses
 from typing import Any
 
 from shared.config import KV_LOAD_FAILURE_POLICIES, SERVING_ROLES, HandoverConfig, SchedulerConfig
-from shared.service import add_common_flags
+from shared.service import service_parser
 from shared.settings import (
     SCHEDULER,
     Setting,
-    SettingsParser,
-    add_settings,
     choice,
     decimal,
     whole,
@@ -130,10 +128,7 @@ SETTINGS = (*SERVICE_SETTINGS, *STEP_LIMIT_SETTINGS, *BATCHING_SETTINGS, *HANDOV
 
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of this service (the configuration reference is generated from it)."""
-    parser = SettingsParser(prog="services.scheduler", description=_DESCRIPTION)
-    add_common_flags(parser, default_port=DEFAULT_PORT)
-    add_settings(parser, SETTINGS)
-    return parser
+    return service_parser("services.scheduler", _DESCRIPTION, DEFAULT_PORT, SETTINGS)
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:

@@ -12,8 +12,8 @@ from shared.logs import configure_logging
 from shared.model_entry import artifact_location
 from shared.model_paths import resolve_model_path
 from shared.pb.kvmesh.v1 import tokenizer_pb2_grpc
-from shared.service import ServiceRuntime, add_common_flags, start_observability
-from shared.settings import Setting, SettingsParser, add_settings, parse_args_or_exit
+from shared.service import ServiceRuntime, service_parser, start_observability
+from shared.settings import Setting, parse_args_or_exit
 from shared.text_tokenizer import load_tokenizer
 
 SERVICE_NAME = "kvmesh.v1.Tokenizer"
@@ -51,22 +51,19 @@ async def serve(args: argparse.Namespace) -> None:
     await runtime.serve_until_signalled(args.drain_seconds)
 
 
+SETTINGS = (
+    Setting(
+        "model",
+        None,
+        "GGUF file or HF model directory (default: SmolLM2-135M-Instruct), or "
+        "NAME=PATH,... for one tokenizer per model of a several-model mesh",
+    ),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of this service (the configuration reference is generated from it)."""
-    parser = SettingsParser(prog="services.tokenizer", description=__doc__)
-    add_common_flags(parser, default_port=50081)
-    add_settings(
-        parser,
-        [
-            Setting(
-                "model",
-                None,
-                "GGUF file or HF model directory (default: SmolLM2-135M-Instruct), or "
-                "NAME=PATH,... for one tokenizer per model of a several-model mesh",
-            )
-        ],
-    )
-    return parser
+    return service_parser("services.tokenizer", __doc__ or "", 50081, SETTINGS)
 
 
 def main() -> None:

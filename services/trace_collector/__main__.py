@@ -16,11 +16,9 @@ from shared.config import parse_bytes
 from shared.logs import configure_logging
 from shared.metrics import serve_metrics
 from shared.pb.kvmesh.v1 import traces_pb2_grpc
-from shared.service import ServiceRuntime, add_common_flags
+from shared.service import ServiceRuntime, service_parser
 from shared.settings import (
     Setting,
-    SettingsParser,
-    add_settings,
     parse_args_or_exit,
     readable_file,
     size,
@@ -50,33 +48,30 @@ async def serve(args: argparse.Namespace) -> None:
         await forwarder.close()
 
 
+SETTINGS = (
+    Setting(
+        "max-memory",
+        "256MiB",
+        "memory budget for stored spans; past it the oldest traces are evicted",
+        size,
+    ),
+    Setting(
+        "api-keys-file",
+        None,
+        "the gateway's tenants (or KVMESH_API_KEYS): then only an admin's key reads traces",
+        readable_file,
+    ),
+    Setting(
+        "forward",
+        None,
+        "also send every span to this OTLP/gRPC endpoint (Jaeger, an OTel Collector)",
+    ),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of this service (the configuration reference is generated from it)."""
-    parser = SettingsParser(prog="services.trace_collector", description=__doc__)
-    add_common_flags(parser, default_port=4317)
-    add_settings(
-        parser,
-        [
-            Setting(
-                "max-memory",
-                "256MiB",
-                "memory budget for stored spans; past it the oldest traces are evicted",
-                size,
-            ),
-            Setting(
-                "api-keys-file",
-                None,
-                "the gateway's tenants (or KVMESH_API_KEYS): then only an admin's key reads traces",
-                readable_file,
-            ),
-            Setting(
-                "forward",
-                None,
-                "also send every span to this OTLP/gRPC endpoint (Jaeger, an OTel Collector)",
-            ),
-        ],
-    )
-    return parser
+    return service_parser("services.trace_collector", __doc__ or "", 4317, SETTINGS)
 
 
 def main() -> None:
