@@ -1,13 +1,18 @@
 """Compute backends by name, imported lazily so a machine pays only for the one it runs.
 
-Each module provides `Runner(arch, weights, kv_shape, max_model_len, dtype, config)` with
-`step(scheduled, rng) -> (states that sampled, their tokens)` and `kv_cache_bytes`.
+Each module provides a `Runner` class that holds to the contract in step_runner.py.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
 from services.engine_worker.artifacts.architecture import ModelArchitecture
 from shared.errors import KvmeshError, ModelValidationError, Reason
+
+if TYPE_CHECKING:
+    from services.engine_worker.step_runner import RunnerClass
 
 # name -> module providing `Runner`; torch is the reference implementation (CPU).
 BACKENDS = {
@@ -15,6 +20,12 @@ BACKENDS = {
     # CUDA C kernels through CuPy, cuBLAS GEMMs
     "cupy": "services.engine_worker.cupy_backend.runner",
 }
+
+
+def runner_class(backend: str) -> RunnerClass:
+    """A resolved backend's `Runner`, its module imported now."""
+    runner: RunnerClass = importlib.import_module(BACKENDS[backend]).Runner
+    return runner
 
 
 def cuda_devices() -> int:

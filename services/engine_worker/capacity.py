@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import TYPE_CHECKING
 
-from services.engine_worker.backends import BACKENDS
+from services.engine_worker.backends import runner_class
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, Reason
 
 if TYPE_CHECKING:
     from services.engine_worker.artifacts.architecture import ModelArchitecture
     from services.engine_worker.kv_cache import KVCacheShape
-    from services.engine_worker.torch_backend.step_formats import StepFormats
+    from services.engine_worker.step_formats import StepFormats
 
 
 def available_bytes(backend: str) -> int:
@@ -62,7 +61,7 @@ def check_worker_fits(
 ) -> None:
     """Weights (packed ones come from a float32 copy, the peak), the KV budget and what a
     step needs besides: checked before any is allocated, not found short while others serve."""
-    step = importlib.import_module(BACKENDS[backend]).Runner.step_memory_bytes
+    step = runner_class(backend).step_memory_bytes
     check_memory_fits(
         {
             "weights": arch.num_parameters * formats.load_dtype.itemsize,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,9 +13,12 @@ from services.engine_worker.artifacts.architecture import ModelArchitecture
 from services.engine_worker.artifacts.loader import artifact_files
 from services.engine_worker.kv_cache import KVCacheShape
 from services.engine_worker.runtime_facts import device_name, runtime_versions, tokenizer_digest
-from services.engine_worker.torch_backend.step_formats import StepFormats, dtype_name
+from services.engine_worker.step_formats import StepFormats, dtype_name
 from shared.config import EngineConfig
 from shared.model_entry import ModelEntry, sha256_file
+
+if TYPE_CHECKING:
+    from services.engine_worker.step_runner import StepRunner
 
 
 @dataclass(frozen=True)
@@ -75,19 +78,12 @@ class ModelManifest:
         return {**asdict(self), "artifact_digest": self.artifact_digest, "version": self.version}
 
 
-class LoadedRunner(Protocol):
-    """What the manifest reads from a backend's runner."""
-
-    weights_resident_bytes: int
-    kv_cache_bytes: int
-
-
 def describe(
     config: EngineConfig,
     entry: ModelEntry | None,
     model_path: str,
     arch: ModelArchitecture,
-    runner: LoadedRunner,
+    runner: StepRunner,
     formats: StepFormats,
     *,
     backend: str,

@@ -35,7 +35,7 @@ from services.engine_worker.prepared_artifact import (
     PreparedStore,
     runtime_key_parts,
 )
-from services.engine_worker.torch_backend.step_formats import StepFormats, dtype_name
+from services.engine_worker.step_formats import StepFormats, dtype_name
 from services.engine_worker.torch_backend.weights import int4_source
 from shared.config import EngineConfig
 from shared.errors import ModelValidationError

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from typing import Any, cast
 
 import torch
 
@@ -29,8 +30,9 @@ from services.engine_worker.step_failures import (
     failure_of,
     run_isolated,
 )
+from services.engine_worker.step_formats import StepFormats
 from services.engine_worker.step_inputs import RequestState
-from services.engine_worker.torch_backend.step_formats import StepFormats
+from services.engine_worker.step_runner import StepRunner
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, ModelValidationError, Reason
 from shared.model_entry import verified_source
@@ -73,11 +75,9 @@ class Worker:
         self.max_model_len = served_context(config, arch.max_position_embeddings)
         self.backend = backend_for_model(config.backend, arch, self.model_path)
         formats = StepFormats.resolve(config, self.backend, artifact.quantization, arch.llama_layer)
+        cache = config.cache
         self.kv_shape = KVCacheShape.from_budget(
-            arch,
-            config.cache.block_size,
-            config.cache.kv_memory_bytes,
-            formats.kv_cache,
+            arch, cache.block_size, cache.kv_memory_bytes, formats.kv_cache
         )
         self.scratch_start = self.kv_shape.num_blocks  # blocks from here: fixtures' only
         check_worker_fits(arch, formats, config, self.kv_shape, self.backend, self.max_model_len)
@@ -85,6 +85,7 @@ class Worker:
         digests = artifact_digests(self.entry, self.model_path)
         # A repository version's fixtures were recorded with its compiled step: checked on it.
         background = background_preparation and not (self.entry and self.entry.fixtures)
+        self.runner: StepRunner
         self.runner, num_parameters, self.preparation, self.pending_preparation = ready_runner(
             self, artifact, formats, combined_digest(digests), background
         )
@@ -195,7 +196,7 @@ class Worker:
         state = RequestState(
             "score", list(prompt_ids), list(range(num_blocks)), 0, params, len(prompt_ids)
         )
-        return self.runner.prompt_log_softmax(state)
+        return cast(Any, self.runner).prompt_log_softmax(state)  # the torch backend's alone
 
     def grammars(self) -> GrammarCompiler:
         """Built on first use: loads the tokenizer llguidance needs (a fraction of a second)."""

@@ -13,7 +13,7 @@ import pytest
 
 from kvmesh.engine import Engine
 from kvmesh.launcher import Mesh, MeshConfig
-from services.engine_worker.torch_backend.step_formats import has_cpp_compiler
+from services.engine_worker.step_formats import has_cpp_compiler
 from shared.config import CacheConfig, EngineConfig
 from shared.pb.kvmesh.v1 import inference_pb2_grpc
 from shared.sampling import SamplingParams

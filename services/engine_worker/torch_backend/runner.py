@@ -18,12 +18,12 @@ from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.kv_cache import KVCache, KVCacheShape
 from services.engine_worker.persistent_batch import BlockTables
 from services.engine_worker.prompt_scores import score_prompts
+from services.engine_worker.step_formats import DTYPES
 from services.engine_worker.step_inputs import FlatBatch, RequestState, flatten, unique_states
 from services.engine_worker.torch_backend.batch import build_batch
 from services.engine_worker.torch_backend.compiled_model import CompiledCausalLM, can_compile
 from services.engine_worker.torch_backend.graph_batch import GraphBatch
 from services.engine_worker.torch_backend.model import CausalLM
-from services.engine_worker.torch_backend.step_formats import DTYPES
 from services.engine_worker.torch_backend.weights import Int4Source, TorchWeights
 from services.engine_worker.verification import sample_and_verify
 from shared.config import EngineConfig
