@@ -21,8 +21,8 @@ from services.scheduler.config import BATCHING_SETTINGS, scheduler_config
 from shared.config import EngineConfig
 from shared.errors import KvmeshError
 from shared.pb.kvmesh.v1 import common_pb2
+from shared.runtime.settings import SettingError, SettingsParser, add_settings
 from shared.sampling import ResponseFormat, SamplingParams
-from shared.settings import SettingError, SettingsParser, add_settings
 
 # Commands run as another package's module, by name: `kvmesh` does not import the benchmarks.
 DELEGATED = {"bench": "loadtest.bench_cli"}

@@ -10,7 +10,7 @@ import grpc
 
 from shared import grpc_errors
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from shared.tls import sync_channel
+from shared.runtime.tls import sync_channel
 
 
 def generate_request(

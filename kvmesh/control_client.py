@@ -10,7 +10,7 @@ import grpc
 from kvmesh.client import key_metadata
 from shared import grpc_errors
 from shared.pb.kvmesh.v1 import mesh_control_pb2, mesh_control_pb2_grpc
-from shared.tls import sync_channel
+from shared.runtime.tls import sync_channel
 
 
 def run_control_command(args: argparse.Namespace) -> int:

@@ -11,8 +11,8 @@ from kvmesh.rollout import RolloutController, RolloutStep
 from shared import grpc_errors
 from shared.errors import KvmeshError
 from shared.pb.kvmesh.v1 import mesh_control_pb2, mesh_control_pb2_grpc
+from shared.runtime.tls import server_credentials, tls_config
 from shared.tenants import ApiKeys
-from shared.tls import server_credentials, tls_config
 
 
 class MeshControlService(mesh_control_pb2_grpc.MeshControlServicer):

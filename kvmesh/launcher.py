@@ -20,9 +20,9 @@ from kvmesh.supervisor import Supervisor
 from shared.model_entry import ModelEntry
 from shared.model_paths import default_embedding_model_path, is_encoder
 from shared.model_repository import ModelRepository
-from shared.service import LIVENESS
-from shared.settings import SCHEDULER, WORKER
-from shared.tls import tls_config
+from shared.runtime.service import LIVENESS
+from shared.runtime.settings import SCHEDULER, WORKER
+from shared.runtime.tls import tls_config
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # the name clients use for the default embedding model
 

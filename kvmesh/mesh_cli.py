@@ -23,9 +23,17 @@ from services.engine_worker.preparation_underway import (
     PREPARATION_FAILED,
 )
 from shared.errors import KvmeshError, Reason
-from shared.metrics import serve_metrics
 from shared.model_repository import ModelRepository
-from shared.settings import GATEWAY, SCHEDULER, WORKER, add_settings, env_default, port, whole
+from shared.runtime.metrics import serve_metrics
+from shared.runtime.settings import (
+    GATEWAY,
+    SCHEDULER,
+    WORKER,
+    add_settings,
+    env_default,
+    port,
+    whole,
+)
 from shared.tenants import ApiKeys
 
 

@@ -15,7 +15,7 @@ from shared.errors import KvmeshError
 from shared.model_entry import ENTRY_FILE, ModelEntry, ServingConfig
 from shared.model_paths import resolve_model_path
 from shared.model_repository import ModelRepository
-from shared.settings import (
+from shared.runtime.settings import (
     GATEWAY,
     SCHEDULER,
     WORKER,

@@ -12,7 +12,7 @@ from services.engine_worker import config as worker_config
 from shared.errors import KvmeshError, Reason
 from shared.model_entry import ModelEntry, WarmupFixture, write_entry
 from shared.model_repository import ModelRepository
-from shared.settings import env_default
+from shared.runtime.settings import env_default
 
 
 def add_models_parser(commands: argparse._SubParsersAction) -> None:

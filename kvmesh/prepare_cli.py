@@ -8,7 +8,7 @@ import dataclasses
 import json
 
 from services.engine_worker.config import ENGINE_SETTINGS, engine_config
-from shared.settings import add_settings
+from shared.runtime.settings import add_settings
 
 
 def add_prepare_parser(commands: argparse._SubParsersAction) -> None:

@@ -33,7 +33,7 @@ from shared.pb.kvmesh.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from shared.tls import sync_channel
+from shared.runtime.tls import sync_channel
 
 READY_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 120.0

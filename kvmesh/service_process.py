@@ -18,8 +18,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.errors import KvmeshError, Reason
-from shared.parent_watch import PARENT_ENV, parent_death_signal
-from shared.tls import sync_channel
+from shared.runtime.parent_watch import PARENT_ENV, parent_death_signal
+from shared.runtime.tls import sync_channel
 
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 PROGRESS_EVERY_S = 20.0  # how often a start that is still waiting says so, and why

@@ -38,7 +38,7 @@ from services.engine_worker.torch_backend.graph_batch import GraphBatch
 from services.engine_worker.worker import Worker
 from services.scheduler.scheduler import Scheduler
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig
-from shared.heap import freeze_startup_heap
+from shared.runtime.heap import freeze_startup_heap
 from shared.sampling import SamplingParams
 from shared.step import SampledToken
 
@@ -220,7 +220,7 @@ def serve_worker(port: int, max_batch: int) -> None:
     """The child: the real engine-worker server, its model replaced by the host-only one."""
     from services.engine_worker.server import EngineWorkerService
     from shared.pb.kvmesh.v1 import engine_worker_pb2_grpc
-    from shared.service import ServiceRuntime
+    from shared.runtime.service import ServiceRuntime
 
     async def serve() -> None:
         runtime = ServiceRuntime("kvmesh.v1.EngineWorker", "127.0.0.1", port)

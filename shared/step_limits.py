@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from shared.config import SPECULATIVE_METHODS, SchedulerConfig, SpeculativeConfig
-from shared.settings import SCHEDULER, WORKER, Setting, add_settings, choice, whole
+from shared.runtime.settings import SCHEDULER, WORKER, Setting, add_settings, choice, whole
 
 _GROUP = "step limits (scheduler and engine-worker)"
 _BOTH = (WORKER, SCHEDULER)

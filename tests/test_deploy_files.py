@@ -53,7 +53,7 @@ def test_every_command_and_health_check_names_a_module_that_exists() -> None:
 def test_each_mesh_service_has_a_health_check_and_redis_is_the_official_image() -> None:
     services = compose()["services"]
     for name in MESH_SERVICES:
-        assert "shared.healthcheck" in services[name]["healthcheck"]["test"], name
+        assert "shared.runtime.healthcheck" in services[name]["healthcheck"]["test"], name
         assert python_modules(services[name]["command"]) == [f"services.{name.replace('-', '_')}"]
     assert services["redis"]["image"].startswith("redis:")
 
@@ -64,7 +64,7 @@ def test_the_split_override_adds_a_prefill_pair_the_gateway_and_decode_pair_know
     for name in ("engine-worker-prefill", "scheduler-prefill"):
         module = python_modules(split[name]["command"])[0]
         assert importlib.util.find_spec(module) is not None
-        assert "shared.healthcheck" in split[name]["healthcheck"]["test"]
+        assert "shared.runtime.healthcheck" in split[name]["healthcheck"]["test"]
     prefill = split["scheduler-prefill"]["environment"]
     assert prefill["KVMESH_ROLE"] == "prefill" and split["scheduler"]["environment"] == {
         "KVMESH_ROLE": "decode"

@@ -15,7 +15,7 @@ import yaml
 
 from kvmesh.cli import DELEGATED, build_parser
 from kvmesh.reference_docs import section, subcommands
-from shared.settings import SettingError
+from shared.runtime.settings import SettingError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")

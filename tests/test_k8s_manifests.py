@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 OVERLAYS = ROOT / "deploy" / "k8s" / "overlays"
 KUBERNETES_VERSIONS = ("1.31.0", "1.37.0")  # the oldest and newest we claim
 OVERLAY_NAMES = ["dev", "prod", "prod-tls", "disaggregated"]
-TLS_ENV = set(re.findall(r"KVMESH_TLS_[A-Z_]+", (ROOT / "shared" / "tls.py").read_text()))
+TLS_ENV = set(
+    re.findall(r"KVMESH_TLS_[A-Z_]+", (ROOT / "shared" / "runtime" / "tls.py").read_text())
+)
 
 
 @functools.cache
@@ -48,12 +50,13 @@ def kvmesh_containers(overlay: str) -> list[dict[str, Any]]:
 
 
 def probe_target(probe: dict[str, Any]) -> tuple[int, str]:
-    """(port, health service) of a grpc probe, or of an exec probe running shared.healthcheck
-    (what the TLS overlay uses: kubelet's grpc probes cannot speak TLS)."""
+    """(port, health service) of a grpc probe, or of an exec probe running
+    shared.runtime.healthcheck (what the TLS overlay uses: kubelet's grpc probes cannot speak
+    TLS)."""
     if "grpc" in probe:
         return probe["grpc"]["port"], probe["grpc"].get("service", "")
     command = probe["exec"]["command"]
-    assert command[:3] == ["python", "-m", "shared.healthcheck"], command
+    assert command[:3] == ["python", "-m", "shared.runtime.healthcheck"], command
     return int(command[3].rsplit(":", 1)[1]), command[4] if len(command) > 4 else ""
 
 
@@ -99,7 +102,7 @@ def test_containers_agree_with_the_services(overlay: str) -> None:
         flags = flags_of(module)
         for env in container["env"]:
             if env["name"] in TLS_ENV:
-                continue  # read by shared/tls.py in every service, not a flag
+                continue  # read by shared/runtime/tls.py in every service, not a flag
             if env["name"].startswith("KVMESH_"):
                 flag = "--" + env["name"].removeprefix("KVMESH_").lower().replace("_", "-")
                 assert flag in flags, f"{container['name']}: {env['name']} is no flag of {module}"

@@ -12,12 +12,12 @@ from services.engine_worker.embed.server import EmbedderService
 from services.engine_worker.preparation_underway import abandon_all
 from services.engine_worker.server import EngineWorkerService
 from services.engine_worker.step_failures import CircuitBreaker, FaultInjector
-from shared.logs import configure_logging
 from shared.model_entry import artifact_location
 from shared.model_paths import is_encoder, resolve_model_path
 from shared.pb.kvmesh.v1 import engine_worker_pb2_grpc
-from shared.service import ServiceRuntime, start_observability
-from shared.settings import parse_args_or_exit
+from shared.runtime.logs import configure_logging
+from shared.runtime.service import ServiceRuntime, start_observability
+from shared.runtime.settings import parse_args_or_exit
 
 SERVICE_NAME = "kvmesh.v1.EngineWorker"
 EMBEDDER_SERVICE_NAME = "kvmesh.v1.Embedder"

@@ -30,7 +30,7 @@ from services.engine_worker.prepared_artifact import PreparedArtifact, PreparedK
 from services.engine_worker.preparing import PROGRAMS
 from services.engine_worker.torch_backend.saved_programs import PROGRAM_SUFFIX
 from shared.config import EngineConfig, KVTierConfig
-from shared.parent_watch import PARENT_PID_ENV
+from shared.runtime.parent_watch import PARENT_PID_ENV
 
 log = logging.getLogger("kvmesh.engine_worker.preparation")
 

@@ -1,5 +1,5 @@
-"""The engine-worker's settings, each declared once (shared/settings.py), and the configs built
-from them: the model and its KV pool, the KV tiers below the pool, the failure breaker."""
+"""The engine-worker's settings, each declared once (shared/runtime/settings.py), and the
+configs built from them: the model and its KV pool, the KV tiers below the pool, the breaker."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from shared.config import (
     format_bytes,
     parse_bytes,
 )
-from shared.service import service_parser
-from shared.settings import (
+from shared.runtime.service import service_parser
+from shared.runtime.settings import (
     UP,
     WORKER,
     Setting,

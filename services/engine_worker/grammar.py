@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 from services.engine_worker.step_failures import GrammarFailed
 from shared.errors import KvmeshError, Reason
-from shared.metrics import TOKEN_SECONDS
+from shared.runtime.metrics import TOKEN_SECONDS
 from shared.sampling import ResponseFormat
 from shared.text_tokenizer import TextTokenizer
 

@@ -12,8 +12,8 @@ import sys
 from typing import NoReturn
 
 from services.engine_worker.worker import Worker
-from shared.logs import configure_logging
-from shared.parent_watch import die_with_parent
+from shared.runtime.logs import configure_logging
+from shared.runtime.parent_watch import die_with_parent
 
 CHILD_NICENESS = 10
 

@@ -30,10 +30,10 @@ from shared.codec import (
 )
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, ModelValidationError, Reason
-from shared.heap import freeze_startup_heap
-from shared.metrics import TOKEN_SECONDS
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
-from shared.service import ServiceRuntime
+from shared.runtime.heap import freeze_startup_heap
+from shared.runtime.metrics import TOKEN_SECONDS
+from shared.runtime.service import ServiceRuntime
 
 log = logging.getLogger("kvmesh.engine_worker")
 T = TypeVar("T")

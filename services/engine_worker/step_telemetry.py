@@ -8,9 +8,9 @@ from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
 from services.engine_worker.kv_tiers.transfer import LoadRecord
-from shared.metrics import TOKEN_SECONDS
 from shared.pb.kvmesh.v1 import engine_worker_pb2
-from shared.telemetry import context_from_traceparent
+from shared.runtime.metrics import TOKEN_SECONDS
+from shared.runtime.telemetry import context_from_traceparent
 
 tracer = trace.get_tracer("kvmesh.engine_worker")
 STEP_SECONDS = Histogram(

@@ -18,11 +18,11 @@ from services.gateway.registry import BackendRegistry
 from services.gateway.router import Router, Watermarks
 from services.gateway.server import InferenceService
 from services.gateway.tokenizer_link import TokenizerLink
-from shared.logs import configure_logging
 from shared.pb.kvmesh.v1 import inference_pb2_grpc, model_admin_pb2_grpc
 from shared.redis_link import RedisLink
-from shared.service import ServiceRuntime, start_observability
-from shared.settings import parse_args_or_exit
+from shared.runtime.logs import configure_logging
+from shared.runtime.service import ServiceRuntime, start_observability
+from shared.runtime.settings import parse_args_or_exit
 from shared.tenants import ApiKeys
 
 SERVICE_NAME = "kvmesh.v1.Inference"

@@ -34,7 +34,7 @@ from services.gateway.tokenizer_link import TokenizerLink
 from services.gateway.tools import constrain_to_calls, tool_use
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import scheduler_pb2
-from shared.service import ServiceRuntime
+from shared.runtime.service import ServiceRuntime
 
 
 class Admission:

@@ -1,13 +1,13 @@
-"""The gateway's settings, each declared once (shared/settings.py): where the mesh is, and its
-routing, admission, tenant and HTTP bounds (the ones `kvmesh up` takes and forwards)."""
+"""The gateway's settings, each declared once (shared/runtime/settings.py): where the mesh is,
+and its routing, admission, tenant and HTTP bounds (the ones `kvmesh up` takes and forwards)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from shared.service import service_parser
-from shared.settings import (
+from shared.runtime.service import service_parser
+from shared.runtime.settings import (
     GATEWAY,
     Setting,
     choice,

@@ -19,8 +19,8 @@ from shared.pb.kvmesh.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from shared.service import CHANNEL_OPTIONS
-from shared.tls import aio_channel
+from shared.runtime.service import CHANNEL_OPTIONS
+from shared.runtime.tls import aio_channel
 
 log = logging.getLogger("kvmesh.gateway.connections")
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -34,9 +34,9 @@ from services.gateway.stall import ClientStalled
 from services.gateway.text_stream import TextStream
 from services.gateway.tokenizer_link import TokenizerLink
 from shared.errors import KvmeshError, Reason
-from shared.logs import bind_request
 from shared.pb.kvmesh.v1 import inference_pb2, scheduler_pb2
-from shared.service import ServiceRuntime
+from shared.runtime.logs import bind_request
+from shared.runtime.service import ServiceRuntime
 from shared.tenants import end_user_digest
 
 log = logging.getLogger("kvmesh.gateway")

@@ -8,7 +8,7 @@ import time
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.metrics import REQUEST_SECONDS, TOKEN_SECONDS, exemplar
+from shared.runtime.metrics import REQUEST_SECONDS, TOKEN_SECONDS, exemplar
 
 REQUESTS = Counter(
     "kvmesh_requests",

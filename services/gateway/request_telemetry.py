@@ -20,7 +20,12 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.gateway.request_metrics import RequestMetrics
 from shared.errors import KvmeshError
-from shared.telemetry import context_from_metadata, metadata_for, trace_id_hex, traceparent_of
+from shared.runtime.telemetry import (
+    context_from_metadata,
+    metadata_for,
+    trace_id_hex,
+    traceparent_of,
+)
 
 tracer = trace.get_tracer("kvmesh.gateway")
 # A long answer's gaps beyond this are summarised by the histogram only.

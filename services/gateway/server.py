@@ -1,6 +1,6 @@
 """The public kvmesh.v1.Inference service: thin handlers over admission, relay and catalog.
 
-Handlers raise KvmeshError; the server's error boundary (shared/error_boundary.py) turns it
+Handlers raise KvmeshError; the server's error boundary (shared/runtime/error_boundary.py) turns it
 into the rich status.
 """
 
@@ -23,7 +23,7 @@ from shared.pb.kvmesh.v1 import (
     inference_pb2_grpc,
     scheduler_pb2,
 )
-from shared.service import ServiceRuntime
+from shared.runtime.service import ServiceRuntime
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):

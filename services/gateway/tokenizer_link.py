@@ -15,8 +15,8 @@ from services.gateway.detokenize_lanes import DetokenizeLanes
 from services.gateway.tokenizer_errors import tokenizer_failure
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from shared.service import CHANNEL_OPTIONS
-from shared.tls import aio_channel
+from shared.runtime.service import CHANNEL_OPTIONS
+from shared.runtime.tls import aio_channel
 
 
 def check_vocabulary(ids: list[int], model: common_pb2.ModelInfo) -> None:

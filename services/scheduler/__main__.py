@@ -12,10 +12,10 @@ from services.scheduler.config import build_parser, handover_config, scheduler_c
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.redis_publisher import RedisPublisher
 from services.scheduler.server import SchedulerService
-from shared.logs import configure_logging
 from shared.pb.kvmesh.v1 import scheduler_pb2_grpc
-from shared.service import ServiceRuntime, start_observability
-from shared.settings import parse_args_or_exit
+from shared.runtime.logs import configure_logging
+from shared.runtime.service import ServiceRuntime, start_observability
+from shared.runtime.settings import parse_args_or_exit
 
 SERVICE_NAME = "kvmesh.v1.Scheduler"
 log = logging.getLogger("kvmesh.scheduler")

@@ -1,6 +1,6 @@
-"""The scheduler's settings, each declared once (shared/settings.py), and the configs built from
-them: batching, and the pair's part in the prefill/decode split. The step limits it shares with
-its engine-worker are declared in shared/step_limits.py."""
+"""The scheduler's settings, each declared once (shared/runtime/settings.py), and the configs
+built from them: batching, and the pair's part in the prefill/decode split. The step limits it
+shares with its engine-worker are declared in shared/step_limits.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import dataclasses
 from typing import Any
 
 from shared.config import KV_LOAD_FAILURE_POLICIES, SERVING_ROLES, HandoverConfig, SchedulerConfig
-from shared.service import service_parser
-from shared.settings import (
+from shared.runtime.service import service_parser
+from shared.runtime.settings import (
     SCHEDULER,
     Setting,
     choice,

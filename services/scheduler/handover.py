@@ -24,7 +24,7 @@ from services.scheduler.step_loop import StepLoop
 from shared.config import HandoverConfig
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import engine_worker_pb2, scheduler_pb2
-from shared.telemetry import context_from_metadata
+from shared.runtime.telemetry import context_from_metadata
 
 log = logging.getLogger("kvmesh.scheduler.handover")
 tracer = trace.get_tracer("kvmesh.scheduler")

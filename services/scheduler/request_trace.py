@@ -17,11 +17,11 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Histogram
 
 from services.scheduler.request import Request
-from shared.metrics import REQUEST_SECONDS, TOKEN_SECONDS, exemplar
 from shared.outputs import finish_reason_label
 from shared.pb.kvmesh.v1 import engine_worker_pb2, scheduler_pb2
+from shared.runtime.metrics import REQUEST_SECONDS, TOKEN_SECONDS, exemplar
+from shared.runtime.telemetry import context_from_metadata, trace_id_hex, traceparent_of
 from shared.step import NewRequestPlan, RunningRequestPlan, StepPlan
-from shared.telemetry import context_from_metadata, trace_id_hex, traceparent_of
 
 tracer = trace.get_tracer("kvmesh.scheduler")
 QUEUE_SECONDS = Histogram(

@@ -22,10 +22,10 @@ from shared.block_hash import hash_full_blocks
 from shared.codec import sampling_from_pb
 from shared.config import HandoverConfig, SchedulerConfig
 from shared.errors import KvmeshError, Reason
-from shared.logs import bind_request
 from shared.outputs import FinishReason
 from shared.pb.kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from shared.service import ServiceRuntime
+from shared.runtime.logs import bind_request
+from shared.runtime.service import ServiceRuntime
 
 log = logging.getLogger("kvmesh.scheduler")
 # A request expires this long before its gRPC deadline, so its `failed` event still reaches the

@@ -33,9 +33,9 @@ from shared import grpc_errors
 from shared.codec import logprobs_to_pb, plan_to_pb
 from shared.config import CacheConfig, SchedulerConfig
 from shared.errors import KvmeshError, Reason
-from shared.heap import freeze_startup_heap
 from shared.outputs import FinishReason, RequestOutput
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, scheduler_pb2
+from shared.runtime.heap import freeze_startup_heap
 from shared.step import FailedRequest, StepPlan
 
 log = logging.getLogger("kvmesh.scheduler")

@@ -21,8 +21,8 @@ from services.scheduler.tier_loads import NO_TIERS, TierPolicy
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
-from shared.service import CHANNEL_OPTIONS
-from shared.tls import aio_channel
+from shared.runtime.service import CHANNEL_OPTIONS
+from shared.runtime.tls import aio_channel
 
 log = logging.getLogger("kvmesh.scheduler.worker_link")
 _SERVING = health_pb2.HealthCheckResponse.SERVING

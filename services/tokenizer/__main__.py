@@ -8,12 +8,12 @@ import logging
 
 from services.tokenizer.server import LoadedTokenizer, TokenizerService
 from shared.errors import KvmeshError, Reason
-from shared.logs import configure_logging
 from shared.model_entry import artifact_location
 from shared.model_paths import resolve_model_path
 from shared.pb.kvmesh.v1 import tokenizer_pb2_grpc
-from shared.service import ServiceRuntime, service_parser, start_observability
-from shared.settings import Setting, parse_args_or_exit
+from shared.runtime.logs import configure_logging
+from shared.runtime.service import ServiceRuntime, service_parser, start_observability
+from shared.runtime.settings import Setting, parse_args_or_exit
 from shared.text_tokenizer import load_tokenizer
 
 SERVICE_NAME = "kvmesh.v1.Tokenizer"

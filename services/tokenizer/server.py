@@ -17,10 +17,10 @@ from prometheus_client import Histogram
 
 from services.tokenizer.lanes import TOKENS, Lane, Lanes
 from shared.errors import KvmeshError, Reason
-from shared.metrics import TOKEN_SECONDS
 from shared.pb.kvmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from shared.service import ServiceRuntime
-from shared.telemetry import context_from_metadata, context_from_traceparent
+from shared.runtime.metrics import TOKEN_SECONDS
+from shared.runtime.service import ServiceRuntime
+from shared.runtime.telemetry import context_from_metadata, context_from_traceparent
 from shared.text_tokenizer import TextTokenizer
 from shared.tool_prompt import function_specs, message_dicts
 

@@ -13,11 +13,11 @@ from services.trace_collector.forwarder import OtlpForwarder
 from services.trace_collector.server import TraceCollector, TracesService
 from services.trace_collector.span_store import SpanStore
 from shared.config import parse_bytes
-from shared.logs import configure_logging
-from shared.metrics import serve_metrics
 from shared.pb.kvmesh.v1 import traces_pb2_grpc
-from shared.service import ServiceRuntime, service_parser
-from shared.settings import (
+from shared.runtime.logs import configure_logging
+from shared.runtime.metrics import serve_metrics
+from shared.runtime.service import ServiceRuntime, service_parser
+from shared.runtime.settings import (
     Setting,
     parse_args_or_exit,
     readable_file,

@@ -11,7 +11,7 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client import Counter
 
-from shared.tls import aio_channel
+from shared.runtime.tls import aio_channel
 
 log = logging.getLogger("kvmesh.trace_collector")
 FORWARD_DROPPED = Counter(

@@ -21,8 +21,8 @@ from services.engine_worker.torch_backend.linear import (
 )
 from services.engine_worker.torch_backend.weights import resolve_weight_format
 from shared.config import CacheConfig, EngineConfig
+from shared.runtime.settings import SettingError
 from shared.sampling import SamplingParams
-from shared.settings import SettingError
 from tests.engine_worker.test_gguf_quantized import LAYER_TYPES, write_gguf
 from tests.model_fixtures import save_random_checkpoint
 

@@ -16,7 +16,7 @@ from services.engine_worker.kv_cache import kv_cache_dtype
 from services.engine_worker.worker import Worker
 from shared.config import CacheConfig, EngineConfig
 from shared.errors import KvmeshError, Reason
-from shared.settings import WORKER, SettingError
+from shared.runtime.settings import WORKER, SettingError
 
 
 def test_auto_is_float16_where_the_step_compiles_else_the_activation_dtype() -> None:

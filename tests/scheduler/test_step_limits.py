@@ -15,7 +15,7 @@ from services.scheduler.step_limits import check_step_limits
 from shared.config import SchedulerConfig, SpeculativeConfig
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2
-from shared.settings import SCHEDULER, WORKER
+from shared.runtime.settings import SCHEDULER, WORKER
 from shared.step_limits import step_limit_args_of
 
 

@@ -14,8 +14,8 @@ from services.scheduler.tracked import Tracked
 from shared.config import SchedulerConfig
 from shared.errors import KvmeshError
 from shared.pb.kvmesh.v1 import scheduler_pb2
+from shared.runtime.settings import SCHEDULER, SettingError
 from shared.sampling import SamplingParams
-from shared.settings import SCHEDULER, SettingError
 from tests.scheduler.fake_worker import FakeWorker
 from tests.scheduler.helpers import make_scheduler, run_to_completion
 

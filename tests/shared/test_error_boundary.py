@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from shared.error_boundary import KvmeshErrors
 from shared.errors import KvmeshError, Reason
+from shared.runtime.error_boundary import KvmeshErrors
 from tests.e2e.mesh_helpers import rich_error
 
 OVERLOADED = KvmeshError(Reason.OVERLOADED, "busy", retryable=True, retry_after_ms=250)

@@ -13,7 +13,7 @@ from services.engine_worker.config import build_parser, engine_config
 from shared.config import KVTierConfig
 from shared.errors import KvmeshError
 from shared.model_entry import ModelEntry, ServingConfig
-from shared.settings import WORKER, SettingError
+from shared.runtime.settings import WORKER, SettingError
 
 
 def parsed(*argv: str) -> argparse.Namespace:

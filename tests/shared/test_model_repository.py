@@ -16,7 +16,7 @@ from shared.config import CacheConfig, EngineConfig
 from shared.errors import KvmeshError, ModelValidationError, Reason
 from shared.model_entry import ModelEntry, ServingConfig, WarmupFixture, read_entry, write_entry
 from shared.model_repository import ModelRepository
-from shared.settings import SCHEDULER, WORKER
+from shared.runtime.settings import SCHEDULER, WORKER
 
 
 def _config(path: str, kv_memory_bytes: int = 8 << 20) -> EngineConfig:

@@ -14,8 +14,8 @@ import pytest
 from kvmesh.control_server import serve_control
 from kvmesh.rollout import RolloutStep
 from kvmesh.service_process import free_port
-from shared.metrics import serve_metrics
 from shared.pb.kvmesh.v1 import mesh_control_pb2, mesh_control_pb2_grpc
+from shared.runtime.metrics import serve_metrics
 from shared.tenants import ApiKeys
 from tests.e2e.mesh_helpers import rich_error
 

@@ -17,9 +17,9 @@ from services.tokenizer import lanes as server_lanes
 from services.tokenizer.server import LoadedTokenizer, TokenizerService
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, tokenizer_pb2_grpc
-from shared.service import ServiceRuntime
+from shared.runtime.service import ServiceRuntime
+from shared.runtime.tls import aio_channel
 from shared.text_tokenizer import TextTokenizer
-from shared.tls import aio_channel
 
 TEXTS = [
     "Emoji 👋🏽 and 🇫🇷, CJK 世界你好, accents héllo.",

@@ -132,7 +132,7 @@ def test_the_service_picks_each_models_own_tokenizer(tokenizer: TextTokenizer) -
     from services.tokenizer.server import LoadedTokenizer, TokenizerService
     from shared.errors import KvmeshError, Reason
     from shared.pb.kvmesh.v1 import tokenizer_pb2
-    from shared.service import ServiceRuntime
+    from shared.runtime.service import ServiceRuntime
 
     named = {"smol": LoadedTokenizer(tokenizer, "a"), "tiny": LoadedTokenizer(None, "b")}
     service = TokenizerService(cast(ServiceRuntime, None), named)

@@ -15,7 +15,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from services.trace_collector.phases import percentile, request_timing, summarize
 from services.trace_collector.span_store import SpanStore
-from shared.telemetry import SPANS_DROPPED, BoundedSpanExporter, context_from_metadata, metadata_for
+from shared.runtime.telemetry import (
+    SPANS_DROPPED,
+    BoundedSpanExporter,
+    context_from_metadata,
+    metadata_for,
+)
 
 
 def recorded_request(request_id: str, tokens: int = 4) -> list:

@@ -20,7 +20,7 @@ from services.engine_worker.embed.encoder import SentenceEncoder
 from shared.errors import KvmeshError, Reason
 from shared.model_entry import is_entry, read_entry
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
-from shared.service import ServiceRuntime
+from shared.runtime.service import ServiceRuntime
 
 log = logging.getLogger("kvmesh.engine_worker.embed")
 EMBED_BATCH_SIZE = Histogram(

@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from shared.config import KV_TIERS, KV_WRITE_POLICIES, KVTierConfig, format_bytes, parse_bytes
-from shared.settings import UP, WORKER, Setting, choice, choice_list, size, whole
+from shared.runtime.settings import UP, WORKER, Setting, choice, choice_list, size, whole
 
 _TIERS = "KV tiers (services/engine_worker/kv_tiers)"
 _TIER: dict[str, Any] = dict(group=_TIERS, takers=(WORKER,), per_model=True)

@@ -27,10 +27,10 @@ from prometheus_client import Counter, Histogram
 from services.engine_worker.kv_tiers.block_record import pack
 from services.engine_worker.kv_tiers.local_tiers import HostTier
 from services.engine_worker.step_inputs import RequestState
-from shared.metrics import TOKEN_SECONDS
 from shared.pb.kvmesh.v1 import engine_worker_pb2, engine_worker_pb2_grpc
-from shared.service import CHANNEL_OPTIONS
-from shared.tls import aio_channel
+from shared.runtime.metrics import TOKEN_SECONDS
+from shared.runtime.service import CHANNEL_OPTIONS
+from shared.runtime.tls import aio_channel
 
 log = logging.getLogger("kvmesh.kv_handover")
 # Pulled blocks wait here for their request's first step: a few long prompts' worth.

@@ -36,7 +36,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 import torch.utils._pytree as pytree
 
-from shared.parent_watch import PARENT_PID_ENV, die_with_parent
+from shared.runtime.parent_watch import PARENT_PID_ENV, die_with_parent
 
 # AOTInductor's package format: the library, its wrapper source and metadata, in one zip.
 PROGRAM_SUFFIX = ".pt2"

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from services.gateway.call_context import HttpCall
 from shared.errors import KvmeshError, Reason
-from shared.metrics import is_scrape_token
+from shared.runtime.metrics import is_scrape_token
 from shared.tenants import ApiKeys
 
 OPEN_PATHS = frozenset({"/health"})  # probes: no key, no body

@@ -51,7 +51,7 @@ from services.gateway.stall import ClientStalled, write_or_stall
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import inference_pb2
-from shared.tls import http_ssl_context, tls_config
+from shared.runtime.tls import http_ssl_context, tls_config
 
 log = logging.getLogger("kvmesh.gateway.http")
 Event = inference_pb2.GenerateEvent

@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import Counter
 
-from shared.tls import sync_channel
+from shared.runtime.tls import sync_channel
 
 log = logging.getLogger("kvmesh.telemetry")
 SPANS_DROPPED = Counter(

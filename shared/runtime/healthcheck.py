@@ -1,4 +1,4 @@
-"""`python -m shared.healthcheck HOST:PORT [SERVICE]`: exit 0 when the service is SERVING.
+"""`python -m shared.runtime.healthcheck HOST:PORT [SERVICE]`: exit 0 when the service is SERVING.
 
 For container health checks, where no grpc_health_probe binary is at hand."""
 
@@ -9,7 +9,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.tls import sync_channel
+from shared.runtime.tls import sync_channel
 
 
 def main(argv: list[str]) -> int:

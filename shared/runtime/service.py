@@ -20,14 +20,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shared.error_boundary import KvmeshErrors
 from shared.errors import KvmeshError, Reason
-from shared.metrics import serve_metrics
-from shared.parent_watch import watch_parent
-from shared.settings import Setting, SettingsParser, add_settings, decimal, port
-from shared.telemetry import configure_tracing
-from shared.tls import server_credentials, tls_config
-from shared.undecodable import UndecodableRequests
+from shared.runtime.error_boundary import KvmeshErrors
+from shared.runtime.metrics import serve_metrics
+from shared.runtime.parent_watch import watch_parent
+from shared.runtime.settings import Setting, SettingsParser, add_settings, decimal, port
+from shared.runtime.telemetry import configure_tracing
+from shared.runtime.tls import server_credentials, tls_config
+from shared.runtime.undecodable import UndecodableRequests
 
 LIVENESS = "liveness"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
