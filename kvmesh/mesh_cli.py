@@ -11,12 +11,12 @@ import grpc
 
 from kvmesh import run_file
 from kvmesh.client import generate_request
-from kvmesh.control_server import serve_control
-from kvmesh.launcher import Mesh, MeshConfig
-from kvmesh.mesh_settings import UP_SETTINGS, refused, service_args
+from kvmesh.mesh.control_server import serve_control
+from kvmesh.mesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.rollout import RolloutController
+from kvmesh.mesh.service_process import PROGRESS_EVERY_S, free_port
+from kvmesh.mesh.settings import UP_SETTINGS, refused, service_args
 from kvmesh.remote_cli import stream_to_terminal
-from kvmesh.rollout import RolloutController
-from kvmesh.service_process import PROGRESS_EVERY_S, free_port
 from services.engine_worker.preparation_underway import (
     COMPILED_SERVING,
     EAGER_WHILE_COMPILING,

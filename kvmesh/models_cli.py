@@ -7,7 +7,7 @@ import dataclasses
 import os
 import sys
 
-from kvmesh.mesh_settings import PER_MODEL, add_serving_flags, serving_of
+from kvmesh.mesh.settings import PER_MODEL, add_serving_flags, serving_of
 from services.engine_worker import config as worker_config
 from shared.errors import KvmeshError, Reason
 from shared.model_entry import ModelEntry, WarmupFixture, write_entry

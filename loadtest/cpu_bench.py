@@ -24,7 +24,7 @@ import torch
 
 from kvmesh.convert import gguf_to_f32
 from kvmesh.engine import Engine
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 from loadtest import llama_cpp
 from loadtest.driver import LoadShape, run_load
 from loadtest.report import Slo, summarize

@@ -20,7 +20,7 @@ import time
 import grpc
 import torch
 
-from kvmesh.launcher import DEFAULT_EMBEDDER, Mesh, MeshConfig
+from kvmesh.mesh.launcher import DEFAULT_EMBEDDER, Mesh, MeshConfig
 from services.engine_worker.embed.encoder import SentenceEncoder
 from shared.model_paths import default_embedding_model_path
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc

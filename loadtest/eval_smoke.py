@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from kvmesh.convert import to_safetensors
-from kvmesh.launcher import Mesh
-from kvmesh.mesh_config import MeshConfig
+from kvmesh.mesh.config import MeshConfig
+from kvmesh.mesh.launcher import Mesh
 from shared.model_paths import resolve_model_path
 
 TASKS = Path(__file__).parent / "eval_tasks"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import grpc
 
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 from loadtest.overload_bench import closed_loop_rate, percentile
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 
 from kvmesh.engine import Engine
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 from shared.config import CacheConfig, EngineConfig, KVTierConfig
 from shared.model_paths import default_model_path
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh.service_process import free_port
+from kvmesh.mesh.service_process import free_port
 
 LLAMA_CPP_PYTHON = "0.3.36"
 TARGETS = ("llama-batched-bench", "llama-server", "llama-quantize", "llama-perplexity")

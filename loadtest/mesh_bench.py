@@ -24,7 +24,7 @@ import time
 import grpc
 
 from kvmesh.engine import Engine
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 from loadtest.engine_bench import make_prompts
 from shared.config import CacheConfig, EngineConfig, parse_bytes
 from shared.pb.kvmesh.v1 import (

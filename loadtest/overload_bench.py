@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 from shared import grpc_errors
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 

@@ -31,7 +31,7 @@ import numpy
 
 from kvmesh.convert import gguf_to_f32
 from kvmesh.engine import Engine
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 from loadtest import llama_cpp
 from loadtest.bench import BenchResult, write_report
 from loadtest.driver import LoadShape, RunResult, run_load

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 
 import grpc
 
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.rollout import RolloutController
 from kvmesh.models_cli import record_fixtures
-from kvmesh.rollout import RolloutController
 from shared.model_entry import ServingConfig
 from shared.model_paths import default_model_path
 from shared.model_repository import ModelRepository

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 VOCAB_LOW, VOCAB_HIGH = 100, 40_000  # ordinary tokens of SmolLM2's 49,152

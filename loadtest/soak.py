@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 from loadtest.report import percentile
 from shared import grpc_errors
 from shared.pb.kvmesh.v1 import (

@@ -35,7 +35,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.client import MeshClient, generate_request
-from kvmesh.service_process import free_port
+from kvmesh.mesh.service_process import free_port
 from services.engine_worker.preparation_underway import COMPILED_SERVING
 from shared.model_paths import default_model_path
 

@@ -19,7 +19,7 @@ import urllib.request
 
 import psutil
 
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 from loadtest.engine_bench import make_prompts
 from loadtest.mesh_bench import run_mesh
 

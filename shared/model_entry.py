@@ -51,7 +51,7 @@ class ServingConfig(Mapping[str, Any]):
     """An entry's [serving] table: setting (as its flag, with underscores: kv_memory) -> value,
     for this model's pairs alone; an unset one is the mesh's. Which settings a model may set,
     and their values, are checked where the settings are known: `kvmesh up` and `kvmesh models
-    add` (kvmesh/mesh_settings.py)."""
+    add` (kvmesh/mesh/settings.py)."""
 
     def __init__(self, values: Mapping[str, Any] | None = None, **more: Any) -> None:
         merged = {**(values or {}), **more}

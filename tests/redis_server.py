@@ -8,7 +8,7 @@ import socket
 import subprocess
 import time
 
-from kvmesh.service_process import free_port
+from kvmesh.mesh.service_process import free_port
 
 
 class RedisServer:

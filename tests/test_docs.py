@@ -41,7 +41,7 @@ def _make_targets() -> set[str]:
 
 def _http_routes() -> list[tuple[str, re.Pattern[str]]]:
     from services.gateway.openai_front.server import OpenAIFront
-    from services.gateway.policy import GatewayPolicy
+    from services.gateway.policy.policy import GatewayPolicy
 
     front = OpenAIFront(SimpleNamespace(policy=GatewayPolicy()), None)
     routes = []

@@ -6,18 +6,18 @@ import argparse
 import asyncio
 import logging
 
-from services.gateway.catalog import ModelCatalog
 from services.gateway.config import build_parser
-from services.gateway.engine_failures import TenantFailures
-from services.gateway.limits import RequestLimits
-from services.gateway.model_admin import ModelAdminService
+from services.gateway.mesh.catalog import ModelCatalog
+from services.gateway.mesh.model_admin import ModelAdminService
+from services.gateway.mesh.registry import BackendRegistry
+from services.gateway.mesh.router import Router, Watermarks
+from services.gateway.mesh.tokenizer_link import TokenizerLink
 from services.gateway.openai_front.server import OpenAIFront
-from services.gateway.policy import GatewayPolicy
-from services.gateway.rate_limits import RateLimiter
-from services.gateway.registry import BackendRegistry
-from services.gateway.router import Router, Watermarks
+from services.gateway.policy.engine_failures import TenantFailures
+from services.gateway.policy.limits import RequestLimits
+from services.gateway.policy.policy import GatewayPolicy
+from services.gateway.policy.rate_limits import RateLimiter
 from services.gateway.server import InferenceService
-from services.gateway.tokenizer_link import TokenizerLink
 from shared.pb.kvmesh.v1 import inference_pb2_grpc, model_admin_pb2_grpc
 from shared.redis_link import RedisLink
 from shared.runtime.logs import configure_logging

@@ -19,7 +19,7 @@ from shared.runtime.settings import (
 DEFAULT_PORT = 50051
 _DESCRIPTION = "the public API: auth, admission, routing, and the OpenAI-compatible HTTP front"
 
-# services/gateway/router.py implements them.
+# services/gateway/mesh/router.py implements them.
 ROUTING_POLICIES = ("cache-aware", "round-robin", "least-loaded")
 
 MESH_SETTINGS = (

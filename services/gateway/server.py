@@ -10,12 +10,12 @@ import contextlib
 
 import grpc
 
-from services.gateway.catalog import ModelCatalog
-from services.gateway.embed import embed
-from services.gateway.generate import GenerateHandler
-from services.gateway.policy import GatewayPolicy
-from services.gateway.stall import ClientStalled, stalled_error, write_or_stall
-from services.gateway.tokenizer_link import TokenizerLink
+from services.gateway.mesh.catalog import ModelCatalog
+from services.gateway.mesh.tokenizer_link import TokenizerLink
+from services.gateway.policy.policy import GatewayPolicy
+from services.gateway.policy.stall import ClientStalled, stalled_error, write_or_stall
+from services.gateway.request.embed import embed
+from services.gateway.request.generate import GenerateHandler
 from shared import grpc_errors
 from shared.pb.kvmesh.v1 import (
     common_pb2,

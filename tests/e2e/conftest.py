@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 
 # A small KV pool: the test process (which also loads an in-process engine) shares the machine.
 MESH_WORKER_ARGS = ["--kv-memory", "256MiB"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvmesh.launcher import Mesh
+from kvmesh.mesh.launcher import Mesh
 
 NODE_CLIENT = Path(__file__).resolve().parents[2] / "examples" / "node-client"
 

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.launcher import Mesh
+from kvmesh.mesh.launcher import Mesh
 from shared.errors import Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.e2e.mesh_helpers import assert_mesh_idle, rich_error

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvmesh.engine import Engine
-from kvmesh.launcher import Mesh
+from kvmesh.mesh.launcher import Mesh
 from shared import redis_keys
 from shared.config import CacheConfig, EngineConfig
 from shared.pb.kvmesh.v1 import (

@@ -15,7 +15,7 @@ import urllib.request
 import grpc
 import pytest
 
-from kvmesh.launcher import Mesh
+from kvmesh.mesh.launcher import Mesh
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.e2e.mesh_helpers import assert_mesh_idle, assert_one_terminal, collect, rich_error
 

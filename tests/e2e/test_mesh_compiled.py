@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from kvmesh.engine import Engine
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 from services.engine_worker.step_formats import has_cpp_compiler
 from shared.config import CacheConfig, EngineConfig
 from shared.pb.kvmesh.v1 import inference_pb2_grpc

@@ -11,7 +11,7 @@ import openai
 import pytest
 import torch
 
-from kvmesh.launcher import DEFAULT_EMBEDDER, Mesh
+from kvmesh.mesh.launcher import DEFAULT_EMBEDDER, Mesh
 from shared.model_paths import default_embedding_model_path
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.e2e.mesh_helpers import ids_request, metric_value, rich_error, tiny_mesh_config

@@ -27,7 +27,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from kvmesh.launcher import Mesh
+from kvmesh.mesh.launcher import Mesh
 from shared.pb.kvmesh.v1 import (
     common_pb2,
     inference_pb2,

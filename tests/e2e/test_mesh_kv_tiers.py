@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 from shared.pb.kvmesh.v1 import inference_pb2_grpc
 from tests.e2e.mesh_helpers import assert_one_terminal, collect, ids_request
 

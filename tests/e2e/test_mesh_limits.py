@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 from shared.pb.kvmesh.v1 import inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.e2e.conftest import MESH_WORKER_ARGS
 from tests.e2e.mesh_helpers import (

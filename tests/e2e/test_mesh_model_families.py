@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from kvmesh.engine import Engine
-from kvmesh.launcher import Mesh
+from kvmesh.mesh.launcher import Mesh
 from shared.config import CacheConfig, EngineConfig
 from shared.pb.kvmesh.v1 import inference_pb2_grpc
 from shared.sampling import SamplingParams

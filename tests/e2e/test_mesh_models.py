@@ -19,9 +19,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.cli import main
-from kvmesh.control_server import serve_control
-from kvmesh.launcher import Mesh
-from kvmesh.rollout import RolloutController
+from kvmesh.mesh.control_server import serve_control
+from kvmesh.mesh.launcher import Mesh
+from kvmesh.mesh.rollout import RolloutController
 from services.engine_worker.worker import Worker
 from shared.config import CacheConfig, EngineConfig
 from shared.errors import KvmeshError

@@ -12,7 +12,7 @@ import grpc
 import psutil
 import pytest
 
-from kvmesh.launcher import Mesh
+from kvmesh.mesh.launcher import Mesh
 from loadtest.overload_bench import closed_loop_rate, offer, overload_mesh_config
 from shared.pb.kvmesh.v1 import inference_pb2_grpc
 from tests.e2e.mesh_helpers import settled_load

@@ -11,7 +11,7 @@ import grpc
 import openai
 import pytest
 
-from kvmesh.launcher import Mesh
+from kvmesh.mesh.launcher import Mesh
 from shared.pb.kvmesh.v1 import inference_pb2, inference_pb2_grpc
 from tests.e2e.mesh_helpers import (
     TERMINAL,

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 from shared.pb.kvmesh.v1 import (
     common_pb2,
     engine_worker_pb2,

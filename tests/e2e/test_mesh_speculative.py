@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from kvmesh.engine import Engine
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 from shared.config import CacheConfig, EngineConfig
 from shared.pb.kvmesh.v1 import inference_pb2_grpc, traces_pb2, traces_pb2_grpc
 from shared.sampling import SamplingParams

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from kvmesh.launcher import Mesh
-from kvmesh.supervisor import RESTARTS, BackOff, Supervisor
+from kvmesh.mesh.launcher import Mesh
+from kvmesh.mesh.supervisor import RESTARTS, BackOff, Supervisor
 from shared.pb.kvmesh.v1 import inference_pb2_grpc
 from tests.e2e.mesh_helpers import (
     assert_one_terminal,

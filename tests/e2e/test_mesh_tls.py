@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from kvmesh.launcher import Mesh
+from kvmesh.mesh.launcher import Mesh
 from shared.pb.kvmesh.v1 import inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.e2e.mesh_helpers import assert_one_terminal, ids_request, tiny_mesh_config
 from tests.tls_certs import CertificateAuthority

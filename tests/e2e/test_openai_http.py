@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from kvmesh.launcher import Mesh
+from kvmesh.mesh.launcher import Mesh
 from shared.pb.kvmesh.v1 import inference_pb2_grpc
 from tests.e2e.mesh_helpers import (
     assert_mesh_idle,

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from kvmesh.launcher import Mesh, MeshConfig
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 
 KEYS = """
 [tenants.acme]

@@ -8,7 +8,7 @@ import json
 import grpc
 import pytest
 
-from kvmesh.launcher import Mesh
+from kvmesh.mesh.launcher import Mesh
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.e2e.test_openai_http import raw_post
 

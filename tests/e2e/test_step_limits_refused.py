@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvmesh.service_process import ServiceProcess, free_port
+from kvmesh.mesh.service_process import ServiceProcess, free_port
 from tests.model_fixtures import save_random_checkpoint
 
 

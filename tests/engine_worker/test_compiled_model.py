@@ -18,7 +18,8 @@ import torch
 
 from kvmesh.engine import Engine
 from loadtest.perplexity import SHIPPED_TEXT, perplexity, text_token_ids
-from services.engine_worker.torch_backend import compiled_model, graph_ops, step_formats
+from services.engine_worker import step_formats
+from services.engine_worker.torch_backend import compiled_model, graph_ops
 from services.engine_worker.torch_backend.graph_ops import int8_handle, int8_projection
 from services.engine_worker.torch_backend.linear import (
     Int4Linear,

@@ -10,7 +10,7 @@ import torch
 
 from kvmesh.cli import build_parser as kvmesh_parser
 from kvmesh.engine import Engine
-from kvmesh.mesh_settings import service_args
+from kvmesh.mesh.settings import service_args
 from services.engine_worker.config import build_parser, engine_config
 from services.engine_worker.kv_cache import kv_cache_dtype
 from services.engine_worker.worker import Worker

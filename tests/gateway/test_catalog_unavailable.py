@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.catalog import ModelCatalog
-from services.gateway.registry import BackendRegistry
-from services.gateway.tokenizer_link import TokenizerLink
+from services.gateway.mesh.catalog import ModelCatalog
+from services.gateway.mesh.registry import BackendRegistry
+from services.gateway.mesh.tokenizer_link import TokenizerLink
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2
 

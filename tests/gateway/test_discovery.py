@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from services.gateway.catalog import ModelCatalog
-from services.gateway.discovery import DnsDiscovery, is_dns_spec, resolve
-from services.gateway.registry import BackendRegistry
-from services.gateway.tokenizer_link import TokenizerLink
+from services.gateway.mesh.catalog import ModelCatalog
+from services.gateway.mesh.discovery import DnsDiscovery, is_dns_spec, resolve
+from services.gateway.mesh.registry import BackendRegistry
+from services.gateway.mesh.tokenizer_link import TokenizerLink
 from shared.errors import KvmeshError, Reason
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.engine_failures import WINDOW_S, TenantFailures
+from services.gateway.policy.engine_failures import WINDOW_S, TenantFailures
 from shared.errors import KvmeshError, Reason
 
 

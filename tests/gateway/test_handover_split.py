@@ -4,9 +4,9 @@ prefix, read from Redis like any route)."""
 
 from __future__ import annotations
 
-from services.gateway.connections import SchedulerBackend
-from services.gateway.handover import split_roles, splittable, worth_splitting
-from services.gateway.router import Router
+from services.gateway.mesh.connections import SchedulerBackend
+from services.gateway.mesh.router import Router
+from services.gateway.request.handover import split_roles, splittable, worth_splitting
 from services.scheduler.redis_publisher import RedisPublisher
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
 from shared.sampling import SamplingParams

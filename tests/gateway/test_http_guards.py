@@ -10,9 +10,9 @@ import json
 import time
 import types
 
-from kvmesh.service_process import free_port
+from kvmesh.mesh.service_process import free_port
 from services.gateway.openai_front.server import OpenAIFront
-from services.gateway.policy import GatewayPolicy
+from services.gateway.policy.policy import GatewayPolicy
 from shared.tenants import ApiKeys
 
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.gateway.request_sampling import resolve_sampling
+from services.gateway.request.request_sampling import resolve_sampling
 from shared.pb.kvmesh.v1 import common_pb2
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.gateway.output_check import check_output, output_problem
+from services.gateway.request.output_check import check_output, output_problem
 from shared.errors import KvmeshError, Reason
 from shared.sampling import ResponseFormat
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.rate_limits import RateLimiter
+from services.gateway.policy.rate_limits import RateLimiter
 from shared.errors import KvmeshError, Reason
 from shared.redis_link import RedisLink
 from shared.tenants import Tenant, TenantLimits

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as redis
 
-from services.gateway.connections import SchedulerBackend
-from services.gateway.router import Router, Watermarks
+from services.gateway.mesh.connections import SchedulerBackend
+from services.gateway.mesh.router import Router, Watermarks
 from services.scheduler.load_report import LoadReporter
 from services.scheduler.redis_publisher import RedisPublisher
 from services.scheduler.step_loop import StepLoop

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.request.stop_strings import StopStringMatcher
 
 
 def feed(stops: list[str], pieces: list[str]) -> tuple[str, str | None]:

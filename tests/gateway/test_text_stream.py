@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.gateway.tokenizer_errors import tokenizer_failure
+from services.gateway.mesh.tokenizer_errors import tokenizer_failure
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 

@@ -9,8 +9,8 @@ import random
 import llguidance
 import pytest
 
-from services.gateway.tool_calls import ToolCallParser
-from services.gateway.tools import MAX_CALLS, ToolUse, constrain_to_calls, tool_use
+from services.gateway.request.tool_calls import ToolCallParser
+from services.gateway.request.tools import MAX_CALLS, ToolUse, constrain_to_calls, tool_use
 from shared.errors import KvmeshError, Reason
 from shared.model_paths import default_model_path
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from services.gateway.traffic import TrafficSplit
+from services.gateway.mesh.traffic import TrafficSplit
 from shared.errors import KvmeshError, Reason
 
 

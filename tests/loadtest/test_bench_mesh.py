@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.launcher import Mesh
+from kvmesh.mesh.launcher import Mesh
 from loadtest.bench import BenchPlan, run, write_report
 from loadtest.driver import LoadShape
 from loadtest.report import Slo

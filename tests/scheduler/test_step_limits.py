@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.cli import build_parser as kvmesh_parser
-from kvmesh.mesh_config import MeshConfig
-from kvmesh.mesh_settings import service_args
+from kvmesh.mesh.config import MeshConfig
+from kvmesh.mesh.settings import service_args
 from services.engine_worker import config as worker_config
 from services.scheduler import config as scheduler_config
 from services.scheduler.step_limits import check_step_limits

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.cli import build_parser as kvmesh_parser
-from kvmesh.mesh_settings import service_args
+from kvmesh.mesh.settings import service_args
 from services.scheduler.config import build_parser, scheduler_config
 from services.scheduler.request_trace import RequestTrace
 from services.scheduler.step_loop import StepLoop

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from kvmesh.cli import build_parser as kvmesh_parser
-from kvmesh.mesh_settings import service_args, serving_args
+from kvmesh.mesh.settings import service_args, serving_args
 from services.engine_worker.config import build_parser, engine_config
 from shared.config import KVTierConfig
 from shared.errors import KvmeshError

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from kvmesh.cli import main
-from kvmesh.mesh_settings import serving_args
+from kvmesh.mesh.settings import serving_args
 from kvmesh.models_cli import record_fixtures
 from services.engine_worker import worker as worker_module
 from services.engine_worker.worker import Worker

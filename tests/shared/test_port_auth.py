@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from kvmesh.control_server import serve_control
-from kvmesh.rollout import RolloutStep
-from kvmesh.service_process import free_port
+from kvmesh.mesh.control_server import serve_control
+from kvmesh.mesh.rollout import RolloutStep
+from kvmesh.mesh.service_process import free_port
 from shared.pb.kvmesh.v1 import mesh_control_pb2, mesh_control_pb2_grpc
 from shared.runtime.metrics import serve_metrics
 from shared.tenants import ApiKeys

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh import service_process
-from kvmesh.service_process import ServiceProcess, free_port
+from kvmesh.mesh import service_process
+from kvmesh.mesh.service_process import ServiceProcess, free_port
 from shared.errors import KvmeshError, Reason
 
 

@@ -11,8 +11,8 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from services.gateway.detokenize_lanes import DetokenizeLanes
-from services.gateway.text_stream import TextStream
+from services.gateway.mesh.detokenize_lanes import DetokenizeLanes
+from services.gateway.request.text_stream import TextStream
 from services.tokenizer import lanes as server_lanes
 from services.tokenizer.server import LoadedTokenizer, TokenizerService
 from shared.errors import KvmeshError, Reason

@@ -10,7 +10,7 @@ import grpc
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
-from kvmesh.service_process import free_port
+from kvmesh.mesh.service_process import free_port
 from services.trace_collector.forwarder import FORWARD_DROPPED, OtlpForwarder
 from services.trace_collector.server import TraceCollector, TracesService
 from services.trace_collector.span_store import SpanStore

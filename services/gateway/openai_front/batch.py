@@ -12,9 +12,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator
 
-from services.gateway.call_context import HttpCall
-from services.gateway.completions import interleaved
-from services.gateway.generate import GenerateHandler
+from services.gateway.request.call_context import HttpCall
+from services.gateway.request.completions import interleaved
+from services.gateway.request.generate import GenerateHandler
 from shared.pb.kvmesh.v1 import inference_pb2
 
 Event = inference_pb2.GenerateEvent

@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.gateway.call_context import HttpCall
+from services.gateway.request.call_context import HttpCall
 from shared.errors import KvmeshError, Reason
 from shared.runtime.metrics import is_scrape_token
 from shared.tenants import ApiKeys

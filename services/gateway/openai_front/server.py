@@ -26,10 +26,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.gateway.call_context import HttpCall
-from services.gateway.catalog import ModelCatalog
-from services.gateway.embed import embed
-from services.gateway.generate import GenerateHandler
+from services.gateway.mesh.catalog import ModelCatalog
 from services.gateway.openai_front.batch import batch_events
 from services.gateway.openai_front.embeddings import parse_embeddings
 from services.gateway.openai_front.guards import body_of, guards
@@ -47,7 +44,10 @@ from services.gateway.openai_front.protocol import (
 )
 from services.gateway.openai_front.responses import ResponseBuilder
 from services.gateway.openai_front.tokenize import detokenize, tokenize
-from services.gateway.stall import ClientStalled, write_or_stall
+from services.gateway.policy.stall import ClientStalled, write_or_stall
+from services.gateway.request.call_context import HttpCall
+from services.gateway.request.embed import embed
+from services.gateway.request.generate import GenerateHandler
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import inference_pb2

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.gateway.catalog import ModelCatalog
-from services.gateway.generate import GenerateHandler
+from services.gateway.mesh.catalog import ModelCatalog
 from services.gateway.openai_front.fields import ignore_unknown
 from services.gateway.openai_front.protocol import chat_message
+from services.gateway.request.generate import GenerateHandler
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
 

@@ -1,6 +1,6 @@
 """OpenAI's tool fields -> the request's: `tools`, `tool_choice`, `parallel_tool_calls`, and
 the calls of earlier assistant messages. Shapes only; names, schemas and the choice's
-consistency with the tools are checked by admission (services/gateway/tools.py), as for a
+consistency with the tools are checked by admission (services/gateway/request/tools.py), as for a
 gRPC client."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 
-from services.gateway.catalog import ModelCatalog
+from services.gateway.mesh.catalog import ModelCatalog
 from shared.errors import KvmeshError, Reason
 from shared.model_entry import check_name
 from shared.pb.kvmesh.v1 import model_admin_pb2, model_admin_pb2_grpc

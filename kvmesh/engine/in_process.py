@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.prompts import PromptInput, to_token_ids
+from kvmesh.engine.prompts import PromptInput, to_token_ids
 from services.engine_worker.worker import Worker
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.tier_loads import TierPolicy

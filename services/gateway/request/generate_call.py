@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.gateway.call_context import CallContext
-from services.gateway.connections import SchedulerBackend
-from services.gateway.request_telemetry import RequestTelemetry
-from services.gateway.tools import ToolUse
+from services.gateway.mesh.connections import SchedulerBackend
+from services.gateway.request.call_context import CallContext
+from services.gateway.request.request_telemetry import RequestTelemetry
+from services.gateway.request.tools import ToolUse
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
 from shared.sampling import SamplingParams
 from shared.tenants import Tenant

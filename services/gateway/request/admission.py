@@ -12,26 +12,30 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.gateway.call_context import time_remaining
-from services.gateway.catalog import ModelCatalog
-from services.gateway.generate_call import Checked, GenerateCall
-from services.gateway.handover import (
+from services.gateway.mesh.catalog import ModelCatalog
+from services.gateway.mesh.router import Routed, RouteDecision
+from services.gateway.mesh.tokenizer_link import TokenizerLink
+from services.gateway.policy.policy import GatewayPolicy
+from services.gateway.policy.rate_limits import Grant
+from services.gateway.request.call_context import time_remaining
+from services.gateway.request.generate_call import Checked, GenerateCall
+from services.gateway.request.handover import (
     decode_sampling,
     prefill_sampling,
     split_roles,
     splittable,
     worth_splitting,
 )
-from services.gateway.placement import submit
-from services.gateway.policy import GatewayPolicy
-from services.gateway.rate_limits import Grant
-from services.gateway.request_record import ActiveRequest, Admitted
-from services.gateway.request_sampling import for_completion, num_completions, resolve_sampling
-from services.gateway.request_telemetry import span_seed
-from services.gateway.router import Routed, RouteDecision
-from services.gateway.stop_strings import check_stop_strings
-from services.gateway.tokenizer_link import TokenizerLink
-from services.gateway.tools import constrain_to_calls, tool_use
+from services.gateway.request.placement import submit
+from services.gateway.request.request_record import ActiveRequest, Admitted
+from services.gateway.request.request_sampling import (
+    for_completion,
+    num_completions,
+    resolve_sampling,
+)
+from services.gateway.request.request_telemetry import span_seed
+from services.gateway.request.stop_strings import check_stop_strings
+from services.gateway.request.tools import constrain_to_calls, tool_use
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import scheduler_pb2
 from shared.runtime.service import ServiceRuntime

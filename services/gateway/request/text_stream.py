@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from services.gateway.detokenize_lanes import Call, DetokenizeLanes
+from services.gateway.mesh.detokenize_lanes import Call, DetokenizeLanes
 from shared import grpc_errors
 from shared.pb.kvmesh.v1 import common_pb2, tokenizer_pb2
 

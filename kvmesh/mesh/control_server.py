@@ -7,7 +7,7 @@ from concurrent import futures
 
 import grpc
 
-from kvmesh.rollout import RolloutController, RolloutStep
+from kvmesh.mesh.rollout import RolloutController, RolloutStep
 from shared import grpc_errors
 from shared.errors import KvmeshError
 from shared.pb.kvmesh.v1 import mesh_control_pb2, mesh_control_pb2_grpc

@@ -15,24 +15,24 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from services.gateway.admission import Admission
-from services.gateway.call_context import CallContext
-from services.gateway.catalog import ModelCatalog
-from services.gateway.completions import Completion, merged
-from services.gateway.generate_call import GenerateCall
-from services.gateway.policy import GatewayPolicy
-from services.gateway.relay import FailOver, Relay
-from services.gateway.request_record import (
+from services.gateway.mesh.catalog import ModelCatalog
+from services.gateway.mesh.tokenizer_link import TokenizerLink
+from services.gateway.policy.policy import GatewayPolicy
+from services.gateway.policy.stall import ClientStalled
+from services.gateway.request.admission import Admission
+from services.gateway.request.call_context import CallContext
+from services.gateway.request.completions import Completion, merged
+from services.gateway.request.generate_call import GenerateCall
+from services.gateway.request.relay import FailOver, Relay
+from services.gateway.request.request_record import (
     ActiveRequest,
     Admitted,
     Progress,
     accepted_event,
     terminal_reason,
 )
-from services.gateway.request_telemetry import RequestTelemetry
-from services.gateway.stall import ClientStalled
-from services.gateway.text_stream import TextStream
-from services.gateway.tokenizer_link import TokenizerLink
+from services.gateway.request.request_telemetry import RequestTelemetry
+from services.gateway.request.text_stream import TextStream
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import inference_pb2, scheduler_pb2
 from shared.runtime.logs import bind_request

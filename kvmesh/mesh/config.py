@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvmesh.service_process import ServiceProcess
-from kvmesh.supervisor import BackOff
+from kvmesh.mesh.service_process import ServiceProcess
+from kvmesh.mesh.supervisor import BackOff
 from shared.step_limits import step_limit_args_of
 
 
@@ -39,7 +39,7 @@ class MeshConfig:
     ready_timeout_s: float = 1200.0
     drain_seconds: float = 10.0
     tracing: bool = True  # every service sends spans to the mesh's trace-collector
-    # Restart a service that exits (kvmesh/supervisor.py); `kvmesh up` does, tests that kill
+    # Restart a service that exits (kvmesh/mesh/supervisor.py); `kvmesh up` does, tests that kill
     # services on purpose do not.
     supervise: bool = False
     back_off: BackOff = field(default_factory=BackOff)

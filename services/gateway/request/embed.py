@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from services.gateway.catalog import ModelCatalog
+from services.gateway.mesh.catalog import ModelCatalog
 from shared import grpc_errors
 from shared.pb.kvmesh.v1 import engine_worker_pb2, inference_pb2
 

@@ -20,8 +20,8 @@ import re
 import uuid
 from typing import Any
 
-from services.gateway.output_check import schema_problem
-from services.gateway.tools import ToolUse
+from services.gateway.request.output_check import schema_problem
+from services.gateway.request.tools import ToolUse
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2
 from shared.tool_prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN

@@ -12,11 +12,11 @@ import sys
 import tempfile
 import time
 
-from kvmesh.local_redis import redis_command, wait_for_redis
-from kvmesh.mesh_config import MeshConfig, ModelPair
-from kvmesh.mesh_settings import serving_args
-from kvmesh.service_process import ServiceProcess, free_port
-from kvmesh.supervisor import Supervisor
+from kvmesh.mesh.config import MeshConfig, ModelPair
+from kvmesh.mesh.local_redis import redis_command, wait_for_redis
+from kvmesh.mesh.service_process import ServiceProcess, free_port
+from kvmesh.mesh.settings import serving_args
+from kvmesh.mesh.supervisor import Supervisor
 from shared.model_entry import ModelEntry
 from shared.model_paths import default_embedding_model_path, is_encoder
 from shared.model_repository import ModelRepository

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.gateway.engine_failures import TenantFailures
-from services.gateway.limits import RequestLimits
-from services.gateway.rate_limits import RateLimiter
-from services.gateway.router import Router
+from services.gateway.mesh.router import Router
+from services.gateway.policy.engine_failures import TenantFailures
+from services.gateway.policy.limits import RequestLimits
+from services.gateway.policy.rate_limits import RateLimiter
 from shared.tenants import ApiKeys
 
 

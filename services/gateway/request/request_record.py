@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.gateway.connections import SchedulerBackend
-from services.gateway.rate_limits import Grant
-from services.gateway.router import Routed
+from services.gateway.mesh.connections import SchedulerBackend
+from services.gateway.mesh.router import Routed
+from services.gateway.policy.rate_limits import Grant
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.outputs import FinishReason, finish_reason_label

@@ -18,7 +18,7 @@ from typing import TypeAlias
 
 import grpc
 
-from services.gateway.tokenizer_errors import tokenizer_failure, tokenizer_lost
+from services.gateway.mesh.tokenizer_errors import tokenizer_failure, tokenizer_lost
 from shared.errors import KvmeshError
 from shared.pb.kvmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.gateway.connections import EmbedderBackend, ModelBackend, SchedulerBackend
-from services.gateway.registry import BackendRegistry
-from services.gateway.traffic import TrafficSplit
+from services.gateway.mesh.connections import EmbedderBackend, ModelBackend, SchedulerBackend
+from services.gateway.mesh.registry import BackendRegistry
+from services.gateway.mesh.traffic import TrafficSplit
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
 

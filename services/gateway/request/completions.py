@@ -12,8 +12,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from services.gateway.request_record import Admitted, Progress
-from services.gateway.text_stream import TextStream
+from services.gateway.request.request_record import Admitted, Progress
+from services.gateway.request.text_stream import TextStream
 from shared.pb.kvmesh.v1 import inference_pb2
 
 Event = inference_pb2.GenerateEvent

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvmesh.launcher import Mesh, ModelPair
+from kvmesh.mesh.launcher import Mesh, ModelPair
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.model_entry import ModelEntry

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from kvmesh.service_process import ServiceProcess
+from kvmesh.mesh.service_process import ServiceProcess
 
 RESTARTS = Counter(
     "kvmesh_service_restarts", "Mesh services restarted after they exited", ["service"]

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import grpc
 
-from services.gateway.generate_call import Checked, GenerateCall
-from services.gateway.handover import handover_record
-from services.gateway.rate_limits import Grant
-from services.gateway.request_record import (
+from services.gateway.mesh.router import Routed
+from services.gateway.policy.rate_limits import Grant
+from services.gateway.request.generate_call import Checked, GenerateCall
+from services.gateway.request.handover import handover_record
+from services.gateway.request.request_record import (
     Admitted,
     attempt_id,
     member_suffix,
     upstream_request_id,
 )
-from services.gateway.request_sampling import num_completions
-from services.gateway.router import Routed
+from services.gateway.request.request_sampling import num_completions
 from shared import grpc_errors
 from shared.codec import sampling_to_pb
 from shared.errors import KvmeshError, Reason

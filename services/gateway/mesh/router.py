@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import redis.asyncio as redis
 
 from services.gateway.config import ROUTING_POLICIES
-from services.gateway.connections import SchedulerBackend
+from services.gateway.mesh.connections import SchedulerBackend
 from shared import redis_keys
 from shared.block_hash import hash_full_blocks
 from shared.errors import KvmeshError, Reason

@@ -13,9 +13,9 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 
-from services.gateway.connections import EmbedderBackend, ModelBackend, SchedulerBackend
-from services.gateway.discovery import DnsDiscovery, is_dns_spec
-from services.gateway.tokenizer_link import TokenizerLink
+from services.gateway.mesh.connections import EmbedderBackend, ModelBackend, SchedulerBackend
+from services.gateway.mesh.discovery import DnsDiscovery, is_dns_spec
+from services.gateway.mesh.tokenizer_link import TokenizerLink
 
 log = logging.getLogger("kvmesh.gateway.registry")
 ReadinessCallback = Callable[[bool, dict[str, bool]], Awaitable[None]]

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.gateway.request_metrics import RequestMetrics
+from services.gateway.request.request_metrics import RequestMetrics
 from shared.errors import KvmeshError
 from shared.runtime.telemetry import (
     context_from_metadata,

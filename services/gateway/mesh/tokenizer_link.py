@@ -10,9 +10,9 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from services.gateway.connections import watch_health
-from services.gateway.detokenize_lanes import DetokenizeLanes
-from services.gateway.tokenizer_errors import tokenizer_failure
+from services.gateway.mesh.connections import watch_health
+from services.gateway.mesh.detokenize_lanes import DetokenizeLanes
+from services.gateway.mesh.tokenizer_errors import tokenizer_failure
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from shared.runtime.service import CHANNEL_OPTIONS

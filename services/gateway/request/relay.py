@@ -16,17 +16,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from services.gateway.output_check import check_output
-from services.gateway.request_record import (
+from services.gateway.request.output_check import check_output
+from services.gateway.request.request_record import (
     Admitted,
     Progress,
     completed_event,
     upstream_failure,
 )
-from services.gateway.stop_strings import StopStringMatcher
-from services.gateway.text_stream import TextStream
-from services.gateway.tool_calls import ToolCallParser
-from services.gateway.tools import ToolUse
+from services.gateway.request.stop_strings import StopStringMatcher
+from services.gateway.request.text_stream import TextStream
+from services.gateway.request.tool_calls import ToolCallParser
+from services.gateway.request.tools import ToolUse
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.outputs import FinishReason

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from services.gateway.connections import SchedulerBackend
-from services.gateway.router import RouteDecision
+from services.gateway.mesh.connections import SchedulerBackend
+from services.gateway.mesh.router import RouteDecision
 from shared.pb.kvmesh.v1 import inference_pb2, scheduler_pb2
 from shared.sampling import SamplingParams
 

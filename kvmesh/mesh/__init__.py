@@ -1,0 +1,2 @@
+"""The local mesh `kvmesh up` runs: its settings, its processes started, supervised and
+stopped, its rollouts."""
