@@ -1,6 +1,6 @@
 """One declaration per setting: its flag, type, default, environment variable, help, and which
 processes `kvmesh up` hands it to. Each service declares its own (`services/NAME/config.py`);
-the step limits both ends of a pair size for are declared here, in shared/step_limits.py.
+the step limits both ends of a pair size for are declared in shared/step_limits.py.
 
 From a declaration come the service's argparse flag (KVMESH_<FLAG> as its default, checked as
 strictly as the flag), what `kvmesh up` takes and forwards, and whether a repository entry's
