@@ -96,7 +96,7 @@ def add_up_parser(commands: argparse._SubParsersAction) -> None:
         help="this launcher's Prometheus endpoint (services restarted), on --host; 0 picks a "
         "free one, -1: off",
     )
-    add_settings(up, UP_SETTINGS)  # the services' own, forwarded to each (mesh_settings.py)
+    add_settings(up, UP_SETTINGS)  # the services' own, forwarded to each (mesh/settings.py)
     up.add_argument(
         "--prompt",
         help="once ready, stream one answer to this prompt through the gateway, then stop",
