@@ -21,7 +21,7 @@ from services.scheduler.config import BATCHING_SETTINGS, scheduler_config
 from shared.config import EngineConfig
 from shared.errors import KvmeshError
 from shared.pb.kvmesh.v1 import common_pb2
-from shared.runtime.settings import SettingError, SettingsParser, add_settings
+from shared.runtime.settings import SettingsParser, add_settings, parse_args_or_exit
 from shared.sampling import ResponseFormat, SamplingParams
 
 # Commands run as another package's module, by name: `kvmesh` does not import the benchmarks.
@@ -209,11 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in DELEGATED:
         os.execv(sys.executable, [sys.executable, "-m", DELEGATED[argv[0]], *argv[1:]])
-    try:
-        args = build_parser().parse_args(argv)
-    except SettingError as error:
-        print(error, file=sys.stderr)
-        return 2  # argparse's status, in one line
+    args = parse_args_or_exit(build_parser(), argv)
     try:
         if args.command == "generate":
             return _run_generate(args)

@@ -66,12 +66,6 @@ class ServingConfig(Mapping[str, Any]):
     def __len__(self) -> int:
         return len(self._values)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mapping) and dict(self._values) == dict(other)
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self._values.items())))
-
     def __repr__(self) -> str:
         return f"ServingConfig({self._values!r})"
 

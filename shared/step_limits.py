@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from shared.config import SPECULATIVE_METHODS, SchedulerConfig, SpeculativeConfig
-from shared.runtime.settings import SCHEDULER, WORKER, Setting, add_settings, choice, whole
+from shared.runtime.settings import SCHEDULER, WORKER, Setting, add_settings, whole
 
 _GROUP = "step limits (scheduler and engine-worker)"
 _BOTH = (WORKER, SCHEDULER)
@@ -30,8 +30,7 @@ STEP_LIMIT_SETTINGS = (
         "off",
         "draft tokens from the request's own text, verified in the same step: ngram "
         "(prompt lookup) or suffix (a suffix trie of the request and recent outputs)",
-        choice(SPECULATIVE_METHODS),
-        SPECULATIVE_METHODS,
+        choices=SPECULATIVE_METHODS,
         group=_GROUP,
         takers=_BOTH,
     ),

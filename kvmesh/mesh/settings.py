@@ -61,7 +61,7 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     for setting in PER_MODEL.values():
         group.add_argument(
             f"--{setting.flag}",
-            type=setting.parse,
+            type=setting.check,
             choices=setting.choices or None,
             help=setting.help,
         )
@@ -83,7 +83,7 @@ def checked_serving(serving: Mapping[str, object], where: str) -> dict[str, obje
             allowed = ", ".join(sorted(PER_MODEL))
             raise SettingError(f"{where}: [serving] {key}: not a setting a model sets ({allowed})")
         try:
-            checked[key] = setting.parse(str(value))
+            checked[key] = setting.check(str(value))
         except argparse.ArgumentTypeError as error:
             raise SettingError(f"{where}: [serving] {key} = {value!r}: {error}") from None
     return checked

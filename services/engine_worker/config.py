@@ -22,7 +22,6 @@ from shared.runtime.settings import (
     UP,
     WORKER,
     Setting,
-    choice,
     decimal,
     size,
     whole,
@@ -54,16 +53,14 @@ MODEL_SETTINGS = (
         "backend",
         "auto",
         "compute backend; auto: cupy when CuPy sees a GPU, else torch",
-        choice(("auto", "torch", "cupy")),
-        ("auto", "torch", "cupy"),
+        choices=("auto", "torch", "cupy"),
         **_PER_PAIR,
     ),
     Setting(
         "dtype",
         EngineConfig.dtype,
         None,
-        choice(("float32", "bfloat16", "float16")),
-        ("float32", "bfloat16", "float16"),
+        choices=("float32", "bfloat16", "float16"),
         **_PER_PAIR,
     ),
     Setting(
@@ -72,8 +69,7 @@ MODEL_SETTINGS = (
         "torch backend weight format; packed: a Q4 file's own 4-bit groups on AVX-512 CPUs, "
         "int8 rows through fbgemm otherwise; auto: packed for a quantized file or with "
         "--quantize, else float32",
-        choice(("auto", *WEIGHT_FORMATS)),
-        ("auto", *WEIGHT_FORMATS),
+        choices=("auto", *WEIGHT_FORMATS),
         **_PER_PAIR,
     ),
     Setting(
@@ -81,8 +77,7 @@ MODEL_SETTINGS = (
         None,
         "quantize a float checkpoint's projections at load (packed weights): int8 rows, or "
         "4-bit groups of 32 (llama.cpp's Q4_1 recipe; int8 rows on CPUs without AVX-512)",
-        choice(("int8", "int4")),
-        ("int8", "int4"),
+        choices=("int8", "int4"),
         **_PER_PAIR,
     ),
     Setting(
@@ -90,8 +85,7 @@ MODEL_SETTINGS = (
         "auto",
         "auto: a packed model on the CPU runs each step as one TorchInductor graph "
         "(compiled at warm-up: 35-165 s the first time, seconds from the disk cache); off: eager",
-        choice(("auto", "off")),
-        ("auto", "off"),
+        choices=("auto", "off"),
         group=_MODEL,
         takers=(WORKER,),
     ),
@@ -102,8 +96,7 @@ MODEL_SETTINGS = (
         "model, machine and runtime, else prepare one and store it for the next start, a served "
         "worker answering on the eager step while its compiled step compiles; wait: the same, "
         "ready only once prepared; off: prepare in memory only",
-        choice(PREPARED_MODES),
-        PREPARED_MODES,
+        choices=PREPARED_MODES,
         group=_MODEL,
         takers=(WORKER,),
     ),
@@ -127,8 +120,7 @@ MODEL_SETTINGS = (
         CacheConfig.dtype,
         "KV cache element type; auto: float16 where the step compiles (a packed model on "
         "the CPU: half the bytes per token, as llama.cpp keeps it), else the activation dtype",
-        choice(KV_CACHE_DTYPES),
-        KV_CACHE_DTYPES,
+        choices=KV_CACHE_DTYPES,
         **_PER_PAIR,
     ),
     Setting("block-size", CacheConfig.block_size, "tokens per KV block", whole(1), **_PER_PAIR),

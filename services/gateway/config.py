@@ -10,7 +10,6 @@ from shared.runtime.service import service_parser
 from shared.runtime.settings import (
     GATEWAY,
     Setting,
-    choice,
     decimal,
     readable_file,
     whole,
@@ -60,8 +59,7 @@ POLICY_SETTINGS = (
         "routing",
         "cache-aware",
         "cache-aware: longest cached prefix weighed against load (needs --redis)",
-        choice(ROUTING_POLICIES),
-        ROUTING_POLICIES,
+        choices=ROUTING_POLICIES,
         **_POLICY,
     ),
     Setting(

@@ -13,7 +13,6 @@ from shared.runtime.service import service_parser
 from shared.runtime.settings import (
     SCHEDULER,
     Setting,
-    choice,
     decimal,
     whole,
 )
@@ -65,8 +64,7 @@ BATCHING_SETTINGS = (
         SchedulerConfig.plan_ahead,
         "plan each step while the worker computes the one before (auto: on when the "
         "worker computes on a GPU; lock-step with speculative decoding)",
-        choice(("auto", "on", "off")),
-        ("auto", "on", "off"),
+        choices=("auto", "on", "off"),
         **_BATCH,
     ),
     Setting(
@@ -88,8 +86,7 @@ HANDOVER_SETTINGS = (
         HandoverConfig.role,
         "mixed: prefill and decode; prefill: prompts only, each handed over to a decode "
         "pair after its first token; decode: takes handovers (and prompts too short to split)",
-        choice(SERVING_ROLES),
-        SERVING_ROLES,
+        choices=SERVING_ROLES,
         group=_SPLIT,
     ),
     Setting(
@@ -117,8 +114,7 @@ HANDOVER_SETTINGS = (
         HandoverConfig.load_failure,
         "a handover whose blocks did not all arrive: recompute the rest, or fail the "
         "request with KV_HANDOVER_FAILED",
-        choice(KV_LOAD_FAILURE_POLICIES),
-        KV_LOAD_FAILURE_POLICIES,
+        choices=KV_LOAD_FAILURE_POLICIES,
         **_HANDOVER,
     ),
 )

@@ -34,7 +34,7 @@ class Setting:
     default: Any
     help: str | None = None
     parse: Callable[[str], Any] = str  # text -> value; raises ArgumentTypeError saying why
-    choices: tuple[str, ...] = ()
+    choices: tuple[str, ...] = ()  # the values allowed (checked in place of `parse`)
     switch: bool = False  # a flag without a value; its default is False
     group: str = ""  # the --help section
     takers: tuple[str, ...] = ()  # `kvmesh up` takes it and forwards it to these processes
@@ -43,6 +43,12 @@ class Setting:
     @property
     def dest(self) -> str:
         return self.flag.replace("-", "_")
+
+    @property
+    def check(self) -> Callable[[str], Any]:
+        """What a value is parsed with: a choice is checked by it too, since argparse checks
+        `choices` only on the command line, not on a default read from the environment."""
+        return choice(self.choices) if self.choices else self.parse
 
     @property
     def env(self) -> str:
@@ -80,18 +86,14 @@ class SettingsParser(argparse.ArgumentParser):
         raise SettingError(f"{self.prog}: error: {message}")
 
 
-def exit_refused(message: str) -> NoReturn:
-    """Print one line to stderr and exit 2, argparse's status for a bad argument."""
-    print(message, file=sys.stderr)
-    raise SystemExit(2)
-
-
 def parse_args_or_exit(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> Any:
-    """A service's entry point: a bad flag or KVMESH_* value is one line and status 2."""
+    """An entry point's arguments: a bad flag or KVMESH_* value is one line and status 2,
+    argparse's status for a bad argument."""
     try:
         return parser.parse_args(argv)
     except SettingError as error:
-        exit_refused(str(error))
+        print(error, file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def add_settings(parser: argparse.ArgumentParser, settings: Iterable[Setting]) -> None:
@@ -111,7 +113,7 @@ def add_settings(parser: argparse.ArgumentParser, settings: Iterable[Setting]) -
         target.add_argument(
             f"--{setting.flag}",
             default=setting.env_default(),
-            type=setting.parse,
+            type=setting.check,
             choices=setting.choices or None,
             help=setting.help,
         )
@@ -171,8 +173,6 @@ def size(text: str) -> str:
 
 
 def choice(values: Sequence[str]) -> Callable[[str], str]:
-    """A choice checked in the type too: argparse checks `choices` only on the command line,
-    not on a default read from the environment."""
 
     def parse(text: str) -> str:
         if text not in values:

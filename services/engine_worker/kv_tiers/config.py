@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from shared.config import KV_TIERS, KV_WRITE_POLICIES, KVTierConfig, format_bytes, parse_bytes
-from shared.runtime.settings import UP, WORKER, Setting, choice, choice_list, size, whole
+from shared.runtime.settings import UP, WORKER, Setting, choice_list, size, whole
 
 _TIERS = "KV tiers (services/engine_worker/kv_tiers)"
 _TIER: dict[str, Any] = dict(group=_TIERS, takers=(WORKER,), per_model=True)
@@ -50,8 +50,7 @@ KV_TIER_SETTINGS = (
         KVTierConfig.write,
         "through: a prefix block goes down as it fills (found by other workers and after "
         "a restart); back: only when the pool evicts it",
-        choice(KV_WRITE_POLICIES),
-        KV_WRITE_POLICIES,
+        choices=KV_WRITE_POLICIES,
         **_TIER,
     ),
     Setting(
