@@ -1,15 +1,17 @@
-"""The scheduler service's gRPC face: Submit streams in, each request's events back out.
+"""The scheduler service's gRPC face: requests in, each request's events back out.
 
-A thin servicer over the step loop (step_loop.py): Submit admits a request into the loop and
-streams its queue; a caller that goes away aborts its request, freeing its blocks at once.
+A thin servicer over the step loop (step_loop.py): a request, on a Submit call of its own or a
+lane of a SubmitLanes stream (submit_lanes.py), is admitted into the loop and its queue is
+streamed; a caller that goes away aborts its request, freeing its blocks at once.
 Refusals raise KvmeshError; the server's error boundary turns them into the rich status.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import grpc
 
@@ -17,6 +19,7 @@ from services.scheduler.handover import Handover
 from services.scheduler.load_report import LoadReporter
 from services.scheduler.request_trace import CANCEL_TO_FREED, RequestTrace
 from services.scheduler.step_loop import StepLoop
+from services.scheduler.submit_lanes import LaneStream
 from services.scheduler.tracked import Tracked
 from shared.block_hash import hash_full_blocks
 from shared.codec import sampling_from_pb
@@ -129,16 +132,42 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def Submit(
         self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.SubmitEvent]:
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        events = self.events(request, deadline, context.invocation_metadata())
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
+
+    async def SubmitLanes(
+        self,
+        request_iterator: AsyncIterator[scheduler_pb2.SubmitLanesRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[scheduler_pb2.SubmitLanesResponse]:
+        replies = LaneStream(self.events).replies(request_iterator)
+        async with contextlib.aclosing(replies):
+            async for reply in replies:
+                yield reply
+
+    async def events(
+        self,
+        request: scheduler_pb2.SubmitRequest,
+        deadline: float | None,
+        metadata: Sequence[tuple[str, str | bytes]] | None,
+    ) -> AsyncGenerator[scheduler_pb2.SubmitEvent, None]:
+        """One request's events, whether its stream is a Submit call or a lane: accepted, its
+        tokens, one terminal. A refusal raises KvmeshError before `accepted`; closing the
+        iterator early aborts the request. `deadline` is on the monotonic clock."""
         bind_request(request.request_id)
+
+        def remaining() -> float | None:
+            return None if deadline is None else deadline - time.monotonic()
+
         if request.sampling.HasField("response_format"):
-            remaining = context.time_remaining()
-            await self.loop.link.prepare_format(request.sampling.response_format, remaining)
-        metadata = context.invocation_metadata()
+            await self.loop.link.prepare_format(request.sampling.response_format, remaining())
         accepted = scheduler_pb2.SubmitAccepted()
         tier_blocks = await self._tier_blocks(request, metadata, accepted)
-        tracked, accepted.queue_position = self._admit(
-            request, context.time_remaining(), metadata, tier_blocks
-        )
+        tracked, accepted.queue_position = self._admit(request, remaining(), metadata, tier_blocks)
         self.loop.wake()
         with self.runtime.in_flight():
             try:

@@ -11,6 +11,7 @@ from typing import ClassVar, Self
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.gateway.mesh.submit_lanes import SubmitLanes
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import (
     common_pb2,
@@ -106,6 +107,9 @@ class ModelBackend:
     async def fetch_model(self) -> common_pb2.ModelInfo:
         raise NotImplementedError
 
+    async def close(self) -> None:
+        await self.channel.close()
+
 
 class SchedulerBackend(ModelBackend):
     """A scheduler (and the engine-worker behind it): where Generate requests go."""
@@ -115,6 +119,7 @@ class SchedulerBackend(ModelBackend):
     def __init__(self, address: str, declared_name: str = "", declared_version: str = "") -> None:
         super().__init__(address, declared_name, declared_version)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.lanes = SubmitLanes(self.stub)  # every request's events on one stream
         # Requests this gateway routed here until the scheduler accepted them (its published
         # load cannot count them yet); and the prompt tokens of those without a first token,
         # the prefill work they bring (fresher than the published load).
@@ -123,6 +128,10 @@ class SchedulerBackend(ModelBackend):
 
     async def fetch_model(self) -> common_pb2.ModelInfo:
         return await self.stub.GetModel(scheduler_pb2.SchedulerModelRequest(), timeout=5)
+
+    async def close(self) -> None:
+        await self.lanes.aclose()
+        await super().close()
 
 
 class EmbedderBackend(ModelBackend):

@@ -120,7 +120,7 @@ class BackendRegistry:
             watcher = self._watchers.pop(address, None)
             if watcher is not None:
                 watcher.cancel()
-            await backend.channel.close()
+            await backend.close()
             await self.notify()
         log.info("backend removed", extra={"backend": address, "streams_left": left})
         return left
@@ -133,5 +133,5 @@ class BackendRegistry:
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
         for backend in self.all():
-            await backend.channel.close()
+            await backend.close()
         await self.tokenizer.close()

@@ -1,4 +1,4 @@
-"""Placing an admitted request on a scheduler: one upstream Submit, waited on until accepted.
+"""Placing an admitted request on a scheduler: one upstream lane, waited on until accepted.
 
 Every placement goes through here: the first, a fail-over's, an n > 1 request's siblings, and
 the two halves of a request split between a prefill and a decode pair.
@@ -55,7 +55,7 @@ async def submit(
     group = upstream_request_id(call.request_id, checked.tenant, client_named) if n > 1 else ""
     sampling = checked.sampling  # this completion's own (its seed)
     sampling_pb = sampling_to_pb(sampling)  # encoded once: sent here, recorded at the end
-    upstream = backend.stub.Submit(
+    upstream = backend.lanes.submit(
         scheduler_pb2.SubmitRequest(
             request_id=upstream_id,
             token_ids=token_ids,
@@ -73,6 +73,8 @@ async def submit(
     )
     try:
         first = await upstream.read()
+        if first is not grpc.aio.EOF and first.WhichOneof("event") == "failed":
+            raise grpc_errors.from_pb(first.failed)  # refused: overloaded, draining, ...
         if first is grpc.aio.EOF or first.WhichOneof("event") != "accepted":
             raise KvmeshError(Reason.INTERNAL, "the scheduler did not accept the request")
     except grpc.RpcError as error:

@@ -2,7 +2,7 @@
 
 The scheduler's per-step tokens go through the request's Detokenize stream (never half a UTF-8
 character), then through the stop-string matcher, which may end the request early: cancelling
-the Submit call aborts it upstream and frees its blocks. Every path ends with a usage event and
+its lane aborts it upstream and frees its blocks. Every path ends with a usage event and
 exactly one terminal event. A request split between a prefill and a decode pair is relayed
 from one then the other: the prefill pair's `finished` carries a handover ticket, and the relay
 goes on reading the decode pair's stream (handover.py).

@@ -10,6 +10,7 @@ import grpc
 
 from services.gateway.mesh.connections import SchedulerBackend
 from services.gateway.mesh.router import Routed
+from services.gateway.mesh.submit_lanes import LaneCall
 from services.gateway.policy.rate_limits import Grant
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
@@ -55,7 +56,7 @@ class Admitted:
     sampling: SamplingParams  # validated, the model's defaults merged, the seed chosen
     sampling_pb: common_pb2.SamplingParams  # the same, encoded once: sent up and recorded
     token_ids: list[int]
-    submit: grpc.aio.UnaryStreamCall  # the scheduler's token stream; cancelling aborts
+    submit: LaneCall  # the scheduler's events for it; cancelling aborts
     queue_position: int
     upstream_id: str  # the request's id at the scheduler (tenant-scoped when client-named)
     # The model version it runs on, kept: its scheduler may drain (and forget it) meanwhile.

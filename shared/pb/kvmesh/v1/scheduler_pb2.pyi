@@ -117,6 +117,47 @@ class SubmitFinished(_message.Message):
     handover: HandoverTicket
     def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., loaded_tokens: _Optional[int] = ..., worker: _Optional[str] = ..., handover: _Optional[_Union[HandoverTicket, _Mapping]] = ...) -> None: ...
 
+class SubmitLane(_message.Message):
+    __slots__ = ("lane", "submit", "timeout_s", "trace_context", "cancel")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    lane: int
+    submit: SubmitRequest
+    timeout_s: float
+    trace_context: _containers.ScalarMap[str, str]
+    cancel: bool
+    def __init__(self, lane: _Optional[int] = ..., submit: _Optional[_Union[SubmitRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class SubmitLanesRequest(_message.Message):
+    __slots__ = ("lanes",)
+    LANES_FIELD_NUMBER: _ClassVar[int]
+    lanes: _containers.RepeatedCompositeFieldContainer[SubmitLane]
+    def __init__(self, lanes: _Optional[_Iterable[_Union[SubmitLane, _Mapping]]] = ...) -> None: ...
+
+class LaneEvent(_message.Message):
+    __slots__ = ("lane", "event")
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    lane: int
+    event: SubmitEvent
+    def __init__(self, lane: _Optional[int] = ..., event: _Optional[_Union[SubmitEvent, _Mapping]] = ...) -> None: ...
+
+class SubmitLanesResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[LaneEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[LaneEvent, _Mapping]]] = ...) -> None: ...
+
 class SchedulerAbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

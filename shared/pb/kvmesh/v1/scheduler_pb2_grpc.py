@@ -41,6 +41,11 @@ class SchedulerStub:
                 request_serializer=kvmesh_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.SubmitEvent.FromString,
                 _registered_method=True)
+        self.SubmitLanes = channel.stream_stream(
+                '/kvmesh.v1.Scheduler/SubmitLanes',
+                request_serializer=kvmesh_dot_v1_dot_scheduler__pb2.SubmitLanesRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.SubmitLanesResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvmesh.v1.Scheduler/Abort',
                 request_serializer=kvmesh_dot_v1_dot_scheduler__pb2.SchedulerAbortRequest.SerializeToString,
@@ -65,6 +70,17 @@ class SchedulerServicer:
     def Submit(self, request, context):
         """Queues a tokenized request and streams its tokens, one event per step that produced some.
         The call's gRPC deadline is the request's deadline; cancelling the call aborts the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitLanes(self, request_iterator, context):
+        """Many requests on one stream, as the gateway runs it: each message opens or cancels lanes,
+        each reply carries the events that arrived since the last, a step's events together. Per
+        token, one message per step instead of one per request. A lane keeps Submit's meaning: its
+        events are a Submit stream's, a refusal is a `failed` event before `accepted`, and a lane
+        whose stream breaks or ends is cancelled.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,6 +114,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_scheduler__pb2.SubmitEvent.SerializeToString,
+            ),
+            'SubmitLanes': grpc.stream_stream_rpc_method_handler(
+                    servicer.SubmitLanes,
+                    request_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.SubmitLanesRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_scheduler__pb2.SubmitLanesResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -143,6 +164,33 @@ class Scheduler:
             '/kvmesh.v1.Scheduler/Submit',
             kvmesh_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
             kvmesh_dot_v1_dot_scheduler__pb2.SubmitEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitLanes(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Scheduler/SubmitLanes',
+            kvmesh_dot_v1_dot_scheduler__pb2.SubmitLanesRequest.SerializeToString,
+            kvmesh_dot_v1_dot_scheduler__pb2.SubmitLanesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,188 @@
+"""One `SubmitLanes` stream from this gateway to a scheduler, shared by every request there.
+
+Each request is a lane (`LaneCall`), read and cancelled as its own Submit call would be. Opens
+and cancels join an outbox; one writer sends all that queued while the last write was in flight
+as one message. One reader hands each lane its events: the scheduler sends a step's events as
+one message, so at batch 128 the gateway reads one message a step instead of 128.
+
+The stream opens with the first request and again after a break: a break fails every lane on it
+with the stream's error, as each Submit call would have failed, and a request placed later goes
+on a new stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+import grpc
+
+from shared.errors import KvmeshError, Reason
+from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+Call: TypeAlias = grpc.aio.StreamStreamCall
+Event = scheduler_pb2.SubmitEvent
+EndOfStream: TypeAlias = Any  # grpc.aio.EOF (grpcio ships no type for it)
+# What a lane's reader gets next: an event, the stream's end, or the error that broke it.
+Item: TypeAlias = Event | EndOfStream | BaseException
+
+
+class LaneCall:
+    """One request on a `SubmitLanes` stream: `read()` and `cancel()` as on a Submit call."""
+
+    def __init__(self, lanes: SubmitLanes, number: int, call: Call, deadline: float | None) -> None:
+        self._lanes = lanes
+        self.number = number
+        self.call = call
+        self.items: asyncio.Queue[Item] = asyncio.Queue()
+        # Whether the scheduler still runs the lane: it ends it after a terminal event, unless
+        # a prefill-only request holds its blocks for the handover until cancelled.
+        self.open_upstream = True
+        self._timer = (
+            None
+            if deadline is None
+            else asyncio.get_running_loop().call_at(deadline, self._expired)
+        )
+
+    async def read(self) -> Event | EndOfStream:
+        """The next event; raises the stream's error when it broke, or DEADLINE_EXCEEDED."""
+        item = await self.items.get()
+        if isinstance(item, BaseException):
+            self.items.put_nowait(item)  # every later read fails the same way
+            raise item
+        return item
+
+    def cancel(self) -> bool:
+        """Aborts the request upstream (or ends a prefill-only lane's hold); later reads see
+        the stream's end."""
+        self._stop_timer()
+        self._lanes.cancel(self)
+        self.items.put_nowait(grpc.aio.EOF)
+        return True
+
+    def delivered(self, event: Event) -> None:
+        self.items.put_nowait(event)
+        kind = event.WhichOneof("event")
+        if kind == "failed" or (kind == "finished" and not event.finished.HasField("handover")):
+            self.open_upstream = False
+            self._stop_timer()
+
+    def broken(self, item: Item) -> None:
+        self.open_upstream = False
+        self._stop_timer()
+        self.items.put_nowait(item)
+
+    def _expired(self) -> None:
+        """The scheduler fails a request shortly before its deadline; this is for one that
+        could not, as a Submit call's own deadline was."""
+        self._timer = None
+        self._lanes.cancel(self)
+        self.broken(KvmeshError(Reason.DEADLINE_EXCEEDED, "the scheduler did not answer in time"))
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class SubmitLanes:
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
+        self._stub = stub
+        self._numbers = itertools.count(1)
+        self._call: Call | None = None
+        self._lanes: dict[int, LaneCall] = {}
+        self._outbox: list[scheduler_pb2.SubmitLane] = []
+        self._writer: asyncio.Task[None] | None = None
+        self._writing_to: Call | None = None  # the stream self._writer writes to
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def submit(
+        self,
+        request: scheduler_pb2.SubmitRequest,
+        timeout: float | None,
+        metadata: Sequence[tuple[str, str]],
+    ) -> LaneCall:
+        """Sends `request` on a lane of its own; `timeout` is its deadline, seconds from now."""
+        call = self._open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        lane = LaneCall(self, next(self._numbers), call, deadline)
+        self._lanes[lane.number] = lane
+        self._send(
+            scheduler_pb2.SubmitLane(
+                lane=lane.number,
+                submit=request,
+                timeout_s=timeout or 0.0,
+                trace_context=dict(metadata),
+            )
+        )
+        return lane
+
+    def cancel(self, lane: LaneCall) -> None:
+        self._lanes.pop(lane.number, None)
+        if lane.open_upstream and lane.call is self._call:
+            lane.open_upstream = False
+            self._send(scheduler_pb2.SubmitLane(lane=lane.number, cancel=True))
+
+    async def aclose(self) -> None:
+        if self._call is not None:
+            self._broken(self._call, grpc.aio.EOF)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _open(self) -> Call:
+        if self._call is None:
+            self._call = self._stub.SubmitLanes()
+            self._hold(asyncio.create_task(self._read(self._call)))
+        return self._call
+
+    def _hold(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
+        """Kept referenced until it ends (the loop holds tasks weakly), and cancelled at close."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _send(self, entry: scheduler_pb2.SubmitLane) -> None:
+        self._outbox.append(entry)
+        if self._writer is None or self._writer.done() or self._writing_to is not self._call:
+            # Started, not run: the other requests' opens of this loop turn join its message.
+            self._writing_to = self._call
+            self._writer = self._hold(asyncio.create_task(self._write(self._call)))
+
+    async def _write(self, call: Call | None) -> None:
+        """Until the outbox is empty; a writer for a broken stream stops at its next turn."""
+        try:
+            while self._outbox and self._call is call and call is not None:
+                batch, self._outbox = self._outbox, []
+                await call.write(scheduler_pb2.SubmitLanesRequest(lanes=batch))
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the reader sees the same break and reads the call's status
+
+    async def _read(self, call: Call) -> None:
+        ended: Item = grpc.aio.EOF
+        try:
+            async for reply in call:
+                for entry in reply.events:
+                    lane = self._lanes.get(entry.lane)
+                    if lane is None:
+                        continue  # cancelled here; the scheduler's events crossed it
+                    lane.delivered(entry.event)
+                    if not lane.open_upstream:
+                        del self._lanes[entry.lane]
+        except grpc.RpcError as error:
+            ended = error
+        self._broken(call, ended)
+
+    def _broken(self, broken: Call, ended: Item) -> None:
+        """Every lane on `broken` reads `ended` (the scheduler ended or lost them all)."""
+        broken.cancel()  # a no-op once it ended
+        if self._call is not broken:
+            return
+        self._call = None
+        self._outbox.clear()  # all of it was for this stream
+        lanes, self._lanes = self._lanes, {}
+        for lane in lanes.values():
+            lane.broken(ended)

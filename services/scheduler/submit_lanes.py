@@ -1,0 +1,116 @@
+"""The scheduler's side of a `SubmitLanes` stream: many requests on one stream, each a lane.
+
+Each lane runs a request's events (the same iterator a Submit call streams) in a task of its
+own; what the lanes yield joins one outbox, and each reply carries all that joined while the
+last reply was written. The step loop queues a step's events in one pass, so a step leaves in
+one message: at batch 128 the gateway reads one message a step instead of 128.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+
+from shared import grpc_errors
+from shared.errors import KvmeshError, Reason
+from shared.pb.kvmesh.v1 import scheduler_pb2
+
+log = logging.getLogger("kvmesh.scheduler.lanes")
+Metadata = Sequence[tuple[str, str | bytes]]
+# (request, deadline on the monotonic clock or None, trace metadata) -> its events.
+Events = Callable[
+    [scheduler_pb2.SubmitRequest, float | None, Metadata],
+    AsyncGenerator[scheduler_pb2.SubmitEvent, None],
+]
+
+
+class LaneStream:
+    """The lanes of one stream, by the caller's numbers. A lane's refusal or failure ends that
+    lane with a `failed` event; the stream carries every request of a gateway."""
+
+    def __init__(self, events: Events) -> None:
+        self._events = events
+        self._lanes: dict[int, asyncio.Task[None]] = {}
+        self._outbox: list[scheduler_pb2.LaneEvent] = []
+        self._news = asyncio.Event()
+
+    async def replies(
+        self, requests: AsyncIterator[scheduler_pb2.SubmitLanesRequest]
+    ) -> AsyncGenerator[scheduler_pb2.SubmitLanesResponse, None]:
+        """Until the caller has closed its side and every lane has ended; the caller's cancel
+        (or a broken stream) cancels every lane, which aborts their requests."""
+        reader = asyncio.create_task(self._read(requests))
+        reader.add_done_callback(lambda _: self._news.set())
+        try:
+            while True:
+                await self._news.wait()
+                self._news.clear()
+                if self._outbox:
+                    batch, self._outbox = self._outbox, []
+                    yield scheduler_pb2.SubmitLanesResponse(events=batch)
+                if reader.done() and not self._lanes and not self._outbox:
+                    reader.result()  # a broken read ends the call with its error
+                    return
+        finally:
+            tasks = [reader, *self._lanes.values()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _read(self, requests: AsyncIterator[scheduler_pb2.SubmitLanesRequest]) -> None:
+        async for message in requests:
+            for entry in message.lanes:  # in order: an open, then a cancel of the same lane
+                if entry.cancel:
+                    task = self._lanes.pop(entry.lane, None)
+                    if task is not None:
+                        task.cancel()
+                elif entry.lane in self._lanes:
+                    self._post(
+                        entry.lane,
+                        _failed(Reason.INVALID_ARGUMENT, f"lane {entry.lane} is already open"),
+                    )
+                else:
+                    self._open(entry)
+
+    def _open(self, entry: scheduler_pb2.SubmitLane) -> None:
+        deadline = time.monotonic() + entry.timeout_s if entry.timeout_s > 0 else None
+        metadata = tuple(entry.trace_context.items())
+        task = asyncio.create_task(self._run(entry.lane, entry.submit, deadline, metadata))
+        self._lanes[entry.lane] = task
+        task.add_done_callback(functools.partial(self._ended, entry.lane))
+
+    async def _run(
+        self,
+        lane: int,
+        request: scheduler_pb2.SubmitRequest,
+        deadline: float | None,
+        metadata: Metadata,
+    ) -> None:
+        try:
+            events = self._events(request, deadline, metadata)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    self._post(lane, event)
+        except KvmeshError as error:
+            log.info("refused", extra={"reason": error.reason.value, "error": error.message})
+            self._post(lane, scheduler_pb2.SubmitEvent(failed=grpc_errors.to_pb(error)))
+        except Exception:  # a bug: this lane fails, the stream and the other lanes go on
+            log.exception("lane failed", extra={"request_id": request.request_id})
+            self._post(lane, _failed(Reason.INTERNAL, "the scheduler failed this request"))
+
+    def _post(self, lane: int, event: scheduler_pb2.SubmitEvent) -> None:
+        self._outbox.append(scheduler_pb2.LaneEvent(lane=lane, event=event))
+        self._news.set()
+
+    def _ended(self, lane: int, task: asyncio.Task[None]) -> None:
+        if self._lanes.get(lane) is task:
+            del self._lanes[lane]
+        self._news.set()
+
+
+def _failed(reason: Reason, message: str) -> scheduler_pb2.SubmitEvent:
+    return scheduler_pb2.SubmitEvent(failed=grpc_errors.to_pb(KvmeshError(reason, message)))
