@@ -86,6 +86,9 @@ class FlatBatch:
     # (D, widest) each decode row's blocks up to its token, zero-padded
     decode_table: numpy.ndarray = field(default_factory=lambda: numpy.zeros((0, 1), numpy.int32))
     decode_context_lens: list[int] = field(default_factory=list)  # (D,)
+    # Whether a request has several decode rows (drafts, a recompute): a later one reads the
+    # earlier ones' K/V, which must be in the pool before its attention.
+    chained_decodes: bool = False
     prefill_starts: list[int] = field(default_factory=list)  # (P,) tokens already cached
     prefill_blocks: list[list[int]] = field(default_factory=list)  # (P,) blocks of its context
     prefill_query_starts: list[int] = field(default_factory=list)  # (P + 1,) first row of each
@@ -142,7 +145,9 @@ def flatten(
             decode_num_blocks.append(start // block_size + 1)
             flat.decode_context_lens.append(stop)
             continue
-        for position in range(max(start, state.prompt_len), stop):
+        first_decode = max(start, state.prompt_len)
+        flat.chained_decodes |= stop - first_decode > 1
+        for position in range(first_decode, stop):
             flat._add_rows(state, position, position + 1, block_size)
             decode_states.append(state)
             decode_num_blocks.append(position // block_size + 1)

@@ -15,7 +15,9 @@ the same kernels decoded alone or beside 31 others, a draft or a recompute (row-
 prefill rows as bfloat16 GEMMs over the weight dequantized for the step (`kvmesh::int4_rows`);
 the decode-only graph has no such call. Weights and the KV cache are inputs, not constants: engines
 of one shape in a process share the code. Prefill attention stays eager behind
-`kvmesh::cache_and_prefill` (SDPA per chunk), so prefix-cached prefills keep cold bits.
+`kvmesh::cache_and_prefill` (SDPA per chunk), so prefix-cached prefills keep cold bits. The
+decode-only graph calls no opaque op: its rows attend to their own K/V in the graph, and every
+layer's are written to the pool after it in one call (graph_attention.py).
 
 Decode attention reads each (row, block) of K and V once, straight from the pool through the
 block table: gather, both products, mask and softmax fuse into loops over a block's 16
@@ -40,6 +42,7 @@ from services.engine_worker.torch_backend import (
     graph_ops,  # registers the kvmesh:: ops the graph calls
 )
 from services.engine_worker.torch_backend.attention import kv_write_indices
+from services.engine_worker.torch_backend.graph_attention import decode_attention, write_decode_kv
 from services.engine_worker.torch_backend.graph_batch import GraphBatch
 from services.engine_worker.torch_backend.linear import Int4Linear, Int8Linear
 from services.engine_worker.torch_backend.model import CausalLM
@@ -134,10 +137,12 @@ def _graph(
     final_norm: torch.Tensor,
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
-) -> torch.Tensor:
-    """The forward up to the final norm of the sampled rows: (R, hidden)."""
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The forward up to the final norm of the sampled rows: (R, hidden). A decode-only graph
+    (not `prefilling`) also returns the new K and V of every layer, (layers, B, kv_heads, D),
+    and their slots, for `write_decode_kv`."""
     heads, kv_heads, dim, eps = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps
-    group, hidden = heads // kv_heads, (arch.hidden_size,)
+    hidden = (arch.hidden_size,)
     decodes, prefills = batch.decode_rows[0].shape[0], batch.prefill_rows[0].shape[0]
     tokens = decodes + prefills
     input_ids, positions, write_blocks = (
@@ -147,9 +152,12 @@ def _graph(
     cos = cos_table[positions].unsqueeze(1)
     sin = sin_table[positions].unsqueeze(1)
     key_write, value_write = kv_write_indices(write_blocks, positions, kv_heads, dim, block)
-    # Position of each (block, slot) of a decode row's table, and which of them it attends to.
+    # Position of each (block, slot) of a decode row's table: those it reads from the pool are
+    # the ones before its own.
     slots = torch.arange(num_blocks * block, device=cos.device).view(1, num_blocks, 1, 1, block)
-    outside = slots >= batch.decode_context_lens.view(decodes, 1, 1, 1, 1)
+    before = slots >= batch.decode_context_lens.view(decodes, 1, 1, 1, 1) - 1
+    new_keys: list[torch.Tensor] = []
+    new_values: list[torch.Tensor] = []
     x = F.embedding(input_ids, embed_rows).float() * F.embedding(input_ids, embed_scale)
     for k_cache, v_cache, layer in zip(keys, values, layers, strict=True):
         in_norm, post_norm, qkv_proj, o_proj, gate_up, down, qk_norm = layer
@@ -162,37 +170,44 @@ def _graph(
             qk = F.rms_norm(qk, (dim,), None, eps) * qk_norm
         qk = qk * cos + torch.cat((qk[..., dim // 2 :], qk[..., : dim // 2]), -1) * sin
         q, k = qk[:, :heads], qk[:, heads:]
-        # The write first: decode rows read their own new K/V through their tables.
-        prefilled = torch.ops.kvmesh.cache_and_prefill(
+        k_pooled, v_pooled = k.to(k_cache.dtype), v.to(v_cache.dtype)  # float16 by default
+        if prefilling:  # the rows' K/V into the pool first: later rows of a request read them
+            prefilled = torch.ops.kvmesh.cache_and_prefill(
+                k_cache,
+                v_cache,
+                k_pooled,
+                v_pooled,
+                key_write,
+                value_write,
+                q.narrow(0, decodes, prefills),
+                batch.prefill_segments,
+                batch.prefill_blocks,
+                scale,
+                by_block,
+            )
+        else:  # written after the graph, every layer in one call (graph_attention.py)
+            new_keys.append(k_pooled)
+            new_values.append(v_pooled)
+            prefilled = q.narrow(0, decodes, prefills)  # no rows: the graph's sizes only
+        attn = decode_attention(
+            q.narrow(0, 0, decodes),
+            k_pooled.narrow(0, 0, decodes),
+            v_pooled.narrow(0, 0, decodes),
             k_cache,
             v_cache,
-            k.to(k_cache.dtype),  # float16 by default: the rotary kernel converts it
-            v.to(v_cache.dtype),
-            key_write,
-            value_write,
-            q.narrow(0, decodes, prefills),
-            batch.prefill_segments,
-            batch.prefill_blocks,
+            batch.decode_table,
+            before,
             scale,
-            by_block,
         )
-        # Decode rows: scores (B, blocks, kv_heads, group, slot), reduced over D in place.
-        q_rows = (q.narrow(0, 0, decodes) * scale).view(decodes, 1, kv_heads, group, dim, 1)
-        k_rows = k_cache[batch.decode_table].to(x.dtype)
-        k_rows = k_rows.view(decodes, num_blocks, kv_heads, 1, dim, block)
-        scores = (q_rows * k_rows).sum(4).masked_fill(outside, float("-inf"))
-        probs = torch.exp(scores - scores.amax(dim=(1, 4), keepdim=True))
-        v_rows = v_cache[batch.decode_table].to(x.dtype)
-        v_rows = v_rows.view(decodes, num_blocks, kv_heads, 1, block, dim)
-        weighted = (probs.unsqueeze(-1) * v_rows).sum(dim=(1, 4))  # (B, kv_heads, group, D)
-        decoded = weighted / probs.sum(dim=(1, 4)).unsqueeze(-1)
-        width = heads * dim
-        attn = torch.cat((decoded.reshape(decodes, width), prefilled.reshape(prefills, width)))
+        attn = torch.cat((attn, prefilled.reshape(prefills, heads * dim)))
         x = x + _project(attn, o_proj, decodes, prefilling)
         normed = F.rms_norm(x, hidden, post_norm, eps)
         gate, up = _project(normed, gate_up, decodes, prefilling).chunk(2, dim=-1)
         x = x + _project(F.silu(gate) * up, down, decodes, prefilling)
-    return F.rms_norm(x.index_select(0, batch.sample_rows), hidden, final_norm, eps)
+    hidden_rows = F.rms_norm(x.index_select(0, batch.sample_rows), hidden, final_norm, eps)
+    if prefilling:
+        return hidden_rows
+    return hidden_rows, torch.stack(new_keys), torch.stack(new_values), key_write, value_write
 
 
 _OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"size_asserts": False}
@@ -234,10 +249,13 @@ class CompiledCausalLM:
             self._graph = torch.compile(_graph, fullgraph=True, dynamic=False, options=_OPTIONS)
         return self._graph
 
-    def forward(self, batch: GraphBatch) -> torch.Tensor:
-        """-> logits (R, vocab) of the sampled rows."""
+    def forward(self, batch: GraphBatch, chained_decodes: bool = False) -> torch.Tensor:
+        """-> logits (R, vocab) of the sampled rows. `chained_decodes`: some decode row reads
+        another of this step (a draft, a recompute), which must be in the pool first."""
         model = self.model
-        prefilling = batch.prefill_rows[0].shape[0] > 0  # a graph with prefill rows, one without
+        # The graph that writes each layer's rows before its attention, or the one that
+        # writes them all after it.
+        prefilling = batch.prefill_rows[0].shape[0] > 0 or chained_decodes
         args = (
             model.arch,
             model.scale,
@@ -253,13 +271,22 @@ class CompiledCausalLM:
             model.signed_sin,
         )
         name = "step-prefill" if prefilling else "step-decode"
-        program: Callable[..., torch.Tensor] | None = self.programs.programs.get(name)
+        program: Callable[..., Any] | None = self.programs.programs.get(name)
         if program is None and self.programs.eager_fallback:  # nothing to mark, export or trace
             program = _graph
         if program is None:
             return self._traced(name, batch, args)
         with torch.inference_mode():
-            return model.weights.lm_head(program(*args)).float()
+            return self._logits(program(*args))
+
+    def _logits(self, out: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The head over a graph's hidden rows, after a decode-only graph's K/V write."""
+        if isinstance(out, tuple):
+            hidden, *new_kv = out
+            write_decode_kv(self._keys, self._values, *new_kv)
+        else:
+            hidden = out
+        return self.model.weights.lm_head(hidden).float()
 
     def _traced(self, name: str, batch: GraphBatch, args: tuple[Any, ...]) -> torch.Tensor:
         """A step with no program loaded: its graph traced lazily, or exported for a program
@@ -274,5 +301,4 @@ class CompiledCausalLM:
         with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
             program = self.programs.get(name, _graph, args, options=_OPTIONS)
             with torch.inference_mode():
-                hidden = (program or self._lazy_graph())(*args)
-                return self.model.weights.lm_head(hidden).float()
+                return self._logits((program or self._lazy_graph())(*args))

@@ -1,6 +1,7 @@
 """The compiled step's opaque ops: what the graph (compiled_model.py) must not trace.
 
-`kvmesh::cache_and_prefill`, one a layer. The KV write: traced, every form of it
+`kvmesh::cache_and_prefill`, one a layer in the graph of steps with prefill rows (the
+decode-only graph writes after it: graph_attention.py). The KV write: traced, every form of it
 (`index_copy_`, `index_put_`, `scatter_`) made the graph guard the token count against 1, i.e.
 a graph per size. Prefill attention: SDPA per chunk, eager, as the eager path runs it
 (`prefill_attention`), so a prefill over cached blocks keeps a cold prefill's bits. A plain

@@ -96,7 +96,8 @@ class Runner:
         tables = None if self.block_tables is None else self.block_tables.table
         if self.compiled is not None:
             flat = flatten(scheduled, self.kv_cache.shape.block_size, tables)
-            logits = self._scored(self.compiled.forward(GraphBatch.of(flat)), flat)
+            rows = self.compiled.forward(GraphBatch.of(flat), flat.chained_decodes)
+            logits = self._scored(rows, flat)
             states = tuple(flat.sampling_states)
             return unique_states(states), sample_and_verify(logits, states, rng)
         arch = self.arch

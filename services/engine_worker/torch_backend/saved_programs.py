@@ -65,8 +65,8 @@ class Program:
                 flat = [t for t in pytree.tree_leaves(arg) if isinstance(t, torch.Tensor)]
                 self._seen[index] = (arg, flat)
             tensors.extend(flat)
-        (out,) = self._loader.boxed_run(tensors)
-        return out
+        outs = self._loader.boxed_run(tensors)
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def export_program(function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
