@@ -236,13 +236,13 @@ class CompiledCausalLM:
         # The two graphs compiled ahead of time when the model is prepared (saved_programs.py);
         # else traced lazily, made on first use (torch.compile imports Dynamo: ~1 s).
         self.programs = ProgramTable()
-        self._graph: Callable[..., torch.Tensor] | None = None
+        self._graph: Callable[..., Any] | None = None
 
     def load_programs(self, saved: dict[str, Path]) -> None:
         """The step's programs a prepared model saved (saved_programs.py)."""
         self.programs.load(saved)
 
-    def _lazy_graph(self) -> Callable[..., torch.Tensor]:
+    def _lazy_graph(self) -> Callable[..., Any]:
         if self._graph is None:
             # Its inputs are built here, not by strangers: no size/stride asserts on each of
             # them per call (~650 a step, 0.3 ms at batch 1).
