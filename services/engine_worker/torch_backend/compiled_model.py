@@ -12,18 +12,11 @@ the token count, decode rows, blocks per row and prefill segments are dynamic di
 `backed_size_oblivious` keeps sizes 0 and 1 from graphs of their own, so a row is computed by
 the same kernels decoded alone or beside 31 others, a draft or a recompute (row-exact, as
 `step_inputs.flatten` needs; tested). Where the CPU has bfloat16 GEMMs, 4-bit projections run
-prefill rows as bfloat16 GEMMs over the weight dequantized for the step (`kvmesh::int4_rows`);
-the decode-only graph has no such call. Weights and the KV cache are inputs, not constants: engines
-of one shape in a process share the code. Prefill attention stays eager behind
-`kvmesh::cache_and_prefill` (SDPA per chunk), so prefix-cached prefills keep cold bits. The
-decode-only graph calls no opaque op: its rows attend to their own K/V in the graph, and every
-layer's are written to the pool after it in one call (graph_attention.py).
-
-Decode attention reads each (row, block) of K and V once, straight from the pool through the
-block table: gather, both products, mask and softmax fuse into loops over a block's 16
-positions. A row's sums run over its padded block table in position order (padding adds exact
-zeros: the longest row beside it changes nothing). The pool is float16 unless asked otherwise
-(kv_cache.kv_cache_dtype): K and V convert where the kernels write and read them.
+prefill rows as bfloat16 GEMMs over the weight dequantized for the step (`kvmesh::int4_rows`).
+Weights and the KV cache are inputs, not constants: engines of one shape in a process share
+the code. Prefill attention stays eager behind `kvmesh::cache_and_prefill` (SDPA per chunk),
+so prefix-cached prefills keep cold bits. The decode-only graph calls no opaque op: its K/V
+are written after it (graph_attention.py, which also says how decode attention reads the pool).
 """
 
 from __future__ import annotations

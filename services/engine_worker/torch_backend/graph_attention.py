@@ -2,14 +2,18 @@
 decode-only step.
 
 A decode row attends to the positions before it, read from the pool through its block table,
-and to its own K and V, taken from the row itself (as the pool holds them: rounded to the
-pool's dtype). So a decode-only step needs nothing written to the pool before its attention,
-and writes every layer's new K and V in one call after the graph (`write_decode_kv`) instead
-of through an opaque op a layer: each such op, called from a loaded program, cost ~56 µs
-(1.7 ms of a 12.5 ms batch-1 step, AMX Xeon VM). Steps with prefill rows, and decode rows that
-read others of the same step (drafts, a recompute), still write a layer's rows before its
-attention; their decode rows run this same function, so a row's bits do not depend on which
-graph ran it.
+and to its own K and V, taken from the row itself as the pool holds them (float16 unless asked
+otherwise: K and V convert where the kernels write and read them). So a decode-only step needs
+nothing in the pool before its attention, and writes every layer's new K and V in one call
+after the graph (`write_decode_kv`) instead of through an opaque op a layer: each such op,
+called from a loaded program, cost ~56 µs (1.7 ms of a 12.5 ms batch-1 step, AMX Xeon VM).
+Steps with prefill rows, and decode rows that read others of the same step (drafts, a
+recompute), still write a layer's rows before its attention; their decode rows run this same
+function, so a row's bits do not depend on which graph ran it.
+
+Each (row, block) of K and V is read once: gather, both products, mask and softmax fuse into
+loops over a block's positions. A row's sums run over its padded table in position order
+(padding adds exact zeros: the longest row beside it changes nothing).
 """
 
 from __future__ import annotations

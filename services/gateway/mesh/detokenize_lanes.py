@@ -1,10 +1,10 @@
 """One `DetokenizeLanes` stream from this gateway to its tokenizer, shared by every request.
 
-Each request is a lane (`TextStream`). A lane's push joins an outbox; one writer sends all that
-queued while the last write was in flight as one message, and one reader hands each lane its
-answer. At batch 128 the scheduler's events for a step arrive together, so a step's tokens
-cross in about two messages instead of 256, and the gateway's per-token cost falls by the two
-gRPC operations each token took on a stream of its own.
+Each request is a lane (`TextStream`). The pushes that queue while a write is in flight go as one
+message (shared_stream.py), and one reader hands each lane its answer. At batch 128 the
+scheduler's events for a step arrive together, so a step's tokens cross in about two messages
+instead of 256, and the gateway's per-token cost falls by the two gRPC operations each token
+took on a stream of its own.
 
 The stream opens with the first push and again after a break: a break fails every lane on it
 (TOKENIZER_LOST; the tokenizer forgot their state) and lanes opened later go on a new stream.
@@ -14,27 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import TypeAlias
 
 import grpc
 
+from services.gateway.mesh.shared_stream import Call, SharedStream
 from services.gateway.mesh.tokenizer_errors import tokenizer_failure, tokenizer_lost
 from shared.errors import KvmeshError
 from shared.pb.kvmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
-Call: TypeAlias = grpc.aio.StreamStreamCall
 
-
-class DetokenizeLanes:
+class DetokenizeLanes(SharedStream[tokenizer_pb2.DetokenizeLane]):
     def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub) -> None:
-        self._stub = stub
+        super().__init__(stub.DetokenizeLanes, _message)
         self._numbers = itertools.count(1)
-        self._call: Call | None = None
-        self._outbox: list[tokenizer_pb2.DetokenizeLane] = []
         self._waiting: dict[int, asyncio.Future[tokenizer_pb2.DetokenizedLane]] = {}
-        self._writer: asyncio.Task[None] | None = None
-        self._writing_to: Call | None = None  # the stream self._writer writes to
-        self._tasks: set[asyncio.Task[None]] = set()
 
     def new_lane(self) -> int:
         return next(self._numbers)
@@ -71,37 +64,7 @@ class DetokenizeLanes:
     async def aclose(self) -> None:
         if self._call is not None:
             self._broken(self._call, tokenizer_lost("the gateway is stopping"))
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    def _open(self) -> Call:
-        if self._call is None:
-            self._call = self._stub.DetokenizeLanes()
-            self._hold(asyncio.create_task(self._read(self._call)))
-        return self._call
-
-    def _hold(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
-        """Kept referenced until it ends (the loop holds tasks weakly), and cancelled at close."""
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    def _send(self, entry: tokenizer_pb2.DetokenizeLane) -> None:
-        self._outbox.append(entry)
-        if self._writer is None or self._writer.done() or self._writing_to is not self._call:
-            # Started, not run: the other lanes' pushes of this loop turn join its message.
-            self._writing_to = self._call
-            self._writer = self._hold(asyncio.create_task(self._write(self._call)))
-
-    async def _write(self, call: Call | None) -> None:
-        """Until the outbox is empty; a writer for a broken stream stops at its next turn."""
-        try:
-            while self._outbox and self._call is call and call is not None:
-                batch, self._outbox = self._outbox, []
-                await call.write(tokenizer_pb2.DetokenizeLanesRequest(lanes=batch))
-        except (grpc.RpcError, asyncio.InvalidStateError):
-            pass  # the reader sees the same break and reads the call's status
+        await self._cancel_tasks()
 
     async def _read(self, call: Call) -> None:
         try:
@@ -116,11 +79,8 @@ class DetokenizeLanes:
         self._broken(call, failure)
 
     def _broken(self, broken: Call, failure: KvmeshError) -> None:
-        broken.cancel()  # a no-op once it ended
-        if self._call is not broken:
+        if not self._forget(broken):
             return
-        self._call = None
-        self._outbox.clear()  # all of it was for this stream
         for future in self._waiting.values():
             if not future.done():  # an exception of its own: each lane's task raises it
                 future.set_exception(
@@ -131,3 +91,7 @@ class DetokenizeLanes:
                         retry_after_ms=failure.retry_after_ms,
                     )
                 )
+
+
+def _message(lanes: list[tokenizer_pb2.DetokenizeLane]) -> tokenizer_pb2.DetokenizeLanesRequest:
+    return tokenizer_pb2.DetokenizeLanesRequest(lanes=lanes)

@@ -1,9 +1,9 @@
 """One `SubmitLanes` stream from this gateway to a scheduler, shared by every request there.
 
 Each request is a lane (`LaneCall`), read and cancelled as its own Submit call would be. Opens
-and cancels join an outbox; one writer sends all that queued while the last write was in flight
-as one message. One reader hands each lane its events: the scheduler sends a step's events as
-one message, so at batch 128 the gateway reads one message a step instead of 128.
+and cancels that queue while a write is in flight go as one message (shared_stream.py). One
+reader hands each lane its events: the scheduler sends a step's events as one message, so at
+batch 128 the gateway reads one message a step instead of 128.
 
 The stream opens with the first request and again after a break: a break fails every lane on it
 with the stream's error, as each Submit call would have failed, and a request placed later goes
@@ -20,10 +20,10 @@ from typing import Any, TypeAlias
 
 import grpc
 
+from services.gateway.mesh.shared_stream import Call, SharedStream
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-Call: TypeAlias = grpc.aio.StreamStreamCall
 Event = scheduler_pb2.SubmitEvent
 EndOfStream: TypeAlias = Any  # grpc.aio.EOF (grpcio ships no type for it)
 # What a lane's reader gets next: an event, the stream's end, or the error that broke it.
@@ -88,16 +88,11 @@ class LaneCall:
             self._timer = None
 
 
-class SubmitLanes:
+class SubmitLanes(SharedStream[scheduler_pb2.SubmitLane]):
     def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
-        self._stub = stub
+        super().__init__(stub.SubmitLanes, _message)
         self._numbers = itertools.count(1)
-        self._call: Call | None = None
         self._lanes: dict[int, LaneCall] = {}
-        self._outbox: list[scheduler_pb2.SubmitLane] = []
-        self._writer: asyncio.Task[None] | None = None
-        self._writing_to: Call | None = None  # the stream self._writer writes to
-        self._tasks: set[asyncio.Task[None]] = set()
 
     def submit(
         self,
@@ -129,37 +124,7 @@ class SubmitLanes:
     async def aclose(self) -> None:
         if self._call is not None:
             self._broken(self._call, grpc.aio.EOF)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    def _open(self) -> Call:
-        if self._call is None:
-            self._call = self._stub.SubmitLanes()
-            self._hold(asyncio.create_task(self._read(self._call)))
-        return self._call
-
-    def _hold(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
-        """Kept referenced until it ends (the loop holds tasks weakly), and cancelled at close."""
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    def _send(self, entry: scheduler_pb2.SubmitLane) -> None:
-        self._outbox.append(entry)
-        if self._writer is None or self._writer.done() or self._writing_to is not self._call:
-            # Started, not run: the other requests' opens of this loop turn join its message.
-            self._writing_to = self._call
-            self._writer = self._hold(asyncio.create_task(self._write(self._call)))
-
-    async def _write(self, call: Call | None) -> None:
-        """Until the outbox is empty; a writer for a broken stream stops at its next turn."""
-        try:
-            while self._outbox and self._call is call and call is not None:
-                batch, self._outbox = self._outbox, []
-                await call.write(scheduler_pb2.SubmitLanesRequest(lanes=batch))
-        except (grpc.RpcError, asyncio.InvalidStateError):
-            pass  # the reader sees the same break and reads the call's status
+        await self._cancel_tasks()
 
     async def _read(self, call: Call) -> None:
         ended: Item = grpc.aio.EOF
@@ -178,11 +143,12 @@ class SubmitLanes:
 
     def _broken(self, broken: Call, ended: Item) -> None:
         """Every lane on `broken` reads `ended` (the scheduler ended or lost them all)."""
-        broken.cancel()  # a no-op once it ended
-        if self._call is not broken:
+        if not self._forget(broken):
             return
-        self._call = None
-        self._outbox.clear()  # all of it was for this stream
         lanes, self._lanes = self._lanes, {}
         for lane in lanes.values():
             lane.broken(ended)
+
+
+def _message(lanes: list[scheduler_pb2.SubmitLane]) -> scheduler_pb2.SubmitLanesRequest:
+    return scheduler_pb2.SubmitLanesRequest(lanes=lanes)
