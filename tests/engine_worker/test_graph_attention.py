@@ -37,10 +37,10 @@ def test_a_decode_row_attends_to_its_context_and_itself() -> None:
         history.append((k, v))
     q = torch.randn(len(contexts), KV_HEADS * GROUP, DIM)
     slots = torch.arange(width * BLOCK).view(1, width, 1, 1, BLOCK)
-    before = slots >= torch.tensor(contexts).view(-1, 1, 1, 1, 1) - 1
+    outside = slots >= torch.tensor(contexts).view(-1, 1, 1, 1, 1) - 1
     own_k = torch.stack([k[-1] for k, _ in history])
     own_v = torch.stack([v[-1] for _, v in history])
-    out = decode_attention(q, own_k, own_v, keys[0], values[0], table, before, 0.5)
+    out = decode_attention(q, own_k, own_v, keys[0], values[0], table, outside, 0.5)
     for row, (k, v) in enumerate(history):
         k_heads = k.float().repeat_interleave(GROUP, dim=1).transpose(0, 1)  # (H, context, D)
         v_heads = v.float().repeat_interleave(GROUP, dim=1).transpose(0, 1)

@@ -6,7 +6,6 @@ one pass, as the step loop does."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -14,6 +13,7 @@ from contextlib import asynccontextmanager
 import grpc
 import pytest
 
+from kvmesh.mesh.service_process import free_port
 from services.gateway.mesh.submit_lanes import LaneCall, SubmitLanes
 from services.gateway.request.request_record import upstream_failure
 from services.scheduler.submit_lanes import LaneStream
@@ -24,12 +24,6 @@ from shared.runtime.service import ServiceRuntime
 from shared.runtime.tls import aio_channel
 
 Event = scheduler_pb2.SubmitEvent
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):

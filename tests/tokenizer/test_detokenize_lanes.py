@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
 
+from kvmesh.mesh.service_process import free_port
 from services.gateway.mesh.detokenize_lanes import DetokenizeLanes
 from services.gateway.request.text_stream import TextStream
 from services.tokenizer import lanes as server_lanes
@@ -27,12 +27,6 @@ TEXTS = [
     "naïve café — “quotes” and emoji 🚀🌊",
     "Plain words, one after the other, and a number: 12345.",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @asynccontextmanager

@@ -145,10 +145,10 @@ def _graph(
     cos = cos_table[positions].unsqueeze(1)
     sin = sin_table[positions].unsqueeze(1)
     key_write, value_write = kv_write_indices(write_blocks, positions, kv_heads, dim, block)
-    # Position of each (block, slot) of a decode row's table: those it reads from the pool are
-    # the ones before its own.
+    # Position of each (block, slot) of a decode row's table, and which of them it does not read
+    # from the pool: its own (taken from the row) and later.
     slots = torch.arange(num_blocks * block, device=cos.device).view(1, num_blocks, 1, 1, block)
-    before = slots >= batch.decode_context_lens.view(decodes, 1, 1, 1, 1) - 1
+    outside = slots >= batch.decode_context_lens.view(decodes, 1, 1, 1, 1) - 1
     new_keys: list[torch.Tensor] = []
     new_values: list[torch.Tensor] = []
     x = F.embedding(input_ids, embed_rows).float() * F.embedding(input_ids, embed_scale)
@@ -189,7 +189,7 @@ def _graph(
             k_cache,
             v_cache,
             batch.decode_table,
-            before,
+            outside,
             scale,
         )
         attn = torch.cat((attn, prefilled.reshape(prefills, heads * dim)))

@@ -5,8 +5,8 @@ A decode row attends to the positions before it, read from the pool through its 
 and to its own K and V, taken from the row itself as the pool holds them (float16 unless asked
 otherwise: K and V convert where the kernels write and read them). So a decode-only step needs
 nothing in the pool before its attention, and writes every layer's new K and V in one call
-after the graph (`write_decode_kv`) instead of through an opaque op a layer: each such op,
-called from a loaded program, cost ~56 µs (1.7 ms of a 12.5 ms batch-1 step, AMX Xeon VM).
+after the graph (`write_decode_kv`) instead of through an opaque op a layer, each of which cost
+~56 µs crossing from a loaded program into Python.
 Steps with prefill rows, and decode rows that read others of the same step (drafts, a
 recompute), still write a layer's rows before its attention; their decode rows run this same
 function, so a row's bits do not depend on which graph ran it.
@@ -30,19 +30,19 @@ def decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     table: torch.Tensor,
-    before: torch.Tensor,
+    outside: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """q: (B, H, D) decode rows; k_self, v_self: (B, kv_heads, D), each row's own, in the pool's
-    dtype; table: (B, blocks); before: (B, blocks, 1, 1, block) True at the positions a row
-    does not attend to from the pool (its own and later). -> (B, H * D)."""
+    dtype; table: (B, blocks); outside: (B, blocks, 1, 1, block) True at the positions a row
+    does not read from the pool (its own and later). -> (B, H * D)."""
     decodes, heads, dim = q.shape
     kv_heads, block = k_cache.shape[1], k_cache.shape[3]
     group, num_blocks = heads // kv_heads, table.shape[1]
     q_rows = (q * scale).view(decodes, 1, kv_heads, group, dim, 1)
     # Scores (B, blocks, kv_heads, group, slot), reduced over D in place.
     k_rows = k_cache[table].to(q.dtype).view(decodes, num_blocks, kv_heads, 1, dim, block)
-    scores = (q_rows * k_rows).sum(4).masked_fill(before, float("-inf"))
+    scores = (q_rows * k_rows).sum(4).masked_fill(outside, float("-inf"))
     own = (q_rows.view(decodes, kv_heads, group, dim) * k_self.to(q.dtype).unsqueeze(2)).sum(-1)
     top = torch.maximum(scores.amax(dim=(1, 4)), own)  # (B, kv_heads, group)
     probs = torch.exp(scores - top.view(decodes, 1, kv_heads, group, 1))

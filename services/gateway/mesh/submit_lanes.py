@@ -55,13 +55,12 @@ class LaneCall:
             raise item
         return item
 
-    def cancel(self) -> bool:
+    def cancel(self) -> None:
         """Aborts the request upstream (or ends a prefill-only lane's hold); later reads see
         the stream's end."""
         self._stop_timer()
         self._lanes.cancel(self)
         self.items.put_nowait(grpc.aio.EOF)
-        return True
 
     def delivered(self, event: Event) -> None:
         self.items.put_nowait(event)
