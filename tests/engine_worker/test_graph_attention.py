@@ -8,7 +8,7 @@ import torch
 
 from services.engine_worker.step_inputs import RequestState, flatten
 from services.engine_worker.torch_backend.attention import kv_write_indices
-from services.engine_worker.torch_backend.graph_attention import decode_attention, write_decode_kv
+from services.engine_worker.torch_backend.graph_attention import DecodeKvWriter, decode_attention
 from shared.sampling import SamplingParams
 
 KV_HEADS, GROUP, DIM, BLOCK, BLOCKS = 2, 3, 8, 4, 12
@@ -33,7 +33,7 @@ def test_a_decode_row_attends_to_its_context_and_itself() -> None:
         positions = torch.arange(context - 1)  # the row's own is not in the pool yet
         where = torch.tensor(blocks)[positions // BLOCK]
         key_write, value_write = kv_write_indices(where, positions, KV_HEADS, DIM, BLOCK)
-        write_decode_kv(keys, values, k[None, :-1], v[None, :-1], key_write, value_write)
+        DecodeKvWriter(keys, values)(k[None, :-1], v[None, :-1], key_write, value_write)
         history.append((k, v))
     q = torch.randn(len(contexts), KV_HEADS * GROUP, DIM)
     slots = torch.arange(width * BLOCK).view(1, width, 1, 1, BLOCK)
@@ -54,7 +54,7 @@ def test_the_write_puts_each_layers_rows_where_the_pool_keeps_them() -> None:
     new_k = torch.randn(3, 2, KV_HEADS, DIM).half()
     new_v = torch.randn(3, 2, KV_HEADS, DIM).half()
     blocks, positions = torch.tensor([4, 9]), torch.tensor([17, 2])
-    write_decode_kv(keys, values, new_k, new_v, *kv_write_indices(blocks, positions, 2, DIM, 4))
+    DecodeKvWriter(keys, values)(new_k, new_v, *kv_write_indices(blocks, positions, 2, DIM, 4))
     for layer in range(3):
         for row, (block, position) in enumerate(zip(blocks, positions, strict=True)):
             slot = int(position) % BLOCK

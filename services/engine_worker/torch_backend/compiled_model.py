@@ -35,7 +35,7 @@ from services.engine_worker.torch_backend import (
     graph_ops,  # registers the kvmesh:: ops the graph calls
 )
 from services.engine_worker.torch_backend.attention import kv_write_indices
-from services.engine_worker.torch_backend.graph_attention import decode_attention, write_decode_kv
+from services.engine_worker.torch_backend.graph_attention import DecodeKvWriter, decode_attention
 from services.engine_worker.torch_backend.graph_batch import GraphBatch
 from services.engine_worker.torch_backend.linear import Int4Linear, Int8Linear
 from services.engine_worker.torch_backend.model import CausalLM
@@ -133,7 +133,7 @@ def _graph(
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The forward up to the final norm of the sampled rows: (R, hidden). A decode-only graph
     (not `prefilling`) also returns the new K and V of every layer, (layers, B, kv_heads, D),
-    and their slots, for `write_decode_kv`."""
+    and their slots, for `DecodeKvWriter`."""
     heads, kv_heads, dim, eps = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps
     hidden = (arch.hidden_size,)
     decodes, prefills = batch.decode_rows[0].shape[0], batch.prefill_rows[0].shape[0]
@@ -214,6 +214,7 @@ class CompiledCausalLM:
         w = model.weights
         self._keys = [kv_cache.layer(i)[0] for i in range(model.arch.num_layers)]
         self._values = [kv_cache.layer(i)[1] for i in range(model.arch.num_layers)]
+        self._write_decode_kv = DecodeKvWriter(self._keys, self._values)
         self._layers: list[LayerParts] = [
             (
                 layer.input_norm,
@@ -276,7 +277,7 @@ class CompiledCausalLM:
         """The head over a graph's hidden rows, after a decode-only graph's K/V write."""
         if isinstance(out, tuple):
             hidden, *new_kv = out
-            write_decode_kv(self._keys, self._values, *new_kv)
+            self._write_decode_kv(*new_kv)
         else:
             hidden = out
         return self.model.weights.lm_head(hidden).float()
