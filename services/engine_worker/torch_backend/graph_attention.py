@@ -57,7 +57,8 @@ def decode_attention(
 class DecodeKvWriter:
     """Writes a decode-only step's new K and V, (layers, B, kv_heads, D), into every layer's
     pool after the graph, at their slots (attention.kv_write_indices). The pools' flat views
-    are made once, not a step: at batch 1 that halved the write (1.2 to 0.7 ms a step)."""
+    are made once, not a step: at batch 1 that halved the write (1.2 to 0.7 ms a step, 2-vCPU
+    AVX-512 Xeon)."""
 
     def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
         dim = values[0].shape[-1]
