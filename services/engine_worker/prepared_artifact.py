@@ -38,6 +38,9 @@ FORMAT = 1  # this layout; a change makes every older artifact a mismatch
 _STEP_SOURCES = (
     "torch_backend/compiled_model.py",
     "torch_backend/graph_ops.py",
+    "torch_backend/graph_projections.py",
+    "torch_backend/int4_dot.py",
+    "torch_backend/csrc/int4_dot.cpp",
     "torch_backend/graph_batch.py",
     "torch_backend/attention.py",
     "torch_backend/prefill_attention.py",
@@ -56,7 +59,7 @@ class PreparedKey:
     torch: str
     python: str
     compiler: str
-    cpu: str  # architecture, torch's CPU capability, bfloat16 and AMX support
+    cpu: str  # architecture, torch's CPU capability, bfloat16, VNNI and AMX support
     backend: str
     weights: str
     activations: str
@@ -101,6 +104,8 @@ def cpu_features() -> str:
     flags = [platform.machine(), torch.backends.cpu.get_cpu_capability()]
     if torch.cpu._is_avx512_bf16_supported():
         flags.append("avx512_bf16")
+    if torch.cpu._is_vnni_supported():
+        flags.append("vnni")
     if torch.cpu._is_amx_tile_supported():
         flags.append("amx")
     return " ".join(flags)

@@ -21,6 +21,7 @@ from loadtest.perplexity import SHIPPED_TEXT, perplexity, text_token_ids
 from services.engine_worker import step_formats
 from services.engine_worker.torch_backend import compiled_model, graph_ops
 from services.engine_worker.torch_backend.graph_ops import int8_handle, int8_projection
+from services.engine_worker.torch_backend.int4_dot import Int4DotLinear
 from services.engine_worker.torch_backend.linear import (
     Int4Linear,
     Int8Linear,
@@ -195,7 +196,7 @@ def test_a_qwen_checkpoint_quantized_at_load_compiles_with_its_biases_and_norms(
     assert engine.worker.runner.compiled is not None
     fast_int4 = quantize == "int4" and int4_kernel_is_fast()
     projection = engine.worker.runner.model.weights.layers[0].qkv
-    assert isinstance(projection, Int4Linear if fast_int4 else Int8Linear)
+    assert isinstance(projection, (Int4Linear, Int4DotLinear) if fast_int4 else Int8Linear)
     eager = load(path, "off", quantize=quantize)
     # The same weights eager: the graph's fused float ops round differently, not more.
     runs = [greedy_runs(e, prompts, 12) for e in (engine, eager)]

@@ -13,6 +13,7 @@ from services.engine_worker.artifacts.int4_groups import Int4Groups
 from services.engine_worker.config import build_parser, engine_config
 from services.engine_worker.torch_backend import graph_ops  # noqa: F401 (kvmesh:: ops)
 from services.engine_worker.torch_backend import weights as torch_weights
+from services.engine_worker.torch_backend.int4_dot import Int4DotLinear, int4_dot_is_available
 from services.engine_worker.torch_backend.linear import (
     Int4Linear,
     Int8Linear,
@@ -151,7 +152,8 @@ def test_a_q4_file_runs_its_projections_as_int4_and_is_packed_by_default(
     )
     assert engine.manifest["weights"] == "packed"
     layer = engine.worker.runner.model.weights.layers[0]
-    assert all(isinstance(p, Int4Linear) for p in (layer.qkv, layer.o_proj, layer.gate_up))
+    kind = Int4DotLinear if int4_dot_is_available() else Int4Linear
+    assert all(isinstance(p, kind) for p in (layer.qkv, layer.o_proj, layer.gate_up))
     # A Q8_0 head has no 4-bit groups: int8 rows.
     assert isinstance(engine.worker.runner.model.weights.lm_head, Int8Linear)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -189,7 +191,7 @@ def test_auto_weights_follow_the_files_quantization() -> None:
     assert resolve_weight_format("float32", None, "F32+Q4_1") == "float32"
 
 
-@pytest.mark.parametrize("kernel", ["int4", "int8"])
+@pytest.mark.parametrize("kernel", ["int4_dot", "int4", "int8"])
 def test_a_prefill_over_cached_blocks_gives_a_cold_prefills_bits(
     kernel: str, default_model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -198,14 +200,19 @@ def test_a_prefill_over_cached_blocks_gives_a_cold_prefills_bits(
     (packed activations are rounded, so a float-level difference in attention would show: one
     SDPA call over all of a prefill's queries failed this at 18 tokens, 16 of them cached, and
     a prompt's last token computed alone as a decode failed it at 33)."""
+    if kernel == "int4_dot" and not int4_dot_is_available():
+        pytest.skip("kvmesh::int4_dot needs AVX512-VNNI")
     if kernel == "int4" and not int4_kernel_is_fast():
         pytest.skip("torch's int4 CPU kernel is vectorized for AVX-512 only")
+    if kernel != "int4_dot":
+        monkeypatch.setattr(torch_weights, "int4_dot_is_available", lambda: False)
     if kernel == "int8":
         monkeypatch.setattr(torch_weights, "int4_kernel_is_fast", lambda: False)
     engine = Engine(EngineConfig(cache=CacheConfig(kv_memory_bytes=64 << 20)))
     assert engine.manifest["weights"] == "packed"
     layer = engine.worker.runner.model.weights.layers[0]
-    assert isinstance(layer.down, Int4Linear if kernel == "int4" else Int8Linear)
+    kinds = {"int4_dot": Int4DotLinear, "int4": Int4Linear, "int8": Int8Linear}
+    assert isinstance(layer.down, kinds[kernel])
     assert_cached_prefills_give_cold_bits(engine)
 
 

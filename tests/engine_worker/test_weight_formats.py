@@ -10,6 +10,7 @@ import torch
 
 from kvmesh.engine import Engine
 from loadtest.perplexity import SHIPPED_TEXT, kl_from, perplexity, text_token_ids
+from services.engine_worker.torch_backend.int4_dot import Int4DotLinear
 from services.engine_worker.torch_backend.linear import Int4Linear, Int8Linear, int4_kernel_is_fast
 from services.engine_worker.torch_backend.weights import resolve_weight_format
 from shared.config import CacheConfig, EngineConfig
@@ -117,7 +118,9 @@ def test_packed_perplexity_within_one_percent_of_float32(
     assert kl_from(distributions["float32"], distributions["packed"]) < 0.01
 
 
-@pytest.mark.parametrize(("quantize", "kind"), [("int8", Int8Linear), ("int4", Int4Linear)])
+@pytest.mark.parametrize(
+    ("quantize", "kind"), [("int8", Int8Linear), ("int4", (Int4Linear, Int4DotLinear))]
+)
 def test_quantize_packs_a_float_checkpoint(quantize: str, kind: type, tiny_llama_dir: str) -> None:
     if quantize == "int4" and not int4_kernel_is_fast():
         pytest.skip("torch's int4 CPU kernel is vectorized for AVX-512 only")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -31,13 +31,15 @@ import torch.nn.functional as F
 
 from services.engine_worker.artifacts.architecture import ModelArchitecture
 from services.engine_worker.kv_cache import KVCache
-from services.engine_worker.torch_backend import (
-    graph_ops,  # registers the kvmesh:: ops the graph calls
-)
 from services.engine_worker.torch_backend.attention import kv_write_indices
 from services.engine_worker.torch_backend.graph_attention import DecodeKvWriter, decode_attention
 from services.engine_worker.torch_backend.graph_batch import GraphBatch
-from services.engine_worker.torch_backend.linear import Int4Linear, Int8Linear
+from services.engine_worker.torch_backend.graph_projections import (
+    PACKED_PROJECTIONS,
+    ProjectionParts,
+    project,
+    projection_parts,
+)
 from services.engine_worker.torch_backend.model import CausalLM
 from services.engine_worker.torch_backend.saved_programs import ProgramTable
 from services.engine_worker.torch_backend.weights import Int8Embedding, TorchWeights
@@ -50,29 +52,10 @@ def can_compile(weights: TorchWeights) -> bool:
         p for layer in weights.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
     ]
     return isinstance(weights.embed, Int8Embedding) and all(
-        isinstance(p, Int4Linear | Int8Linear) for p in projections
+        isinstance(p, PACKED_PROJECTIONS) for p in projections
     )
 
 
-class Int4Parts(NamedTuple):
-    """An `Int4Linear` as the graph takes it; `dense` where prefill rows run as a bfloat16 GEMM
-    (graph_ops.int4_rows)."""
-
-    packed: torch.Tensor
-    scale_zero: torch.Tensor
-    dense: tuple[torch.Tensor, torch.Tensor] | None
-    bias: torch.Tensor | None
-
-
-class Int8Parts(NamedTuple):
-    """An `Int8Linear` as the graph takes it (graph_ops.int8_rows)."""
-
-    handle: torch.Tensor
-    out_features: int
-    bias: torch.Tensor | None
-
-
-ProjectionParts = Int4Parts | Int8Parts
 # A layer: input norm, post-attention norm, qkv, o, gate_up and down projections, then the
 # per-head Q/K norm weights (Qwen3) or None.
 LayerParts = tuple[
@@ -84,36 +67,6 @@ LayerParts = tuple[
     ProjectionParts,
     torch.Tensor | None,
 ]
-
-
-def _project(
-    x: torch.Tensor, parts: ProjectionParts, decodes: int, prefilling: bool
-) -> torch.Tensor:
-    """x: the step's rows, its `decodes` decode rows first; `prefilling`: whether any follow."""
-    if isinstance(parts, Int8Parts):  # fixed per graph: no branch at run time
-        handle, out_features = parts.handle, parts.out_features
-        out = Int8Linear.product(
-            x, lambda rows: torch.ops.kvmesh.int8_rows(rows, handle, out_features)
-        )
-    elif parts.dense is None or not prefilling:
-        out = Int4Linear.product(x, parts.packed, parts.scale_zero)
-    else:  # as `product`, prefill rows dense (a prompt token is always one: step_inputs.flatten)
-        rows = x.to(Int4Linear.ACTIVATIONS)
-        dense = Int4Linear.dense_weight(parts.packed, *parts.dense)
-        out = torch.ops.kvmesh.int4_rows(rows, decodes, parts.packed, parts.scale_zero, dense)
-        out = out.to(x.dtype)
-    return out if parts.bias is None else out + parts.bias
-
-
-def _projection_parts(projection: object) -> ProjectionParts:
-    if isinstance(projection, Int8Linear):
-        handle = graph_ops.int8_handle(projection)
-        return Int8Parts(handle, projection.out_features, projection.bias)
-    if not isinstance(projection, Int4Linear):
-        raise TypeError(f"the compiled step runs packed projections, not {type(projection)}")
-    return Int4Parts(
-        projection._packed, projection._scale_zero, projection.dense_parts, projection.bias
-    )
 
 
 def _graph(
@@ -154,7 +107,7 @@ def _graph(
     x = F.embedding(input_ids, embed_rows).float() * F.embedding(input_ids, embed_scale)
     for k_cache, v_cache, layer in zip(keys, values, layers, strict=True):
         in_norm, post_norm, qkv_proj, o_proj, gate_up, down, qk_norm = layer
-        qkv = _project(F.rms_norm(x, hidden, in_norm, eps), qkv_proj, decodes, prefilling)
+        qkv = project(F.rms_norm(x, hidden, in_norm, eps), qkv_proj, decodes, prefilling)
         # Q and K heads side by side, normed (Qwen3) and rotated in one pass (swapping halves
         # is roll by D/2). Rows viewed whole, then sliced: a view of a column slice guards
         # tokens != 1.
@@ -193,10 +146,10 @@ def _graph(
             scale,
         )
         attn = torch.cat((attn, prefilled.reshape(prefills, heads * dim)))
-        x = x + _project(attn, o_proj, decodes, prefilling)
+        x = x + project(attn, o_proj, decodes, prefilling)
         normed = F.rms_norm(x, hidden, post_norm, eps)
-        gate, up = _project(normed, gate_up, decodes, prefilling).chunk(2, dim=-1)
-        x = x + _project(F.silu(gate) * up, down, decodes, prefilling)
+        gate, up = project(normed, gate_up, decodes, prefilling).chunk(2, dim=-1)
+        x = x + project(F.silu(gate) * up, down, decodes, prefilling)
     hidden_rows = F.rms_norm(x.index_select(0, batch.sample_rows), hidden, final_norm, eps)
     if prefilling:
         return hidden_rows
@@ -219,7 +172,7 @@ class CompiledCausalLM:
             (
                 layer.input_norm,
                 layer.post_norm,
-                *map(_projection_parts, (layer.qkv, layer.o_proj, layer.gate_up, layer.down)),
+                *map(projection_parts, (layer.qkv, layer.o_proj, layer.gate_up, layer.down)),
                 layer.qk_norm,
             )  # type: ignore[misc]
             for layer in w.layers

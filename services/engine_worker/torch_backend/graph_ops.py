@@ -19,7 +19,8 @@ CPU has bfloat16 GEMMs: the decode rows through the 4-bit kernel, as in the deco
 and the prefill rows as bfloat16 GEMMs of fixed-size pieces over `Int4Linear.dense_weight`,
 which the graph unpacks beside the op, one fused loop a projection (eager, its ops took 10x as
 long). As the one op in place of the kernel, the loops around it are the decode-only graph's,
-and a decode row's bits the same in both.
+and a decode row's bits the same in both. `kvmesh::int4_dot_rows` is the same for
+`Int4DotLinear` (int4_dot.py), whose decode rows run `kvmesh::int4_dot`.
 """
 
 from __future__ import annotations
@@ -140,17 +141,21 @@ def _int4_rows(
     if decodes:
         decoded = torch._weight_int4pack_mm_for_cpu(rows[:decodes], packed, GROUP, scale_zero)
         out[:decodes] = decoded
-    prefill = rows[decodes:]
-    if prefill.shape[0]:
-        padded = -(-prefill.shape[0] // PREFILL_PIECE) * PREFILL_PIECE
-        pieces = prefill.new_zeros((padded, prefill.shape[1]))
-        pieces[: prefill.shape[0]] = prefill
-        dense = rows.new_empty((padded, weight.shape[1]))
-        for start in range(0, padded, PREFILL_PIECE):
-            piece = slice(start, start + PREFILL_PIECE)
-            torch.mm(pieces[piece], weight, out=dense[piece])
-        out[decodes:] = dense[: prefill.shape[0]]
+    if rows.shape[0] > decodes:
+        out[decodes:] = _dense_pieces(rows[decodes:], weight)
     return out
+
+
+def _dense_pieces(prefill: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """prefill (P, in) bfloat16 times weight (in, out) bfloat16, PREFILL_PIECE rows a GEMM."""
+    padded = -(-prefill.shape[0] // PREFILL_PIECE) * PREFILL_PIECE
+    pieces = prefill.new_zeros((padded, prefill.shape[1]))
+    pieces[: prefill.shape[0]] = prefill
+    dense = prefill.new_empty((padded, weight.shape[1]))
+    for start in range(0, padded, PREFILL_PIECE):
+        piece = slice(start, start + PREFILL_PIECE)
+        torch.mm(pieces[piece], weight, out=dense[piece])
+    return dense[: prefill.shape[0]]
 
 
 _OPS.impl("int4_rows", _int4_rows, "CPU")
@@ -159,3 +164,35 @@ _OPS.impl("int4_rows", _int4_rows, "CPU")
 @torch.library.register_fake("kvmesh::int4_rows")
 def _(rows, decodes, packed, *rest):
     return rows.new_empty((rows.shape[0], packed.shape[0]))
+
+
+_OPS.define(
+    "int4_dot_rows(Tensor rows, SymInt decodes, Tensor nibbles, Tensor scales, Tensor mins, "
+    "Tensor dense) -> Tensor"
+)
+
+
+def _int4_dot_rows(
+    rows: torch.Tensor,
+    decodes: int,
+    nibbles: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    weight: torch.Tensor,
+) -> torch.Tensor:
+    """`int4_rows` for `Int4DotLinear`: rows (T, in) float32, decode rows through
+    `kvmesh::int4_dot`, prefill rows as bfloat16 GEMMs over its `dense_weight` -> (T, out)."""
+    out = rows.new_empty((rows.shape[0], weight.shape[1]))
+    if decodes:
+        out[:decodes] = torch.ops.kvmesh.int4_dot(rows[:decodes], nibbles, scales, mins)
+    if rows.shape[0] > decodes:
+        out[decodes:] = _dense_pieces(rows[decodes:].to(torch.bfloat16), weight)
+    return out
+
+
+_OPS.impl("int4_dot_rows", _int4_dot_rows, "CPU")
+
+
+@torch.library.register_fake("kvmesh::int4_dot_rows")
+def _(rows, decodes, nibbles, scales, mins, weight):
+    return rows.new_empty((rows.shape[0], weight.shape[1]))

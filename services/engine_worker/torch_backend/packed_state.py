@@ -1,8 +1,9 @@
 """Packed weights as files a prepared model maps instead of dequantizing and repacking.
 
-Two torch files, each loaded with `mmap=True`: the 4-bit projections' parts, loaded in inference
-mode because `Int4Linear` makes them there (the compiled step's guards see the difference), and
-everything else. An int8 projection is stored as its int8 rows and scales: fbgemm's packed form
+Two torch files, each loaded with `mmap=True`: the 4-bit projections' parts (in either kernel's
+layout: the artifact's key pins the CPU that chose it), loaded in inference mode because
+`Int4Linear` makes them there (the compiled step's guards see the difference), and everything
+else. An int8 projection is stored as its int8 rows and scales: fbgemm's packed form
 is an opaque object, prepacked again at load (the default model's head: ~0.2 s).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from services.engine_worker.torch_backend.int4_dot import Int4DotLinear
 from services.engine_worker.torch_backend.linear import Int4Linear, Int8Linear, Projection
 from services.engine_worker.torch_backend.weights import Int8Embedding, TorchLayer, TorchWeights
 
@@ -42,7 +44,10 @@ def save_packed(weights: TorchWeights, directory: str) -> list[str]:
 def _put(
     other: dict[str, torch.Tensor], int4: dict[str, torch.Tensor], key: str, projection: Projection
 ) -> None:
-    if isinstance(projection, Int4Linear):
+    if isinstance(projection, Int4DotLinear):
+        int4[f"{key}.nibbles"] = projection.nibbles
+        int4[f"{key}.scales"], int4[f"{key}.mins"] = projection.scales, projection.mins
+    elif isinstance(projection, Int4Linear):
         int4[f"{key}.packed"] = projection._packed
         int4[f"{key}.scale_zero"] = projection._scale_zero
         if projection.dense_parts is not None:
@@ -61,6 +66,9 @@ def load_packed(directory: str, num_layers: int) -> TorchWeights:
     other = torch.load(f"{directory}/{OTHER_FILE}", mmap=True, weights_only=True)
 
     def projection(key: str) -> Projection:
+        if f"{key}.nibbles" in int4:
+            nibbles, scales, mins = (int4[f"{key}.{p}"] for p in ("nibbles", "scales", "mins"))
+            return Int4DotLinear.from_parts(nibbles, scales, mins, other.get(f"{key}.bias"))
         if f"{key}.packed" in int4:
             dense = (int4[f"{key}.scale"], int4[f"{key}.zero"]) if f"{key}.scale" in int4 else None
             return Int4Linear.from_parts(

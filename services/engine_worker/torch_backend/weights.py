@@ -1,5 +1,6 @@
 """The torch backend's weights in the format in force: float32, bfloat16, float16, or packed
-(4-bit groups where the CPU runs them fast, int8 rows elsewhere).
+(4-bit groups where the CPU runs them fast: `kvmesh::int4_dot` with AVX512-VNNI, torch's kernel
+with other AVX-512; int8 rows elsewhere).
 
 Built from the loaded `ModelWeights` (fused, (in, out) float tensors, which the cupy backend
 uses as they are) one layer at a time, so the float copy of a packed model is never whole in
@@ -18,6 +19,11 @@ from services.engine_worker.artifacts.gguf_file import BLOCK_QUANT_TYPES, K_QUAN
 from services.engine_worker.artifacts.int4_groups import Int4Groups
 from services.engine_worker.artifacts.loader import ModelArtifact
 from services.engine_worker.artifacts.weights import ModelWeights, projection_names
+from services.engine_worker.torch_backend.int4_dot import (
+    Int4DotLinear,
+    fits,
+    int4_dot_is_available,
+)
 from services.engine_worker.torch_backend.linear import (
     DenseLinear,
     Int4Linear,
@@ -169,6 +175,8 @@ class TorchWeights:
             weight = transposed.t()  # (out, in)
             if fmt == "packed":
                 groups = int4(names, weight) if int4 is not None else None
+                if groups is not None and int4_dot_is_available() and fits(groups):
+                    return Int4DotLinear(groups, bias)
                 if groups is not None:
                     return Int4Linear(groups, bias)
                 return Int8Linear(weight, bias)
