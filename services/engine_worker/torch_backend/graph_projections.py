@@ -11,12 +11,8 @@ from typing import NamedTuple
 import torch
 
 from services.engine_worker.torch_backend import graph_ops
-from services.engine_worker.torch_backend.int4_dot import Int4DotLinear
-from services.engine_worker.torch_backend.linear import (
-    Int4Linear,
-    Int8Linear,
-    dense_prefill_is_fast,
-)
+from services.engine_worker.torch_backend.int4_dot import Int4DotLinear, prefill_rows_dense
+from services.engine_worker.torch_backend.linear import Int4Linear, Int8Linear
 
 
 class Int4Parts(NamedTuple):
@@ -86,7 +82,7 @@ def projection_parts(projection: object) -> ProjectionParts:
         return Int8Parts(handle, projection.out_features, projection.bias)
     if isinstance(projection, Int4DotLinear):
         p = projection
-        return Int4DotParts(p.nibbles, p.scales, p.mins, dense_prefill_is_fast(), p.bias)
+        return Int4DotParts(p.nibbles, p.scales, p.mins, prefill_rows_dense(), p.bias)
     if not isinstance(projection, Int4Linear):
         raise TypeError(f"the compiled step runs packed projections, not {type(projection)}")
     return Int4Parts(

@@ -4,14 +4,15 @@ torch's 4-bit CPU kernel turns every nibble back into a float and multiplies in 
 AVX-512 CPU without AMX that made the 4-bit GEMMs compute-bound (a 1536x576 projection: 29 µs
 at 1 row, 384 at 32 on a Zen 4 EPYC, 2 threads). Rounding each group of 32 activations to int8
 lets AVX512-VNNI multiply 64 nibble-byte pairs an instruction and sum them exactly: the same
-projection took 7 and 113 µs. The kernel is C++ of ours, built on a machine's first use (~15 s
-on 2 cores, then cached by torch's extension builder) and reached through the dispatcher, so
-the compiled step's loaded programs call it like any other op.
+projection took 7 and 113 µs. Without VNNI (Skylake-class Xeons) two AVX512-BW instructions
+do the same sums, exactly, so the bits are the same. The kernel is C++ of ours, built on a
+machine's first use (~15 s on 2 cores, then cached by torch's extension builder) and reached
+through the dispatcher, so the compiled step's loaded programs call it like any other op.
 
 The weights keep the file's values: w = scale * q + min per group, scale and min in float16
 (what Q4_0 and Q4_1 blocks hold, so exact there; a Q4_K group's product of its super-block's
-float16 and a 6-bit scale is rounded to float16, 2**-11 relative). Used where the CPU has AVX-512
-with VNNI (Ice Lake and later Xeons, Zen 4 and later EPYCs); elsewhere `Int4Linear` stays.
+float16 and a 6-bit scale is rounded to float16, 2**-11 relative). Used wherever the CPU has
+AVX-512; AVX2 CPUs run int8 rows (linear.py).
 """
 
 from __future__ import annotations
@@ -41,9 +42,16 @@ def _(x, nibbles, scales, mins):
 
 
 def int4_dot_is_available() -> bool:
-    """Whether this CPU has AVX-512 with VNNI and the kernel built (or builds now)."""
-    cpu = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-    return cpu and torch.cpu._is_vnni_supported() and _load_kernel()
+    """Whether this CPU has AVX-512 (BW, VL, DQ) and the kernel built (or builds now)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512") and _load_kernel()
+
+
+def prefill_rows_dense() -> bool:
+    """Whether prefill rows beat the kernel as bfloat16 GEMMs over the weight unpacked for the
+    step (graph_ops.int4_dot_rows): with AMX only. 512 rows of a 3072x576 projection, Zen 4 VM
+    (AVX512_BF16, no AMX): 3.3 ms through the kernel, 4.5 ms as bfloat16 GEMMs before the
+    unpacking; an AMX Xeon multiplied them in 0.9 ms."""
+    return torch.cpu._is_amx_tile_supported()
 
 
 def fits(groups: Int4Groups) -> bool:
@@ -57,13 +65,15 @@ def _load_kernel() -> bool:
 
     # pip's ninja lies beside the interpreter, which need not be on PATH (make calls .venv/bin).
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
+    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf16c", "-mfma"]
+    vnni = torch.cpu._is_vnni_supported()
     _log.info("loading kvmesh::int4_dot (built once per machine, ~15 s)")
     try:
         cpp_extension.load(
-            name="kvmesh_int4_dot",
+            name="kvmesh_int4_dot_vnni" if vnni else "kvmesh_int4_dot",
             sources=[str(_SOURCE)],
-            extra_cflags=[*flags, "-mf16c", "-mfma", "-fopenmp"],  # torch's own libgomp at run
+            # -fopenmp for ATen's parallel_for; at run time it binds to torch's own libgomp.
+            extra_cflags=[*flags, *(["-mavx512vnni"] if vnni else []), "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )

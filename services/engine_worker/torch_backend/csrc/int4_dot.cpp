@@ -1,6 +1,6 @@
 // kvmesh::int4_dot: x (M, K) float32 times 4-bit groups of 32 -> (M, N) float32, as llama.cpp's
 // Q4_1 x Q8_1 dot products compute: each group of 32 activations rounded to int8 by its own
-// scale (max |x| -> 127), nibbles times int8 summed exactly in int32 by AVX512-VNNI, then one
+// scale (max |x| -> 127), nibbles times int8 summed exactly in int32 (AVX512-VNNI), then one
 // float multiply-add per group for its scales. Weights are laid out for 16 output rows per zmm
 // lane set, so a group's 32 inputs for 16 rows are 8 VNNI instructions and no horizontal sums.
 //
@@ -24,6 +24,18 @@ namespace {
 constexpr int kGroup = 32;
 constexpr int kRows = 16;   // output rows a zmm holds
 constexpr int kTile = 4;    // activation rows sharing one pass over the weights
+
+// u8 x s8 products, four to an int32 lane, added to acc: one VNNI instruction; without VNNI
+// (Skylake-class AVX-512) pairs summed to int16, then to int32. Both are exact: a pair is at most
+// 2 * 15 * 127 = 3810, so the two give the same bits.
+inline __m512i dot_add(__m512i acc, __m512i nibbles, __m512i x) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(acc, nibbles, x);
+#else
+  const __m512i pairs = _mm512_maddubs_epi16(nibbles, x);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
 
 // One row: int8 per group, the group's scale, and scale * sum of its int8 values (the mins' term).
 void quantize_row(const float* x, int64_t k, int8_t* q, float* scale, float* scaled_sum) {
@@ -62,8 +74,8 @@ void block(const int8_t* q, const float* scale, const float* scaled_sum, int64_t
         int32_t first, second;
         std::memcpy(&first, x, 4);
         std::memcpy(&second, x + 4, 4);
-        dot[t] = _mm512_dpbusd_epi32(dot[t], lo, _mm512_set1_epi32(first));
-        dot[t] = _mm512_dpbusd_epi32(dot[t], hi, _mm512_set1_epi32(second));
+        dot[t] = dot_add(dot[t], lo, _mm512_set1_epi32(first));
+        dot[t] = dot_add(dot[t], hi, _mm512_set1_epi32(second));
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kRows)));
