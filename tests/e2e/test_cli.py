@@ -55,8 +55,9 @@ def test_generate_file_writes_one_line_per_input_in_order(tmp_path: Path) -> Non
 
 
 def test_generate_prompt_streams_an_answer() -> None:
+    # No near-tie: "What is the capital of France?" starts 0.08 nats from French in float32.
     result = kvmesh(
-        "generate", "What is the capital of France?", "--max-tokens", "20", "--threads", "2"
+        "generate", "Name the capital of France.", "--max-tokens", "20", "--threads", "2"
     )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout

@@ -64,6 +64,15 @@ def test_the_layout_puts_four_inputs_of_each_of_16_rows_in_a_nibble_plane() -> N
     assert not fits(Int4Groups(q[:8], torch.ones(8, 1), torch.zeros(8, 1)))
 
 
+def test_a_non_finite_activation_makes_its_row_nan_and_no_other() -> None:
+    projection = Int4DotLinear(Int4Groups.quantize(torch.randn(32, 64) * 0.05))
+    rows = torch.randn(3, 64)
+    rows[0, 5], rows[2, 40] = float("nan"), float("inf")
+    out = projection(rows)
+    assert out[0].isnan().all() and out[2].isnan().all()
+    assert out[1].isfinite().all()
+
+
 def test_bad_rows_are_refused_with_the_ops_reason() -> None:
     projection = Int4DotLinear(Int4Groups.quantize(torch.randn(16, 64)))
     with pytest.raises(RuntimeError, match="float32"):

@@ -156,7 +156,8 @@ def test_drafts_beside_a_response_format_a_seed_and_an_opt_out(default_engine: E
     }
     fmt = ResponseFormat("json_schema", json.dumps(schema))
     structured = SamplingParams(max_tokens=60, temperature=0.0, response_format=fmt)
-    seeded = SamplingParams(max_tokens=30, temperature=0.3, seed=42)  # copies: drafts match
+    # Cool enough to copy the list (drafts match) whatever the packed kernel's rounding.
+    seeded = SamplingParams(max_tokens=30, temperature=0.1, seed=42)
     plain = run(speculating(default_engine, "off"), [COPY_PROMPT], structured)[0]
     plain_seeded = run(default_engine, [COPY_PROMPT], seeded)[0]
     engine = speculating(default_engine, "ngram", draft_row_cost=0.0)

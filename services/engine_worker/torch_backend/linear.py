@@ -6,7 +6,7 @@ weights keep resident. Which format runs is the manifest's `weights` field.
 `packed` keeps a quantized file's weights as the file holds them wherever this CPU has a fast
 kernel for that form (the measurements per CPU: docs/benchmarks/cpu-engine.md):
 - 4-bit groups (Q4_0, Q4_1, `--quantize int4`) through torch's `_weight_int4pack_mm_for_cpu`
-  on AVX-512 CPUs (with VNNI, our own kernel instead: int4_dot.py), as fast as fbgemm's int8
+  on AVX-512 CPUs (where it builds, our own kernel instead: int4_dot.py), as fast as fbgemm's int8
   GEMM at batch 1 from half the bytes. Without AVX-512 that kernel runs 17x slower than an
   fp32 GEMM, so there 4-bit groups fall back to:
 - int8 per output row through fbgemm (activations quantized on the fly, integer multiply-adds

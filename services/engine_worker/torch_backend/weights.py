@@ -1,6 +1,6 @@
 """The torch backend's weights in the format in force: float32, bfloat16, float16, or packed
-(4-bit groups where the CPU runs them fast: `kvmesh::int4_dot` with AVX512-VNNI, torch's kernel
-with other AVX-512; int8 rows elsewhere).
+(4-bit groups where the CPU runs them fast: `kvmesh::int4_dot` on AVX-512 CPUs, torch's kernel
+where that cannot build; int8 rows elsewhere).
 
 Built from the loaded `ModelWeights` (fused, (in, out) float tensors, which the cupy backend
 uses as they are) one layer at a time, so the float copy of a packed model is never whole in

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -38,11 +39,15 @@ inline __m512i dot_add(__m512i acc, __m512i nibbles, __m512i x) {
 }
 
 // One row: int8 per group, the group's scale, and scale * sum of its int8 values (the mins' term).
+// A NaN or infinity in a group makes its scale non-finite, so the row's outputs are NaN, as a
+// float GEMM's would be (the sampler fails such a row alone).
 void quantize_row(const float* x, int64_t k, int8_t* q, float* scale, float* scaled_sum) {
   for (int64_t g = 0; g < k / kGroup; g++) {
     const __m512 a = _mm512_loadu_ps(x + g * kGroup);
     const __m512 b = _mm512_loadu_ps(x + g * kGroup + 16);
-    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const bool nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+    const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float top = nan ? std::numeric_limits<float>::quiet_NaN() : largest;
     const __m512 inverse = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
     const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));  // nearest, ties even
     const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
