@@ -1,4 +1,4 @@
-"""`kvmesh::int4_dot`: 4-bit groups times int8 activations (AVX512-VNNI), row-exact."""
+"""`kvmesh::int4_dot`: 4-bit groups times int8 activations (AVX-512), row-exact."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from services.engine_worker.torch_backend.int4_dot import (
 )
 from services.engine_worker.torch_backend.linear import dense_prefill_is_fast
 
-pytestmark = pytest.mark.skipif(not int4_dot_is_available(), reason="needs AVX512-VNNI")
+pytestmark = pytest.mark.skipif(not int4_dot_is_available(), reason="needs AVX-512 and a compiler")
 
 
 def test_a_row_is_computed_the_same_whatever_its_batch() -> None:
