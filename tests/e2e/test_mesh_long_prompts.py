@@ -56,6 +56,5 @@ async def test_huge_prompts_are_refused_without_holding_a_normal_chat(mesh: Mesh
             beside.append(results[0])
             reasons += results[1:]
     assert set(reasons) == {"PROMPT_TOO_LONG"}
-    # 0.1 s for the bytes: with the chat's TTFT alone at ~50 ms (Zen 4 VM, 2 cores) the bound
-    # without it was 0.11 s, and a full suite's run saw 0.12.
+    # 0.1 s for the bytes: the chat's TTFT alone (~50 ms on a 2-core Zen 4) leaves 2x no room.
     assert statistics.median(beside) <= 2 * statistics.median(alone) + 0.1, (alone, beside)

@@ -11,8 +11,8 @@ Two graphs, one for steps with prefill rows and one for decode-only steps, serve
 the token count, decode rows, blocks per row and prefill segments are dynamic dimensions, and
 `backed_size_oblivious` keeps sizes 0 and 1 from graphs of their own, so a row is computed by
 the same kernels decoded alone or beside 31 others, a draft or a recompute (row-exact, as
-`step_inputs.flatten` needs; tested). Where the CPU has bfloat16 GEMMs, 4-bit projections run
-prefill rows as bfloat16 GEMMs over the weight dequantized for the step (`kvmesh::int4_rows`).
+`step_inputs.flatten` needs; tested). Where those are faster, 4-bit projections run prefill
+rows as bfloat16 GEMMs over the weight dequantized for the step (graph_projections.py).
 Weights and the KV cache are inputs, not constants: engines of one shape in a process share
 the code. Prefill attention stays eager behind `kvmesh::cache_and_prefill` (SDPA per chunk),
 so prefix-cached prefills keep cold bits. The decode-only graph calls no opaque op: its K/V

@@ -1,10 +1,10 @@
 """4-bit groups times int8 activations, llama.cpp's way: `kvmesh::int4_dot` (csrc/int4_dot.cpp).
 
-torch's 4-bit CPU kernel turns every nibble back into a float and multiplies in float; on an
-AVX-512 CPU without AMX that made the 4-bit GEMMs compute-bound (a 1536x576 projection: 29 µs
-at 1 row, 384 at 32 on a Zen 4 EPYC, 2 threads). Rounding each group of 32 activations to int8
-lets AVX512-VNNI multiply 64 nibble-byte pairs an instruction and sum them exactly: the same
-projection took 7 and 113 µs. Without VNNI (Skylake-class Xeons) two AVX512-BW instructions
+torch's 4-bit CPU kernel turns every nibble back into a float and multiplies in float, which
+made the 4-bit GEMMs compute-bound on AVX-512 CPUs without AMX. Rounding each group of 32
+activations to int8 lets AVX512-VNNI multiply 64 nibble-byte pairs an instruction and sum them
+exactly: the default model's projections ran 1.5x (1 row) to 2.7x (32 rows) faster on a Zen 4
+EPYC (docs/design/cpu-engine.md). Without VNNI (Skylake-class Xeons) two AVX512-BW instructions
 do the same sums, exactly, so the bits are the same. The kernel is C++ of ours, built on a
 machine's first use (~15 s on 2 cores, then cached by torch's extension builder) and reached
 through the dispatcher, so the compiled step's loaded programs call it like any other op.
@@ -48,9 +48,9 @@ def int4_dot_is_available() -> bool:
 
 def prefill_rows_dense() -> bool:
     """Whether prefill rows beat the kernel as bfloat16 GEMMs over the weight unpacked for the
-    step (graph_ops.int4_dot_rows): with AMX only. 512 rows of a 3072x576 projection, Zen 4 VM
-    (AVX512_BF16, no AMX): 3.3 ms through the kernel, 4.5 ms as bfloat16 GEMMs before the
-    unpacking; an AMX Xeon multiplied them in 0.9 ms."""
+    step (graph_ops.int4_dot_rows): with AMX only. Without it bfloat16 GEMMs lost even before
+    the unpacking (Zen 4, AVX512_BF16: 4.5 ms against the kernel's 3.3 for 512 rows of a
+    3072x576 projection)."""
     return torch.cpu._is_amx_tile_supported()
 
 
