@@ -1,7 +1,8 @@
 """One request's spans in the scheduler, and the per-request scheduler metrics.
 
 `scheduler.request` (a child of the gateway's span, from the Submit metadata) lasts from
-arrival to the terminal event. Its children: `queue` (arrival to first scheduled) and `decode`
+arrival to the terminal event. Its children: `queue` (arrival to the start of its first step)
+and `decode`
 (first token to the end: one span with counters, never one per token). Prefill chunks are the
 engine-worker's spans: the step plan carries this span's traceparent for each chunk. Preemption
 and cancellation are events on `scheduler.request`.
@@ -26,12 +27,12 @@ from shared.step import NewRequestPlan, RunningRequestPlan, StepPlan
 tracer = trace.get_tracer("kvmesh.scheduler")
 QUEUE_SECONDS = Histogram(
     "kvmesh_queue_time_seconds",
-    "Arrival at the scheduler to first scheduled",
+    "Arrival at the scheduler to the start of its first step",
     buckets=REQUEST_SECONDS,
 )
 PREFILL_SECONDS = Histogram(
     "kvmesh_prefill_time_seconds",
-    "First scheduled to first token (every prefill chunk)",
+    "Start of its first step to first token (every prefill chunk)",
     buckets=REQUEST_SECONDS,
 )
 CANCELLATIONS = Counter("kvmesh_cancellations", "Requests ended before finishing", ["cause"])
@@ -67,21 +68,29 @@ class RequestTrace:
         self.traceparent = traceparent_of(self.span)  # the worker's prefill spans hang here
         self._parent = trace.set_span_in_context(self.span)
         self._queue: trace.Span | None = tracer.start_span("queue", context=self._parent)
-        self.scheduled_at: float | None = None  # first in a step's plan
+        self.planned = False  # in a step's plan
+        self.scheduled_at: float | None = None  # the first step holding it began on the worker
         self.first_token_at: float | None = None
         self._decode: trace.Span | None = None
         self._decode_steps = 0
         self._decode_batch_total = 0
         self._prefill_chunks = 0
 
-    def scheduled(self, prefill_chunk: bool) -> None:
-        """The request is in a step's plan."""
+    def scheduled(self, prefill_chunk: bool) -> bool:
+        """The request is in a step's plan; True the first time."""
+        first = not self.planned
+        self.planned = True
+        self._prefill_chunks += prefill_chunk
+        return first
+
+    def started(self) -> None:
+        """The first step holding it began on the worker: its queue ends. Planned ahead, that
+        is when the step in flight before it came back, not when it was planned."""
         if self._queue is not None:
             self.scheduled_at = time.monotonic()
             QUEUE_SECONDS.observe(self.scheduled_at - self.arrival, exemplar(self.trace_id))
             self._queue.end()
             self._queue = None
-        self._prefill_chunks += prefill_chunk
 
     def decode_step(self, batch_size: int) -> None:
         self._decode_steps += 1
@@ -133,9 +142,11 @@ def trace_plan(
     plan_pb: engine_worker_pb2.StepPlan,
     requests: Mapping[str, Request],
     trace_of: Callable[[str], RequestTrace | None],
-) -> None:
+) -> list[RequestTrace]:
     """First scheduling, decode steps and preemptions into each request's trace; prefill
-    chunks of traced requests into the plan, for the worker to record as spans."""
+    chunks of traced requests into the plan, for the worker to record as spans. Returns the
+    traces this plan schedules for the first time, to be `started()` with the step."""
+    first_scheduled: list[RequestTrace] = []
     for request_id in plan.finished_request_ids:
         trace = trace_of(request_id)
         if trace is not None and request_id in requests:  # preempted, not done
@@ -154,7 +165,8 @@ def trace_plan(
         # step planned ahead will sample count as known).
         known = request.num_tokens + request.num_pending_tokens
         prefill = known == request.prompt_len or request.num_computed_tokens < known - 1
-        trace.scheduled(prefill)
+        if trace.scheduled(prefill):
+            first_scheduled.append(trace)
         if not prefill:
             trace.decode_step(batch_size)
         elif trace.traceparent:
@@ -165,6 +177,12 @@ def trace_plan(
                 cached_tokens=request.num_cached_tokens,
                 start_position=request.num_computed_tokens,
             )
+    return first_scheduled
+
+
+def start_traces(traces: Sequence[RequestTrace]) -> None:
+    for request in traces:
+        request.started()
 
 
 def terminal_outcome(terminal: scheduler_pb2.SubmitEvent) -> tuple[str, str]:

@@ -13,12 +13,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 from services.scheduler.queue_estimate import QueueTimeEstimator
-from services.scheduler.request_trace import RequestTrace, terminal_outcome, trace_plan
+from services.scheduler.request_trace import (
+    RequestTrace,
+    start_traces,
+    terminal_outcome,
+    trace_plan,
+)
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.step_limits import check_step_limits
 from services.scheduler.step_pipeline import StepPipeline, plans_ahead
@@ -143,8 +149,8 @@ class StepLoop:
                         await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
                 continue
             plan_pb = plan_to_pb(plan)
-            trace_plan(plan, plan_pb, scheduler.requests, self._trace_of)
-            await pipeline.send(plan, plan_pb)
+            first_scheduled = trace_plan(plan, plan_pb, scheduler.requests, self._trace_of)
+            await pipeline.send(plan, plan_pb, functools.partial(start_traces, first_scheduled))
             await pipeline.after_send()
 
     def _settled(
@@ -279,7 +285,7 @@ class StepLoop:
         tracked = self.tracked.get(request_id)
         if tracked is None or self.scheduler is None:
             return
-        started = tracked.trace.scheduled_at is not None
+        started = tracked.trace.planned
         if not self.abort(request_id):
             return
         tracked.trace.cancelled("deadline")

@@ -47,11 +47,25 @@ class StepPipeline:
         self.ahead = ahead
         self.settled = settled  # the outputs of a step whose result came back
         self.sent: collections.deque[StepPlan] = collections.deque()  # results not read yet
+        # step_id -> what to call when that step begins on the worker (sent behind another)
+        self._on_start: dict[int, Callable[[], None]] = {}
 
-    async def send(self, plan: StepPlan, plan_pb: engine_worker_pb2.StepPlan) -> None:
+    async def send(
+        self,
+        plan: StepPlan,
+        plan_pb: engine_worker_pb2.StepPlan,
+        on_start: Callable[[], None] | None = None,
+    ) -> None:
+        """on_start: called when the worker begins this step: now, or when the step in
+        flight before it comes back."""
         if self.ahead:
             self.scheduler.assume(plan)
         await self.link.send(plan_pb)
+        if on_start is not None:
+            if self.sent:
+                self._on_start[plan.step_id] = on_start
+            else:
+                on_start()
         self.sent.append(plan)
 
     async def settle_oldest(self) -> None:
@@ -59,6 +73,8 @@ class StepPipeline:
         result = await self.link.receive()
         if result.step_id != plan.step_id:
             raise RuntimeError(f"step {plan.step_id}'s result came back as {result.step_id}'s")
+        if self.sent and (on_start := self._on_start.pop(self.sent[0].step_id, None)):
+            on_start()
         self.settled(self.scheduler.update(plan, result_from_pb(result)), result, plan)
 
     async def after_send(self) -> None:

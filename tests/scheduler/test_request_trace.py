@@ -1,9 +1,12 @@
 """A request's scheduler spans over a real scheduling run with preemption: one request span,
 one queue span, one decode span each; preemptions as events; every prompt token's prefill
-chunk sent to the worker for its span."""
+chunk sent to the worker for its span. Planned ahead, a request's queue lasts until its step
+begins on the worker."""
 
 from __future__ import annotations
 
+import collections
+import functools
 import time
 
 import pytest
@@ -13,8 +16,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from services.scheduler import request_trace
 from services.scheduler.request_trace import RequestTrace, trace_plan
-from shared.codec import plan_to_pb
+from services.scheduler.step_pipeline import StepPipeline
+from shared.codec import plan_from_pb, plan_to_pb, result_to_pb
 from shared.outputs import finish_reason_label
+from shared.pb.kvmesh.v1 import engine_worker_pb2
 from shared.sampling import SamplingParams
 from tests.scheduler.fake_worker import FakeWorker
 from tests.scheduler.helpers import make_scheduler
@@ -42,7 +47,8 @@ def test_spans_events_and_prefill_chunks_of_a_run_with_preemption(
             break
         plan = scheduler.schedule()
         plan_pb = plan_to_pb(plan)
-        trace_plan(plan, plan_pb, scheduler.requests, traces.get)
+        for trace in trace_plan(plan, plan_pb, scheduler.requests, traces.get):
+            trace.started()  # lock-step: the step begins as it is sent
         for chunk in plan_pb.prefill_traces:
             assert chunk.traceparent == traces[chunk.request_id].traceparent
             chunk_tokens[chunk.request_id] = chunk_tokens.get(chunk.request_id, 0)
@@ -74,3 +80,53 @@ def test_spans_events_and_prefill_chunks_of_a_run_with_preemption(
     for span in spans:
         if span.name != "scheduler.request":
             assert span.parent is not None  # queue and decode hang under their request
+
+
+class WorkerInOrder:
+    """The WorkerLink's two calls: plans run one after another, in the order sent."""
+
+    def __init__(self, worker: FakeWorker, log: list[tuple[str, int]]) -> None:
+        self.worker, self.log = worker, log
+        self.sent: collections.deque[engine_worker_pb2.StepPlan] = collections.deque()
+
+    async def send(self, plan_pb: engine_worker_pb2.StepPlan) -> None:
+        self.sent.append(plan_pb)
+
+    async def receive(self) -> engine_worker_pb2.StepResult:
+        plan_pb = self.sent.popleft()
+        self.log.append(("result", plan_pb.step_id))
+        return result_to_pb(self.worker.execute(plan_from_pb(plan_pb)))
+
+
+async def test_a_step_planned_ahead_starts_when_the_step_before_it_comes_back() -> None:
+    scheduler = make_scheduler(budget=8, chunk=8)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    traces = {}
+    for index in range(3):  # one prompt of 8 a step: each waits behind the one before
+        scheduler.add_request(f"r{index}", [index + 1] * 8, params)
+        traces[f"r{index}"] = RequestTrace(None, f"r{index}", 8, "tenant")
+    log: list[tuple[str, int]] = []
+    link = WorkerInOrder(FakeWorker(4), log)
+    pipeline = StepPipeline(link, scheduler, True, lambda *_: None)  # type: ignore[arg-type]
+
+    def starts(first: list[RequestTrace], step_id: int) -> None:
+        log.append(("start", step_id))
+        for trace in first:
+            trace.started()
+
+    while scheduler.has_unfinished() or pipeline.sent:
+        plan = scheduler.schedule()
+        if plan.num_scheduled_tokens == 0:
+            await pipeline.settle_oldest()
+            continue
+        first = trace_plan(plan, plan_to_pb(plan), scheduler.requests, traces.get)
+        await pipeline.send(plan, plan_to_pb(plan), functools.partial(starts, first, plan.step_id))
+        await pipeline.after_send()
+
+    starts_at = {step: index for index, (kind, step) in enumerate(log) if kind == "start"}
+    results_at = {step: index for index, (kind, step) in enumerate(log) if kind == "result"}
+    assert len(starts_at) == len(results_at) >= 3
+    for step, index in starts_at.items():
+        if step - 1 in results_at:  # planned while the step before was in flight
+            assert results_at[step - 1] < index, log
+    assert all(trace.scheduled_at is not None for trace in traces.values())
