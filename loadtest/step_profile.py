@@ -20,7 +20,7 @@ from kvmesh.engine import Engine
 from shared.config import WEIGHT_FORMATS, CacheConfig, EngineConfig
 from shared.sampling import SamplingParams
 
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "quantized::")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "quantized::", "kvmesh::")
 
 
 def steady_engine(args: argparse.Namespace) -> Engine:

@@ -14,6 +14,7 @@ from services.engine_worker.config import build_parser, engine_config
 from services.engine_worker.torch_backend import graph_ops  # noqa: F401 (kvmesh:: ops)
 from services.engine_worker.torch_backend import weights as torch_weights
 from services.engine_worker.torch_backend.int4_dot import Int4DotLinear, int4_dot_is_available
+from services.engine_worker.torch_backend.int8_dot import Int8DotLinear, int8_dot_is_available
 from services.engine_worker.torch_backend.linear import (
     Int4Linear,
     Int8Linear,
@@ -154,8 +155,9 @@ def test_a_q4_file_runs_its_projections_as_int4_and_is_packed_by_default(
     layer = engine.worker.runner.model.weights.layers[0]
     kind = Int4DotLinear if int4_dot_is_available() else Int4Linear
     assert all(isinstance(p, kind) for p in (layer.qkv, layer.o_proj, layer.gate_up))
-    # A Q8_0 head has no 4-bit groups: int8 rows.
-    assert isinstance(engine.worker.runner.model.weights.lm_head, Int8Linear)
+    # A Q8_0 head has no 4-bit groups: int8 rows (through our kernel where there is VNNI).
+    head_kind = Int8DotLinear if int8_dot_is_available() else Int8Linear
+    assert isinstance(engine.worker.runner.model.weights.lm_head, head_kind)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     assert len(engine.generate([[5, 9, 200, 17]], params)[0].token_ids) == 6
 
@@ -206,8 +208,9 @@ def test_a_prefill_over_cached_blocks_gives_a_cold_prefills_bits(
         pytest.skip("torch's int4 CPU kernel is vectorized for AVX-512 only")
     if kernel != "int4_dot":
         monkeypatch.setattr(torch_weights, "int4_dot_is_available", lambda: False)
-    if kernel == "int8":
+    if kernel == "int8":  # an AVX2 CPU's: fbgemm's int8 rows, the head too
         monkeypatch.setattr(torch_weights, "int4_kernel_is_fast", lambda: False)
+        monkeypatch.setattr(torch_weights, "int8_dot_is_available", lambda: False)
     engine = Engine(EngineConfig(cache=CacheConfig(kv_memory_bytes=64 << 20)))
     assert engine.manifest["weights"] == "packed"
     layer = engine.worker.runner.model.weights.layers[0]

@@ -7,7 +7,7 @@ exactly: the default model's projections ran 1.5x (1 row) to 2.7x (32 rows) fast
 EPYC (docs/design/cpu-engine.md). Without VNNI (Skylake-class Xeons) two AVX512-BW instructions
 do the same sums, exactly, so the bits are the same. The kernel is C++ of ours, built on a
 machine's first use (~15 s on 2 cores, then cached by torch's extension builder) and reached
-through the dispatcher, so the compiled step's loaded programs call it like any other op.
+through the dispatcher (dot_kernels.py), so the compiled step's loaded programs call it.
 
 The weights keep the file's values: w = scale * q + min per group, scale and min in float16
 (what Q4_0 and Q4_1 blocks hold, so exact there; a Q4_K group's product of its super-block's
@@ -17,33 +17,19 @@ AVX-512; AVX2 CPUs run int8 rows (linear.py).
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import torch
 
 from services.engine_worker.artifacts.int4_groups import GROUP, Int4Groups
-
-_log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "int4_dot.cpp"
-ROWS_PER_BLOCK = 16  # output rows one zmm register holds
-
-_OPS = torch.library.Library("kvmesh", "FRAGMENT")
-_OPS.define("int4_dot(Tensor x, Tensor nibbles, Tensor scales, Tensor mins) -> Tensor")
-
-
-@torch.library.register_fake("kvmesh::int4_dot")
-def _(x, nibbles, scales, mins):
-    return x.new_empty((x.shape[0], nibbles.shape[0] * ROWS_PER_BLOCK))
+from services.engine_worker.torch_backend.dot_kernels import (
+    ROWS_PER_BLOCK,
+    dot_kernels_are_available,
+    load_dot_kernels,
+)
 
 
 def int4_dot_is_available() -> bool:
     """Whether this CPU has AVX-512 (BW, VL, DQ) and the kernel built (or builds now)."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512") and _load_kernel()
+    return dot_kernels_are_available()
 
 
 def prefill_rows_dense() -> bool:
@@ -57,30 +43,6 @@ def prefill_rows_dense() -> bool:
 def fits(groups: Int4Groups) -> bool:
     rows, cols = groups.shape
     return rows % ROWS_PER_BLOCK == 0 and cols % GROUP == 0
-
-
-@functools.cache
-def _load_kernel() -> bool:
-    from torch.utils import cpp_extension
-
-    # pip's ninja lies beside the interpreter, which need not be on PATH (make calls .venv/bin).
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf16c", "-mfma"]
-    vnni = torch.cpu._is_vnni_supported()
-    _log.info("loading kvmesh::int4_dot (built once per machine, ~15 s)")
-    try:
-        cpp_extension.load(
-            name="kvmesh_int4_dot_vnni" if vnni else "kvmesh_int4_dot",
-            sources=[str(_SOURCE)],
-            # -fopenmp for ATen's parallel_for; at run time it binds to torch's own libgomp.
-            extra_cflags=[*flags, *(["-mavx512vnni"] if vnni else []), "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
-        _log.warning("kvmesh::int4_dot did not build (%s); 4-bit groups use torch's kernel", error)
-        return False
-    return True
 
 
 class Int4DotLinear:
@@ -101,7 +63,7 @@ class Int4DotLinear:
         bias: torch.Tensor | None,
     ) -> Int4DotLinear:
         """From the tensors a prepared model saved."""
-        if not _load_kernel():
+        if not load_dot_kernels():
             raise RuntimeError("these weights need kvmesh::int4_dot, which did not build here")
         linear = cls.__new__(cls)
         linear.nibbles, linear.scales, linear.mins, linear.bias = nibbles, scales, mins, bias

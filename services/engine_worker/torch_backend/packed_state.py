@@ -3,8 +3,9 @@
 Two torch files, each loaded with `mmap=True`: the 4-bit projections' parts (in either kernel's
 layout: the artifact's key pins the CPU that chose it), loaded in inference mode because
 `Int4Linear` makes them there (the compiled step's guards see the difference), and everything
-else. An int8 projection is stored as its int8 rows and scales: fbgemm's packed form
-is an opaque object, prepacked again at load (the default model's head: ~0.2 s).
+else. An int8 projection is stored as its int8 rows and scales (in `kvmesh::int8_dot`'s layout
+where that runs): fbgemm's packed form is an opaque object, prepacked again at load (the
+default model's head: ~0.2 s).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from services.engine_worker.torch_backend.int4_dot import Int4DotLinear
+from services.engine_worker.torch_backend.int8_dot import Int8DotLinear
 from services.engine_worker.torch_backend.linear import Int4Linear, Int8Linear, Projection
 from services.engine_worker.torch_backend.weights import Int8Embedding, TorchLayer, TorchWeights
 
@@ -52,6 +54,11 @@ def _put(
         int4[f"{key}.scale_zero"] = projection._scale_zero
         if projection.dense_parts is not None:
             int4[f"{key}.scale"], int4[f"{key}.zero"] = projection.dense_parts
+    elif isinstance(projection, Int8DotLinear):
+        other[f"{key}.int8_dot"], other[f"{key}.row_scale"] = (
+            projection.weights,
+            projection.row_scales,
+        )
     elif isinstance(projection, Int8Linear):
         other[f"{key}.rows"], other[f"{key}.row_scale"] = projection.rows_and_scales
     else:
@@ -74,6 +81,8 @@ def load_packed(directory: str, num_layers: int) -> TorchWeights:
             return Int4Linear.from_parts(
                 int4[f"{key}.packed"], int4[f"{key}.scale_zero"], dense, other.get(f"{key}.bias")
             )
+        if f"{key}.int8_dot" in other:
+            return Int8DotLinear.from_parts(other[f"{key}.int8_dot"], other[f"{key}.row_scale"])
         return Int8Linear.from_rows(
             other[f"{key}.rows"], other[f"{key}.row_scale"], other.get(f"{key}.bias")
         )

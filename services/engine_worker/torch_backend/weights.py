@@ -1,6 +1,6 @@
 """The torch backend's weights in the format in force: float32, bfloat16, float16, or packed
 (4-bit groups where the CPU runs them fast: `kvmesh::int4_dot` on AVX-512 CPUs, torch's kernel
-where that cannot build; int8 rows elsewhere).
+where that cannot build; int8 rows elsewhere; the head int8 rows, `kvmesh::int8_dot` with VNNI).
 
 Built from the loaded `ModelWeights` (fused, (in, out) float tensors, which the cupy backend
 uses as they are) one layer at a time, so the float copy of a packed model is never whole in
@@ -24,6 +24,8 @@ from services.engine_worker.torch_backend.int4_dot import (
     fits,
     int4_dot_is_available,
 )
+from services.engine_worker.torch_backend.int8_dot import Int8DotLinear, int8_dot_is_available
+from services.engine_worker.torch_backend.int8_dot import fits as int8_dot_fits
 from services.engine_worker.torch_backend.linear import (
     DenseLinear,
     Int4Linear,
@@ -74,6 +76,14 @@ def int4_source(artifact: ModelArtifact, quantize: str | None) -> Int4Source | N
         return Int4Groups.cat(present) if len(present) == len(parts) else None
 
     return files_groups
+
+
+def packed_head(weight: torch.Tensor) -> Int8Linear | Int8DotLinear:
+    """(vocab, hidden) float -> int8 rows: through our kernel where it runs (VNNI), else fbgemm."""
+    vocab, hidden = weight.shape
+    if int8_dot_is_available() and int8_dot_fits(vocab, hidden):
+        return Int8DotLinear(*quantize_rows(weight))
+    return Int8Linear(weight)
 
 
 class DenseEmbedding:
@@ -204,7 +214,7 @@ class TorchWeights:
         lm_head: Projection
         if fmt == "packed":
             embed = Int8Embedding(weights.embed)
-            lm_head = Int8Linear(weights.lm_head.t())
+            lm_head = packed_head(weights.lm_head.t())
         else:
             table = weights.embed.to(dtype)
             embed = DenseEmbedding(table)

@@ -38,9 +38,13 @@ inline __m512i dot_add(__m512i acc, __m512i nibbles, __m512i x) {
 #endif
 }
 
+}  // namespace
+
+namespace kvmesh_dot {
+
 // One row: int8 per group, the group's scale, and scale * sum of its int8 values (the mins' term).
 // A NaN or infinity in a group makes its scale non-finite, so the row's outputs are NaN, as a
-// float GEMM's would be (the sampler fails such a row alone).
+// float GEMM's would be (the sampler fails such a row alone). int8_dot.cpp rounds rows with it too.
 void quantize_row(const float* x, int64_t k, int8_t* q, float* scale, float* scaled_sum) {
   for (int64_t g = 0; g < k / kGroup; g++) {
     const __m512 a = _mm512_loadu_ps(x + g * kGroup);
@@ -57,6 +61,12 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* scale, float* sca
     scaled_sum[g] = scale[g] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
   }
 }
+
+}  // namespace kvmesh_dot
+
+namespace {
+
+using kvmesh_dot::quantize_row;
 
 // `T` activation rows times one block of 16 output rows.
 template <int T>

@@ -1,0 +1,66 @@
+"""Our C++ CPU kernels (csrc/): `kvmesh::int4_dot` and `kvmesh::int8_dot`, integer dot
+products over activations rounded to int8 per group of 32, llama.cpp's scheme.
+
+Built together into one library on a machine's first use (~15 s on 2 cores, then cached by
+torch's extension builder) and registered with the dispatcher, so the compiled step's loaded
+programs call them like any other op. The op schemas live here, so a program can be loaded (and
+a fake tensor traced) before the library is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+_log = logging.getLogger(__name__)
+_SOURCES = [str(Path(__file__).parent / "csrc" / name) for name in ("int4_dot.cpp", "int8_dot.cpp")]
+ROWS_PER_BLOCK = 16  # output rows one zmm register holds
+
+_OPS = torch.library.Library("kvmesh", "FRAGMENT")
+_OPS.define("int4_dot(Tensor x, Tensor nibbles, Tensor scales, Tensor mins) -> Tensor")
+_OPS.define("int8_dot(Tensor x, Tensor weights, Tensor row_scales) -> Tensor")
+
+
+@torch.library.register_fake("kvmesh::int4_dot")
+def _(x, nibbles, scales, mins):
+    return x.new_empty((x.shape[0], nibbles.shape[0] * ROWS_PER_BLOCK))
+
+
+@torch.library.register_fake("kvmesh::int8_dot")
+def _(x, weights, row_scales):
+    return x.new_empty((x.shape[0], weights.shape[0] * ROWS_PER_BLOCK))
+
+
+def dot_kernels_are_available() -> bool:
+    """Whether this CPU has AVX-512 (BW, VL, DQ) and the kernels built (or build now)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512") and load_dot_kernels()
+
+
+@functools.cache
+def load_dot_kernels() -> bool:
+    from torch.utils import cpp_extension
+
+    # pip's ninja lies beside the interpreter, which need not be on PATH (make calls .venv/bin).
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf16c", "-mfma"]
+    vnni = torch.cpu._is_vnni_supported()
+    _log.info("loading kvmesh's dot-product kernels (built once per machine, ~15 s)")
+    try:
+        cpp_extension.load(
+            name="kvmesh_dot_kernels_vnni" if vnni else "kvmesh_dot_kernels",
+            sources=_SOURCES,
+            # -fopenmp for ATen's parallel_for; at run time it binds to torch's own libgomp.
+            extra_cflags=[*flags, *(["-mavx512vnni"] if vnni else []), "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
+        _log.warning("kvmesh's dot-product kernels did not build (%s); torch's run instead", error)
+        return False
+    return True
