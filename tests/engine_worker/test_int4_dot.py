@@ -1,12 +1,19 @@
-"""`kvmesh::int4_dot`: 4-bit groups times int8 activations (AVX-512), row-exact."""
+"""`kvmesh::int4_dot`: 4-bit groups times int8 activations (AVX-512 or AVX2), row-exact, the
+same bits from either build."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from services.engine_worker.artifacts.int4_groups import Int4Groups
 from services.engine_worker.torch_backend import graph_ops
+from services.engine_worker.torch_backend.dot_kernels import has_avx512
 from services.engine_worker.torch_backend.int4_dot import (
     Int4DotLinear,
     fits,
@@ -15,7 +22,9 @@ from services.engine_worker.torch_backend.int4_dot import (
 )
 from services.engine_worker.torch_backend.linear import dense_prefill_is_fast
 
-pytestmark = pytest.mark.skipif(not int4_dot_is_available(), reason="needs AVX-512 and a compiler")
+pytestmark = pytest.mark.skipif(
+    not int4_dot_is_available(), reason="needs AVX-512 or AVX2, and a compiler"
+)
 
 
 def test_a_row_is_computed_the_same_whatever_its_batch() -> None:
@@ -30,6 +39,36 @@ def test_a_row_is_computed_the_same_whatever_its_batch() -> None:
     assert torch.equal(together, alone)
     for start, count in ((5, 2), (6, 3), (13, 8), (0, 33)):
         assert torch.equal(projection(rows[start : start + count]), together[start : start + count])
+
+
+AVX2_RUN = """
+import sys, torch
+from services.engine_worker.artifacts.int4_groups import Int4Groups
+from services.engine_worker.torch_backend.int4_dot import Int4DotLinear, int4_dot_is_available
+assert torch.backends.cpu.get_cpu_capability() == "AVX2" and int4_dot_is_available()
+projection = Int4DotLinear(Int4Groups.quantize(torch.load(sys.argv[1])), None)
+torch.save(projection(torch.load(sys.argv[2])), sys.argv[3])
+"""
+
+
+@pytest.mark.skipif(not has_avx512(), reason="compares the AVX2 build with the AVX-512 one")
+def test_the_avx2_build_gives_the_avx512_builds_bits(tmp_path: Path) -> None:
+    """An AVX2 CPU's build (8 rows to a register, pair sums in int16) against this one's, the
+    rows of a prefill and a decode, a NaN among them: the same bits."""
+    torch.manual_seed(4)
+    weight, rows = torch.randn(3072, 576) * 0.05, torch.randn(67, 576)
+    rows[1] *= 1000
+    rows[9, 100] = float("nan")
+    paths = [tmp_path / name for name in ("weight.pt", "rows.pt", "out.pt")]
+    torch.save(weight, paths[0])
+    torch.save(rows, paths[1])
+    environment = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    command = [sys.executable, "-c", AVX2_RUN, *map(str, paths)]
+    subprocess.run(command, env=environment, check=True, timeout=300)
+    avx2 = torch.load(paths[2])
+    here = Int4DotLinear(Int4Groups.quantize(weight))(rows)
+    assert avx2[9].isnan().all() and here[9].isnan().all()
+    assert torch.equal(avx2.nan_to_num(), here.nan_to_num())
 
 
 def test_it_computes_its_dequantized_weight() -> None:

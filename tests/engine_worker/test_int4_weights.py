@@ -144,7 +144,9 @@ def test_a_dense_prefill_row_is_computed_the_same_whatever_its_batch() -> None:
     assert torch.equal(int4_rows(rows[:64], 64), projection.product(rows[:64], packed, scale_zero))
 
 
-@needs_int4_kernel
+@pytest.mark.skipif(
+    not (int4_kernel_is_fast() or int4_dot_is_available()), reason="no fast 4-bit kernel here"
+)
 def test_a_q4_file_runs_its_projections_as_int4_and_is_packed_by_default(
     q4_files: dict[str, Path],
 ) -> None:
@@ -162,18 +164,25 @@ def test_a_q4_file_runs_its_projections_as_int4_and_is_packed_by_default(
     assert len(engine.generate([[5, 9, 200, 17]], params)[0].token_ids) == 6
 
 
-def test_without_a_fast_int4_kernel_packed_runs_int8_rows(
-    q4_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("ours", [True, False])
+def test_without_torchs_fast_int4_kernel_packed_runs_ours_or_int8_rows(
+    ours: bool, q4_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What an AVX2 CPU does: torch's int4 kernel is not vectorized there (17x slower than an
-    fp32 GEMM, measured on Zen 1), so a Q4 file's packed projections are int8 rows."""
+    fp32 GEMM, measured on Zen 1), so a Q4 file's packed projections run `kvmesh::int4_dot`
+    (its AVX2 build), or int8 rows where that did not build."""
+    if ours and not int4_dot_is_available():
+        pytest.skip("kvmesh::int4_dot did not build here")
     monkeypatch.setattr(torch_weights, "int4_kernel_is_fast", lambda: False)
+    if not ours:
+        monkeypatch.setattr(torch_weights, "int4_dot_is_available", lambda: False)
     engine = Engine(
         EngineConfig(model=str(q4_files["Q4_0"]), cache=CacheConfig(kv_memory_bytes=8 << 20))
     )
     assert engine.manifest["weights"] == "packed"
     layer = engine.worker.runner.model.weights.layers[0]
-    assert all(isinstance(p, Int8Linear) for p in (layer.qkv, layer.o_proj, layer.down))
+    kind = Int4DotLinear if ours else Int8Linear
+    assert all(isinstance(p, kind) for p in (layer.qkv, layer.o_proj, layer.down))
 
 
 def test_quantize_int4_is_a_flag_the_engine_takes() -> None:

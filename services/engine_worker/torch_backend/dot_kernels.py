@@ -37,9 +37,27 @@ def _(x, weights, row_scales):
     return x.new_empty((x.shape[0], weights.shape[0] * ROWS_PER_BLOCK))
 
 
+def has_avx512() -> bool:
+    """AVX-512 (F, BW, VL, DQ), as torch's own kernels see the CPU (ATEN_CPU_CAPABILITY=avx2
+    makes an AVX-512 machine run the AVX2 builds, ours included)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 def dot_kernels_are_available() -> bool:
-    """Whether this CPU has AVX-512 (BW, VL, DQ) and the kernels built (or build now)."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512") and load_dot_kernels()
+    """Whether this CPU has AVX-512 or AVX2 and the kernels built (or build now)."""
+    isa = has_avx512() or torch.backends.cpu.get_cpu_capability() == "AVX2"
+    return isa and load_dot_kernels()
+
+
+def _build() -> tuple[str, list[str]]:
+    """The library's name and ISA flags on this CPU: AVX-512 (with VNNI where present), or
+    AVX2, where int4_dot runs 8 rows to a register with the same bits and int8_dot is absent."""
+    if not has_avx512():
+        return "kvmesh_dot_kernels_avx2", ["-mavx2", "-mf16c", "-mfma"]
+    flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf16c", "-mfma"]
+    if torch.cpu._is_vnni_supported():
+        return "kvmesh_dot_kernels_vnni", [*flags, "-mavx512vnni"]
+    return "kvmesh_dot_kernels", flags
 
 
 @functools.cache
@@ -48,15 +66,14 @@ def load_dot_kernels() -> bool:
 
     # pip's ninja lies beside the interpreter, which need not be on PATH (make calls .venv/bin).
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf16c", "-mfma"]
-    vnni = torch.cpu._is_vnni_supported()
+    name, flags = _build()
     _log.info("loading kvmesh's dot-product kernels (built once per machine, ~15 s)")
     try:
         cpp_extension.load(
-            name="kvmesh_dot_kernels_vnni" if vnni else "kvmesh_dot_kernels",
+            name=name,
             sources=_SOURCES,
             # -fopenmp for ATen's parallel_for; at run time it binds to torch's own libgomp.
-            extra_cflags=[*flags, *(["-mavx512vnni"] if vnni else []), "-fopenmp"],
+            extra_cflags=["-O3", *flags, "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )

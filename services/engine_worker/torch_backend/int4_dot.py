@@ -12,7 +12,9 @@ through the dispatcher (dot_kernels.py), so the compiled step's loaded programs 
 The weights keep the file's values: w = scale * q + min per group, scale and min in float16
 (what Q4_0 and Q4_1 blocks hold, so exact there; a Q4_K group's product of its super-block's
 float16 and a 6-bit scale is rounded to float16, 2**-11 relative). Used wherever the CPU has
-AVX-512; AVX2 CPUs run int8 rows (linear.py).
+AVX-512 or AVX2: built for AVX2, the same layout runs 8 rows to a register with the AVX-512
+build's bits, where torch's 4-bit kernel is not vectorized (17x an fp32 GEMM, Zen 1) and packed
+meant int8 rows.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from services.engine_worker.torch_backend.dot_kernels import (
 
 
 def int4_dot_is_available() -> bool:
-    """Whether this CPU has AVX-512 (BW, VL, DQ) and the kernel built (or builds now)."""
+    """Whether this CPU has AVX-512 (BW, VL, DQ) or AVX2 and the kernel built (or builds now)."""
     return dot_kernels_are_available()
 
 

@@ -17,13 +17,14 @@ from services.engine_worker.artifacts.int4_groups import GROUP
 from services.engine_worker.torch_backend.dot_kernels import (
     ROWS_PER_BLOCK,
     dot_kernels_are_available,
+    has_avx512,
     load_dot_kernels,
 )
 
 
 def int8_dot_is_available() -> bool:
     """Whether the kernel runs here: AVX-512 with VNNI, and it built."""
-    return torch.cpu._is_vnni_supported() and dot_kernels_are_available()
+    return has_avx512() and torch.cpu._is_vnni_supported() and dot_kernels_are_available()
 
 
 def fits(out_features: int, in_features: int) -> bool:

@@ -1,6 +1,7 @@
 """The torch backend's weights in the format in force: float32, bfloat16, float16, or packed
-(4-bit groups where the CPU runs them fast: `kvmesh::int4_dot` on AVX-512 CPUs, torch's kernel
-where that cannot build; int8 rows elsewhere; the head int8 rows, `kvmesh::int8_dot` with VNNI).
+(4-bit groups where the CPU runs them fast: `kvmesh::int4_dot` on AVX-512 and AVX2 CPUs, torch's
+kernel on AVX-512 where ours cannot build; int8 rows elsewhere; the head int8 rows,
+`kvmesh::int8_dot` with AVX512-VNNI).
 
 Built from the loaded `ModelWeights` (fused, (in, out) float tensors, which the cupy backend
 uses as they are) one layer at a time, so the float copy of a packed model is never whole in
@@ -64,8 +65,9 @@ def resolve_weight_format(requested: str, quantize: str | None, quantization: st
 def int4_source(artifact: ModelArtifact, quantize: str | None) -> Int4Source | None:
     """Where packed projections get 4-bit groups: `--quantize int4` quantizes each projection's
     float weight at load; otherwise a GGUF's Q4_0/Q4_1/Q4_K tensors bring their own (`--quantize
-    int8` asks for int8 rows throughout). None where this CPU has no fast 4-bit kernel."""
-    if not int4_kernel_is_fast() or quantize == "int8":
+    int8` asks for int8 rows throughout). None where this CPU has no fast 4-bit kernel (neither
+    ours, AVX-512 or AVX2, nor torch's, AVX-512)."""
+    if not (int4_dot_is_available() or int4_kernel_is_fast()) or quantize == "int8":
         return None
     if quantize == "int4":  # rows are independent: the fused weight quantizes as its parts
         return lambda names, weight: Int4Groups.quantize(weight)
@@ -187,7 +189,7 @@ class TorchWeights:
                 groups = int4(names, weight) if int4 is not None else None
                 if groups is not None and int4_dot_is_available() and fits(groups):
                     return Int4DotLinear(groups, bias)
-                if groups is not None:
+                if groups is not None and int4_kernel_is_fast():
                     return Int4Linear(groups, bias)
                 return Int8Linear(weight, bias)
             return DenseLinear(weight.to(dtype).contiguous(), bias)
