@@ -3,11 +3,11 @@
 Inductor keeps what it compiles in TORCHINDUCTOR_CACHE_DIR, by default under the system's
 temporary folder: gone after a reboot and absent from every new container or pod, so each of
 them paid the cold compile (the default model's warm-up on a 2-core machine: 147.5 s cold,
-18.4 s from the cache). kvmesh points it at `$KVMESH_CACHE_DIR/inductor` (default
-`~/.cache/kvmesh`) unless TORCHINDUCTOR_CACHE_DIR is set, and a worker warming up a compiled
-model holds an exclusive lock per model and format meanwhile: a second worker started beside it
-waits, then loads what the first compiled instead of compiling it again. Inductor's counters
-say how many graphs came from the cache; the manifest records them.
+18.4 s from the cache). kvmesh points it at `$KVMESH_CACHE_DIR/inductor/<CPU capability>`
+(default `~/.cache/kvmesh`) unless TORCHINDUCTOR_CACHE_DIR is set, and a worker warming up a
+compiled model holds an exclusive lock per model and format meanwhile: a second worker started
+beside it waits, then loads what the first compiled instead of compiling it again. Inductor's
+counters say how many graphs came from the cache; the manifest records them.
 """
 
 from __future__ import annotations
@@ -57,9 +57,18 @@ def point_inductor_at_our_folder() -> Path:
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
-        current = str(cache_root() / "inductor")
+        current = str(inductor_folder())
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = current
     return Path(current)
+
+
+def inductor_folder() -> Path:
+    """kvmesh's Inductor folder, one per CPU capability torch runs with: Inductor's cache keys
+    leave it out, and a run as AVX2 (ATEN_CPU_CAPABILITY=avx2) on an AVX-512 machine crashed
+    in graphs an AVX-512 run had cached."""
+    import torch
+
+    return cache_root() / "inductor" / torch.backends.cpu.get_cpu_capability().lower()
 
 
 def _graph_counts() -> tuple[int, int]:

@@ -10,7 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from services.engine_worker.compile_cache import cache_root, compiling
+
+CAPABILITY = torch.backends.cpu.get_cpu_capability().lower()  # one Inductor folder for each
 
 # A process compiling one small function inside `compiling`, printing what it took.
 COMPILE_ONE = """
@@ -38,10 +42,10 @@ def test_two_processes_on_one_key_compile_once(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env["KVMESH_CACHE_DIR"] = str(tmp_path)
     first, second = sorted(compile_in_processes(2, env), key=lambda use: use["misses"])
-    assert first["directory"] == second["directory"] == str(tmp_path / "inductor")
+    assert first["directory"] == second["directory"] == str(tmp_path / "inductor" / CAPABILITY)
     assert (second["misses"], first["misses"]) == (1, 0)  # one compiled it...
     assert first["hits"] == 1  # ...the other waited and loaded it
-    assert any((tmp_path / "inductor").rglob("*.py"))  # the compiled code is kvmesh's
+    assert any((tmp_path / "inductor" / CAPABILITY).rglob("*.py"))  # the compiled code is kvmesh's
 
 
 def test_a_users_inductor_folder_is_kept(tmp_path: Path, monkeypatch) -> None:
@@ -68,4 +72,4 @@ def test_inductors_own_default_counts_as_unset(tmp_path: Path, monkeypatch) -> N
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     with compiling(("a", "key")) as use:
         pass
-    assert use.directory == str(tmp_path / "inductor")
+    assert use.directory == str(tmp_path / "inductor" / CAPABILITY)

@@ -21,7 +21,12 @@ from loadtest.perplexity import SHIPPED_TEXT, perplexity, text_token_ids
 from services.engine_worker import step_formats
 from services.engine_worker.torch_backend import compiled_model, graph_ops
 from services.engine_worker.torch_backend.graph_ops import int8_handle, int8_projection
-from services.engine_worker.torch_backend.int4_dot import Int4DotLinear, prefill_rows_dense
+from services.engine_worker.torch_backend.int4_dot import (
+    Int4DotLinear,
+    int4_dot_is_available,
+    prefill_rows_dense,
+)
+from services.engine_worker.torch_backend.int8_dot import Int8DotLinear
 from services.engine_worker.torch_backend.linear import (
     Int4Linear,
     Int8Linear,
@@ -198,9 +203,10 @@ def test_a_qwen_checkpoint_quantized_at_load_compiles_with_its_biases_and_norms(
     prompts = [[5 + i, 9, 200 - i, 17, *range(3 + i, 30 + 3 * i)] for i in range(16)]
     engine = load(path, "auto", quantize=quantize)
     assert engine.worker.runner.compiled is not None
-    fast_int4 = quantize == "int4" and int4_kernel_is_fast()
+    fast_int4 = quantize == "int4" and (int4_kernel_is_fast() or int4_dot_is_available())
     projection = engine.worker.runner.model.weights.layers[0].qkv
-    assert isinstance(projection, (Int4Linear, Int4DotLinear) if fast_int4 else Int8Linear)
+    int4, int8 = (Int4Linear, Int4DotLinear), (Int8Linear, Int8DotLinear)
+    assert isinstance(projection, int4 if fast_int4 else int8)
     eager = load(path, "off", quantize=quantize)
     # The same weights eager: the graph's fused float ops round differently, not more.
     runs = [greedy_runs(e, prompts, 12) for e in (engine, eager)]

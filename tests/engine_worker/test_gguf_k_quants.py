@@ -13,7 +13,8 @@ import torch
 from kvmesh.engine import Engine
 from services.engine_worker.artifacts.gguf_file import GGUFArtifact
 from services.engine_worker.artifacts.int4_groups import Int4Groups
-from services.engine_worker.torch_backend.int4_dot import Int4DotLinear
+from services.engine_worker.torch_backend.int4_dot import Int4DotLinear, int4_dot_is_available
+from services.engine_worker.torch_backend.int8_dot import Int8DotLinear
 from services.engine_worker.torch_backend.linear import Int4Linear, Int8Linear, int4_kernel_is_fast
 from shared.config import CacheConfig, EngineConfig
 from shared.sampling import SamplingParams
@@ -85,9 +86,10 @@ def test_a_k_quant_file_is_packed_by_default_q4_k_as_its_own_groups(
     assert engine.manifest["weights"] == "packed"
     layer = engine.worker.runner.model.weights.layers[0]
     # gate and up are both Q4_K: their fused projection keeps the file's 4-bit groups where
-    # this CPU has the fast 4-bit kernel; every other K type runs as int8 rows.
-    int4 = (Int4Linear, Int4DotLinear)
-    assert isinstance(layer.gate_up, int4 if int4_kernel_is_fast() else Int8Linear)
-    assert isinstance(layer.down, Int8Linear)  # Q2_K
+    # this CPU has a fast 4-bit kernel; every other K type runs as int8 rows.
+    int4, int8 = (Int4Linear, Int4DotLinear), (Int8Linear, Int8DotLinear)
+    fast_int4 = int4_kernel_is_fast() or int4_dot_is_available()
+    assert isinstance(layer.gate_up, int4 if fast_int4 else int8)
+    assert isinstance(layer.down, int8)  # Q2_K
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert len(engine.generate([[5, 9, 200, 17]], params)[0].token_ids) == 8

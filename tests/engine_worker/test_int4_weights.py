@@ -181,7 +181,7 @@ def test_without_torchs_fast_int4_kernel_packed_runs_ours_or_int8_rows(
     )
     assert engine.manifest["weights"] == "packed"
     layer = engine.worker.runner.model.weights.layers[0]
-    kind = Int4DotLinear if ours else Int8Linear
+    kind = Int4DotLinear if ours else (Int8Linear, Int8DotLinear)
     assert all(isinstance(p, kind) for p in (layer.qkv, layer.o_proj, layer.down))
 
 
@@ -202,7 +202,7 @@ def test_auto_weights_follow_the_files_quantization() -> None:
     assert resolve_weight_format("float32", None, "F32+Q4_1") == "float32"
 
 
-@pytest.mark.parametrize("kernel", ["int4_dot", "int4", "int8"])
+@pytest.mark.parametrize("kernel", ["int4_dot", "int4", "int8_dot", "int8"])
 def test_a_prefill_over_cached_blocks_gives_a_cold_prefills_bits(
     kernel: str, default_model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -215,15 +215,23 @@ def test_a_prefill_over_cached_blocks_gives_a_cold_prefills_bits(
         pytest.skip("kvmesh::int4_dot needs AVX512-VNNI")
     if kernel == "int4" and not int4_kernel_is_fast():
         pytest.skip("torch's int4 CPU kernel is vectorized for AVX-512 only")
+    if kernel == "int8_dot" and not int8_dot_is_available():
+        pytest.skip("kvmesh::int8_dot needs AVX512-VNNI")
     if kernel != "int4_dot":
         monkeypatch.setattr(torch_weights, "int4_dot_is_available", lambda: False)
-    if kernel == "int8":  # an AVX2 CPU's: fbgemm's int8 rows, the head too
+    if kernel.startswith("int8"):  # int8 rows throughout
         monkeypatch.setattr(torch_weights, "int4_kernel_is_fast", lambda: False)
+    if kernel == "int8":  # through fbgemm (no VNNI), the head too
         monkeypatch.setattr(torch_weights, "int8_dot_is_available", lambda: False)
     engine = Engine(EngineConfig(cache=CacheConfig(kv_memory_bytes=64 << 20)))
     assert engine.manifest["weights"] == "packed"
     layer = engine.worker.runner.model.weights.layers[0]
-    kinds = {"int4_dot": Int4DotLinear, "int4": Int4Linear, "int8": Int8Linear}
+    kinds = {
+        "int4_dot": Int4DotLinear,
+        "int4": Int4Linear,
+        "int8_dot": Int8DotLinear,
+        "int8": Int8Linear,
+    }
     assert isinstance(layer.down, kinds[kernel])
     assert_cached_prefills_give_cold_bits(engine)
 

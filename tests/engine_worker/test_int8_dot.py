@@ -1,5 +1,5 @@
-"""`kvmesh::int8_dot`: int8 rows times int8 activations (AVX512-VNNI), row-exact; the packed
-head where it runs."""
+"""`kvmesh::int8_dot`: int8 rows times int8 activations (AVX512-VNNI), row-exact; packed int8
+rows (the head, projections without 4-bit groups) where it runs."""
 
 from __future__ import annotations
 
@@ -70,6 +70,10 @@ def test_bad_rows_are_refused_with_the_ops_reason() -> None:
         torch.ops.kvmesh.int8_dot(torch.randn(2, 96), head.weights, head.row_scales)
 
 
-def test_a_packed_head_runs_through_it_where_it_fits() -> None:
-    assert isinstance(torch_weights.packed_head(torch.randn(64, 32)), Int8DotLinear)
-    assert isinstance(torch_weights.packed_head(torch.randn(72, 32)), Int8Linear)  # 72 % 16
+def test_packed_int8_rows_run_through_it_where_they_fit() -> None:
+    bias = torch.randn(64)
+    rows = torch_weights.packed_rows(torch.randn(64, 32), bias)
+    assert isinstance(rows, Int8DotLinear)
+    x = torch.randn(3, 32)
+    assert torch.equal(rows(x), Int8DotLinear.product(x, rows.weights, rows.row_scales) + bias)
+    assert isinstance(torch_weights.packed_rows(torch.randn(72, 32)), Int8Linear)  # 72 % 16

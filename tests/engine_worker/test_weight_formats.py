@@ -10,7 +10,8 @@ import torch
 
 from kvmesh.engine import Engine
 from loadtest.perplexity import SHIPPED_TEXT, kl_from, perplexity, text_token_ids
-from services.engine_worker.torch_backend.int4_dot import Int4DotLinear
+from services.engine_worker.torch_backend.int4_dot import Int4DotLinear, int4_dot_is_available
+from services.engine_worker.torch_backend.int8_dot import Int8DotLinear
 from services.engine_worker.torch_backend.linear import Int4Linear, Int8Linear, int4_kernel_is_fast
 from services.engine_worker.torch_backend.weights import resolve_weight_format
 from shared.config import CacheConfig, EngineConfig
@@ -119,11 +120,12 @@ def test_packed_perplexity_within_one_percent_of_float32(
 
 
 @pytest.mark.parametrize(
-    ("quantize", "kind"), [("int8", Int8Linear), ("int4", (Int4Linear, Int4DotLinear))]
+    ("quantize", "kind"),
+    [("int8", (Int8Linear, Int8DotLinear)), ("int4", (Int4Linear, Int4DotLinear))],
 )
 def test_quantize_packs_a_float_checkpoint(quantize: str, kind: type, tiny_llama_dir: str) -> None:
-    if quantize == "int4" and not int4_kernel_is_fast():
-        pytest.skip("torch's int4 CPU kernel is vectorized for AVX-512 only")
+    if quantize == "int4" and not (int4_kernel_is_fast() or int4_dot_is_available()):
+        pytest.skip("no fast 4-bit kernel here")
     engine = Engine(
         EngineConfig(
             model=tiny_llama_dir, quantize=quantize, cache=CacheConfig(kv_memory_bytes=8 << 20)

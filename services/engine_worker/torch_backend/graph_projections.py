@@ -12,6 +12,7 @@ import torch
 
 from services.engine_worker.torch_backend import graph_ops
 from services.engine_worker.torch_backend.int4_dot import Int4DotLinear, prefill_rows_dense
+from services.engine_worker.torch_backend.int8_dot import Int8DotLinear
 from services.engine_worker.torch_backend.linear import Int4Linear, Int8Linear
 
 
@@ -44,8 +45,16 @@ class Int8Parts(NamedTuple):
     bias: torch.Tensor | None
 
 
-ProjectionParts = Int4Parts | Int4DotParts | Int8Parts
-PACKED_PROJECTIONS = (Int4Linear, Int4DotLinear, Int8Linear)
+class Int8DotParts(NamedTuple):
+    """An `Int8DotLinear` as the graph takes it: every row through `kvmesh::int8_dot`."""
+
+    weights: torch.Tensor
+    row_scales: torch.Tensor
+    bias: torch.Tensor | None
+
+
+ProjectionParts = Int4Parts | Int4DotParts | Int8Parts | Int8DotParts
+PACKED_PROJECTIONS = (Int4Linear, Int4DotLinear, Int8Linear, Int8DotLinear)
 
 
 def project(
@@ -59,6 +68,8 @@ def project(
         out = Int8Linear.product(
             x, lambda rows: torch.ops.kvmesh.int8_rows(rows, handle, out_features)
         )
+    elif isinstance(parts, Int8DotParts):
+        out = Int8DotLinear.product(x, parts.weights, parts.row_scales)
     elif isinstance(parts, Int4DotParts):
         weights = (parts.nibbles, parts.scales, parts.mins)
         if not (parts.dense and prefilling):
@@ -80,6 +91,8 @@ def projection_parts(projection: object) -> ProjectionParts:
     if isinstance(projection, Int8Linear):
         handle = graph_ops.int8_handle(projection)
         return Int8Parts(handle, projection.out_features, projection.bias)
+    if isinstance(projection, Int8DotLinear):
+        return Int8DotParts(projection.weights, projection.row_scales, projection.bias)
     if isinstance(projection, Int4DotLinear):
         p = projection
         return Int4DotParts(p.nibbles, p.scales, p.mins, prefill_rows_dense(), p.bias)

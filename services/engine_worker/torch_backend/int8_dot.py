@@ -1,4 +1,5 @@
-"""int8 rows times int8 activations: `kvmesh::int8_dot` (csrc/int8_dot.cpp), the packed head.
+"""int8 rows times int8 activations: `kvmesh::int8_dot` (csrc/int8_dot.cpp), for packed int8
+rows (the head; projections without 4-bit groups, such as a K-quant file's Q6_K tensors).
 
 The head of a packed model is int8 rows, one scale per output row (linear.quantize_rows). Through
 fbgemm it took a batch-1 step's largest single share after the layers: 1.6 ms for the default
@@ -34,30 +35,41 @@ def fits(out_features: int, in_features: int) -> bool:
 class Int8DotLinear:
     """int8 rows through `kvmesh::int8_dot`; takes float32 rows, returns float32."""
 
-    def __init__(self, rows: torch.Tensor, scale: torch.Tensor) -> None:
+    def __init__(
+        self, rows: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> None:
         """rows: (out, in) int8; scale: (out, 1) float32, as linear.quantize_rows makes them."""
         self.out_features, self.in_features = rows.shape
         self.weights = pack_rows(rows)
         self.row_scales = scale.float().reshape(-1).contiguous()
-        self.bias = None
+        self.bias = None if bias is None else bias.float()
 
     @classmethod
-    def from_parts(cls, weights: torch.Tensor, row_scales: torch.Tensor) -> Int8DotLinear:
+    def from_parts(
+        cls, weights: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> Int8DotLinear:
         """From the tensors a prepared model saved."""
         if not load_dot_kernels():
             raise RuntimeError("these weights need kvmesh::int8_dot, which did not build here")
         linear = cls.__new__(cls)
-        linear.weights, linear.row_scales, linear.bias = weights, row_scales, None
+        linear.weights, linear.row_scales, linear.bias = weights, row_scales, bias
         linear.out_features = weights.shape[0] * ROWS_PER_BLOCK
         linear.in_features = weights.shape[1] * GROUP
         return linear
 
+    @staticmethod
+    def product(x: torch.Tensor, weights: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
+        """x (M, in) times the weight, in x's dtype (eager, and in the compiled step)."""
+        return torch.ops.kvmesh.int8_dot(x.float(), weights, row_scales).to(x.dtype)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kvmesh.int8_dot(x.float(), self.weights, self.row_scales).to(x.dtype)
+        out = self.product(x, self.weights, self.row_scales)
+        return out if self.bias is None else out + self.bias
 
     @property
     def resident_bytes(self) -> int:
-        return self.weights.numel() + self.row_scales.numel() * 4
+        total = self.weights.numel() + self.row_scales.numel() * 4
+        return total + (0 if self.bias is None else self.bias.numel() * 4)
 
 
 def pack_rows(rows: torch.Tensor) -> torch.Tensor:

@@ -82,7 +82,9 @@ def load_packed(directory: str, num_layers: int) -> TorchWeights:
                 int4[f"{key}.packed"], int4[f"{key}.scale_zero"], dense, other.get(f"{key}.bias")
             )
         if f"{key}.int8_dot" in other:
-            return Int8DotLinear.from_parts(other[f"{key}.int8_dot"], other[f"{key}.row_scale"])
+            return Int8DotLinear.from_parts(
+                other[f"{key}.int8_dot"], other[f"{key}.row_scale"], other.get(f"{key}.bias")
+            )
         return Int8Linear.from_rows(
             other[f"{key}.rows"], other[f"{key}.row_scale"], other.get(f"{key}.bias")
         )

@@ -80,12 +80,14 @@ def int4_source(artifact: ModelArtifact, quantize: str | None) -> Int4Source | N
     return files_groups
 
 
-def packed_head(weight: torch.Tensor) -> Int8Linear | Int8DotLinear:
-    """(vocab, hidden) float -> int8 rows: through our kernel where it runs (VNNI), else fbgemm."""
-    vocab, hidden = weight.shape
-    if int8_dot_is_available() and int8_dot_fits(vocab, hidden):
-        return Int8DotLinear(*quantize_rows(weight))
-    return Int8Linear(weight)
+def packed_rows(
+    weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> Int8Linear | Int8DotLinear:
+    """(out, in) float -> int8 rows: through our kernel where it runs (VNNI), else fbgemm."""
+    out_features, in_features = weight.shape
+    if int8_dot_is_available() and int8_dot_fits(out_features, in_features):
+        return Int8DotLinear(*quantize_rows(weight), bias)
+    return Int8Linear(weight, bias)
 
 
 class DenseEmbedding:
@@ -191,7 +193,7 @@ class TorchWeights:
                     return Int4DotLinear(groups, bias)
                 if groups is not None and int4_kernel_is_fast():
                     return Int4Linear(groups, bias)
-                return Int8Linear(weight, bias)
+                return packed_rows(weight, bias)
             return DenseLinear(weight.to(dtype).contiguous(), bias)
 
         layers = []
@@ -216,7 +218,7 @@ class TorchWeights:
         lm_head: Projection
         if fmt == "packed":
             embed = Int8Embedding(weights.embed)
-            lm_head = packed_head(weights.lm_head.t())
+            lm_head = packed_rows(weights.lm_head.t())
         else:
             table = weights.embed.to(dtype)
             embed = DenseEmbedding(table)
