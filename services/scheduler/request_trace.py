@@ -10,6 +10,7 @@ and cancellation are events on `scheduler.request`.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -142,10 +143,10 @@ def trace_plan(
     plan_pb: engine_worker_pb2.StepPlan,
     requests: Mapping[str, Request],
     trace_of: Callable[[str], RequestTrace | None],
-) -> list[RequestTrace]:
+) -> Callable[[], None]:
     """First scheduling, decode steps and preemptions into each request's trace; prefill
-    chunks of traced requests into the plan, for the worker to record as spans. Returns the
-    traces this plan schedules for the first time, to be `started()` with the step."""
+    chunks of traced requests into the plan, for the worker to record as spans. Returns what
+    to call when the step begins on the worker: the first step of a request ends its queue."""
     first_scheduled: list[RequestTrace] = []
     for request_id in plan.finished_request_ids:
         trace = trace_of(request_id)
@@ -177,7 +178,7 @@ def trace_plan(
                 cached_tokens=request.num_cached_tokens,
                 start_position=request.num_computed_tokens,
             )
-    return first_scheduled
+    return functools.partial(start_traces, first_scheduled)
 
 
 def start_traces(traces: Sequence[RequestTrace]) -> None:

@@ -13,18 +13,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 from services.scheduler.queue_estimate import QueueTimeEstimator
-from services.scheduler.request_trace import (
-    RequestTrace,
-    start_traces,
-    terminal_outcome,
-    trace_plan,
-)
+from services.scheduler.request_trace import RequestTrace, terminal_outcome, trace_plan
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.step_limits import check_step_limits
 from services.scheduler.step_pipeline import StepPipeline, plans_ahead
@@ -149,8 +143,8 @@ class StepLoop:
                         await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
                 continue
             plan_pb = plan_to_pb(plan)
-            first_scheduled = trace_plan(plan, plan_pb, scheduler.requests, self._trace_of)
-            await pipeline.send(plan, plan_pb, functools.partial(start_traces, first_scheduled))
+            started = trace_plan(plan, plan_pb, scheduler.requests, self._trace_of)
+            await pipeline.send(plan, plan_pb, started)
             await pipeline.after_send()
 
     def _settled(

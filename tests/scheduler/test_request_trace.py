@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import functools
 import time
+from collections.abc import Callable
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -47,8 +48,7 @@ def test_spans_events_and_prefill_chunks_of_a_run_with_preemption(
             break
         plan = scheduler.schedule()
         plan_pb = plan_to_pb(plan)
-        for trace in trace_plan(plan, plan_pb, scheduler.requests, traces.get):
-            trace.started()  # lock-step: the step begins as it is sent
+        trace_plan(plan, plan_pb, scheduler.requests, traces.get)()  # lock-step: begins now
         for chunk in plan_pb.prefill_traces:
             assert chunk.traceparent == traces[chunk.request_id].traceparent
             chunk_tokens[chunk.request_id] = chunk_tokens.get(chunk.request_id, 0)
@@ -109,10 +109,9 @@ async def test_a_step_planned_ahead_starts_when_the_step_before_it_comes_back() 
     link = WorkerInOrder(FakeWorker(4), log)
     pipeline = StepPipeline(link, scheduler, True, lambda *_: None)  # type: ignore[arg-type]
 
-    def starts(first: list[RequestTrace], step_id: int) -> None:
+    def starts(started: Callable[[], None], step_id: int) -> None:
         log.append(("start", step_id))
-        for trace in first:
-            trace.started()
+        started()
 
     while scheduler.has_unfinished() or pipeline.sent:
         plan = scheduler.schedule()

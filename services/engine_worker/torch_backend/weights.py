@@ -1,7 +1,7 @@
 """The torch backend's weights in the format in force: float32, bfloat16, float16, or packed
 (4-bit groups where the CPU runs them fast: `kvmesh::int4_dot` on AVX-512 and AVX2 CPUs, torch's
-kernel on AVX-512 where ours cannot build; int8 rows elsewhere; the head int8 rows,
-`kvmesh::int8_dot` with AVX512-VNNI).
+kernel on AVX-512 where ours cannot build; int8 rows elsewhere and for the head, through
+`kvmesh::int8_dot` with AVX512-VNNI, else fbgemm).
 
 Built from the loaded `ModelWeights` (fused, (in, out) float tensors, which the cupy backend
 uses as they are) one layer at a time, so the float copy of a packed model is never whole in
