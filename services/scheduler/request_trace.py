@@ -2,10 +2,9 @@
 
 `scheduler.request` (a child of the gateway's span, from the Submit metadata) lasts from
 arrival to the terminal event. Its children: `queue` (arrival to the start of its first step)
-and `decode`
-(first token to the end: one span with counters, never one per token). Prefill chunks are the
-engine-worker's spans: the step plan carries this span's traceparent for each chunk. Preemption
-and cancellation are events on `scheduler.request`.
+and `decode` (first token to the end: one span with counters, never one per token). Prefill
+chunks are the engine-worker's spans: the step plan carries this span's traceparent for each
+chunk. Preemption and cancellation are events on `scheduler.request`.
 """
 
 from __future__ import annotations

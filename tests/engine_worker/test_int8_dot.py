@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from services.engine_worker.torch_backend import weights as torch_weights
+from services.engine_worker.torch_backend.dot_kernels import fits
 from services.engine_worker.torch_backend.int8_dot import (
     Int8DotLinear,
-    fits,
     int8_dot_is_available,
     pack_rows,
 )

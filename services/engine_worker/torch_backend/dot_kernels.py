@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from services.engine_worker.artifacts.int4_groups import GROUP
+
 _log = logging.getLogger(__name__)
 _SOURCES = [str(Path(__file__).parent / "csrc" / name) for name in ("int4_dot.cpp", "int8_dot.cpp")]
 ROWS_PER_BLOCK = 16  # output rows one zmm register holds
@@ -35,6 +37,11 @@ def _(x, nibbles, scales, mins):
 @torch.library.register_fake("kvmesh::int8_dot")
 def _(x, weights, row_scales):
     return x.new_empty((x.shape[0], weights.shape[0] * ROWS_PER_BLOCK))
+
+
+def fits(out_features: int, in_features: int) -> bool:
+    """Whether a weight's shape is whole blocks of output rows and groups of inputs."""
+    return out_features % ROWS_PER_BLOCK == 0 and in_features % GROUP == 0
 
 
 def has_avx512() -> bool:

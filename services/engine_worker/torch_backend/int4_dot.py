@@ -13,8 +13,7 @@ The weights keep the file's values: w = scale * q + min per group, scale and min
 (what Q4_0 and Q4_1 blocks hold, so exact there; a Q4_K group's product of its super-block's
 float16 and a 6-bit scale is rounded to float16, 2**-11 relative). Used wherever the CPU has
 AVX-512 or AVX2: built for AVX2, the same layout runs 8 rows to a register with the AVX-512
-build's bits, where torch's 4-bit kernel is not vectorized (17x an fp32 GEMM, Zen 1) and packed
-meant int8 rows.
+build's bits, where torch's 4-bit kernel is not vectorized and packed meant int8 rows.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from services.engine_worker.artifacts.int4_groups import GROUP, Int4Groups
+from services.engine_worker.torch_backend import dot_kernels
 from services.engine_worker.torch_backend.dot_kernels import (
     ROWS_PER_BLOCK,
     dot_kernels_are_available,
@@ -43,8 +43,7 @@ def prefill_rows_dense() -> bool:
 
 
 def fits(groups: Int4Groups) -> bool:
-    rows, cols = groups.shape
-    return rows % ROWS_PER_BLOCK == 0 and cols % GROUP == 0
+    return dot_kernels.fits(*groups.shape)
 
 
 class Int4DotLinear:

@@ -1,13 +1,12 @@
 """int8 rows times int8 activations: `kvmesh::int8_dot` (csrc/int8_dot.cpp), for packed int8
 rows (the head; projections without 4-bit groups, such as a K-quant file's Q6_K tensors).
 
-The head of a packed model is int8 rows, one scale per output row (linear.quantize_rows). Through
-fbgemm it took a batch-1 step's largest single share after the layers: 1.6 ms for the default
-model's 49152 x 576 head plus 0.5 ms of activation rounding in eager ops around it (Zen 4), where
-streaming its 28 MiB once takes about 1 ms. The kernel rounds each group of 32 activations to
-int8 itself (as `kvmesh::int4_dot` does, llama.cpp's Q8_0 x Q8_0 scheme) and reads each weight
-once per call whatever the batch. fbgemm's two-level (~14-bit) activations stay where the CPU
-has no AVX512-VNNI.
+The head of a packed model is int8 rows, one scale per output row (linear.quantize_rows).
+Through fbgemm, rounding its activations in eager ops around the GEMM cost about as much as the
+GEMM. The kernel rounds each group of 32 activations to int8 itself (as `kvmesh::int4_dot`
+does, llama.cpp's Q8_0 x Q8_0 scheme) and reads each weight once per call whatever the batch:
+the default model's head took 0.62 ms at batch 1 against fbgemm's 0.80 (AVX-512 Xeon).
+fbgemm's two-level (~14-bit) activations stay where the CPU has no AVX512-VNNI.
 """
 
 from __future__ import annotations
@@ -26,10 +25,6 @@ from services.engine_worker.torch_backend.dot_kernels import (
 def int8_dot_is_available() -> bool:
     """Whether the kernel runs here: AVX-512 with VNNI, and it built."""
     return has_avx512() and torch.cpu._is_vnni_supported() and dot_kernels_are_available()
-
-
-def fits(out_features: int, in_features: int) -> bool:
-    return out_features % ROWS_PER_BLOCK == 0 and in_features % GROUP == 0
 
 
 class Int8DotLinear:

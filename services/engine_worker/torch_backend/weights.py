@@ -20,13 +20,13 @@ from services.engine_worker.artifacts.gguf_file import BLOCK_QUANT_TYPES, K_QUAN
 from services.engine_worker.artifacts.int4_groups import Int4Groups
 from services.engine_worker.artifacts.loader import ModelArtifact
 from services.engine_worker.artifacts.weights import ModelWeights, projection_names
+from services.engine_worker.torch_backend import dot_kernels
 from services.engine_worker.torch_backend.int4_dot import (
     Int4DotLinear,
     fits,
     int4_dot_is_available,
 )
 from services.engine_worker.torch_backend.int8_dot import Int8DotLinear, int8_dot_is_available
-from services.engine_worker.torch_backend.int8_dot import fits as int8_dot_fits
 from services.engine_worker.torch_backend.linear import (
     DenseLinear,
     Int4Linear,
@@ -85,7 +85,7 @@ def packed_rows(
 ) -> Int8Linear | Int8DotLinear:
     """(out, in) float -> int8 rows: through our kernel where it runs (VNNI), else fbgemm."""
     out_features, in_features = weight.shape
-    if int8_dot_is_available() and int8_dot_fits(out_features, in_features):
+    if int8_dot_is_available() and dot_kernels.fits(out_features, in_features):
         return Int8DotLinear(*quantize_rows(weight), bias)
     return Int8Linear(weight, bias)
 

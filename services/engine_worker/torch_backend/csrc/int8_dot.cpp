@@ -64,7 +64,7 @@ at::Tensor int8_dot(const at::Tensor& x, const at::Tensor& weights, const at::Te
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_dot: x must be (M, K) float32");
   TORCH_CHECK(weights.dim() == 4 && weights.size(2) == 8 && weights.size(3) == 64,
               "int8_dot: weights must be (N/16, K/32, 8, 64)");
-  const at::Tensor rows = x.contiguous();
+  const at::Tensor rows = x.contiguous(), scales = row_scales.contiguous();
   const int64_t m = rows.size(0), k = rows.size(1), blocks = weights.size(0), n = blocks * kRows;
   const int64_t groups = k / kGroup;
   TORCH_CHECK(weights.size(1) == groups && k % kGroup == 0, "int8_dot: K does not match");
@@ -79,7 +79,7 @@ at::Tensor int8_dot(const at::Tensor& x, const at::Tensor& weights, const at::Te
   at::Tensor out = at::empty({m, n}, rows.options());
   float* op = out.data_ptr<float>();
   const uint8_t* wp = weights.data_ptr<uint8_t>();
-  const float* sp = row_scales.contiguous().data_ptr<float>();
+  const float* sp = scales.data_ptr<float>();
   const int64_t block_bytes = groups * 8 * 64;
   // Blocks outside, row tiles inside: a block's weights (9 KiB for K = 576) are read from memory
   // once whatever M, where a head of 49152 rows is ~28 MiB.
