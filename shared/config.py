@@ -47,6 +47,9 @@ def _require(condition: bool, message: str) -> None:
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
+SLIDING_WINDOW_KV = ("window", "full")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: the pool is sized from a memory budget, not from the context length."""
@@ -57,8 +60,16 @@ class CacheConfig:
     # auto: float16 where the step compiles (a packed model on the CPU), else the activation
     # dtype; a dtype other than the activations' needs the compiled step (kv_cache.py).
     dtype: str = "auto"
+    # window: a sliding layer's K/V behind its window goes back to a pool of its own
+    # (shared/sliding_window.py); full: every layer keeps the whole context, so prefix caching,
+    # forks and KV tiers work on sliding-window models too.
+    sliding_window_kv: str = "window"
 
     def __post_init__(self) -> None:
+        _require(
+            self.sliding_window_kv in SLIDING_WINDOW_KV,
+            f"sliding window kv must be window or full, got {self.sliding_window_kv!r}",
+        )
         _require(
             self.dtype in KV_CACHE_DTYPES,
             f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.dtype!r}",

@@ -61,6 +61,7 @@ class Engine:
             self.worker.max_model_len,
             arch.eos_token_ids,
             TierPolicy(tiers.tiers, tiers.write, tiers.load_min_tokens),
+            self.worker.window_pool,
         )
         self._ids = itertools.count()
 

@@ -10,6 +10,7 @@ from services.engine_worker.kv_tiers.config import KV_TIER_SETTINGS, kv_tier_con
 from shared.config import (
     KV_CACHE_DTYPES,
     PREPARED_MODES,
+    SLIDING_WINDOW_KV,
     WEIGHT_FORMATS,
     CacheConfig,
     EngineConfig,
@@ -125,6 +126,15 @@ MODEL_SETTINGS = (
     ),
     Setting("block-size", CacheConfig.block_size, "tokens per KV block", whole(1), **_PER_PAIR),
     Setting(
+        "sliding-window-kv",
+        CacheConfig.sliding_window_kv,
+        "sliding layers' K/V (Gemma 2 and 3); window: only each request's window is kept, in "
+        "a pool of its own (no prefix caching, forks or KV tiers for such a model); full: the "
+        "whole context, as every other layer",
+        choices=SLIDING_WINDOW_KV,
+        **_PER_PAIR,
+    ),
+    Setting(
         "max-model-len",
         None,
         "context length cap (default: the model's)",
@@ -223,6 +233,7 @@ def engine_config(
             block_size=args.block_size,
             kv_memory_bytes=parse_bytes(args.kv_memory),
             dtype=args.kv_cache_dtype,
+            sliding_window_kv=args.sliding_window_kv,
             enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
         ),
         scheduler=scheduler or step_limit_config(args),

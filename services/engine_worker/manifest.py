@@ -16,6 +16,7 @@ from services.engine_worker.runtime_facts import device_name, runtime_versions, 
 from services.engine_worker.step_formats import StepFormats, dtype_name
 from shared.config import EngineConfig
 from shared.model_entry import ModelEntry, sha256_file
+from shared.sliding_window import WindowPool
 
 if TYPE_CHECKING:
     from services.engine_worker.step_runner import StepRunner
@@ -52,6 +53,10 @@ class ModelManifest:
     # the largest step its buffers were sized for: tokens and sampled rows
     max_step_tokens: int = 0
     max_step_sampled_rows: int = 0
+    # sliding layers that keep their window only: the window, and the window blocks the
+    # scheduler counts (0, 0: every layer keeps the whole context)
+    sliding_window: int = 0
+    kv_window_blocks: int = 0
     # cupy: decode batch size -> "graph", or why its capture failed (it runs eagerly)
     cuda_graphs: dict[str, str] | None = None
     # a compiled step: the Inductor cache folder, graphs loaded from it and compiled (hits,
@@ -95,6 +100,7 @@ def describe(
     load_seconds: float,
     warmup_seconds: float,
     preparation: dict[str, Any],
+    window_pool: WindowPool | None = None,
 ) -> ModelManifest:
     """The manifest of a model a worker has loaded and warmed."""
     return ModelManifest(
@@ -119,6 +125,8 @@ def describe(
         kv_bytes_per_token=arch.kv_bytes_per_token(formats.kv_cache.itemsize),
         kv_block_size=kv_shape.block_size,
         kv_blocks=kv_shape.num_blocks,
+        sliding_window=window_pool.window if window_pool else 0,
+        kv_window_blocks=window_pool.num_blocks if window_pool else 0,
         kv_cache_bytes=runner.kv_cache_bytes,
         load_seconds=round(load_seconds, 3),
         warmup_seconds=round(warmup_seconds, 3),

@@ -17,6 +17,7 @@ from typing import Any
 import numpy
 
 from services.engine_worker.step_inputs import RequestState
+from services.engine_worker.window_blocks import WindowBlocks
 
 _FIRST_ROWS = 64  # doubled whenever a request finds none free
 
@@ -28,6 +29,7 @@ class BlockTables:
         self.width = width
         self.table = numpy.zeros((_FIRST_ROWS, width), dtype=numpy.int32)
         self._free = list(range(_FIRST_ROWS - 1, -1, -1))
+        self.window_blocks: WindowBlocks | None = None  # a held request's go back with its row
 
     def add(self, state: RequestState) -> None:
         if not self._free:
@@ -54,6 +56,8 @@ class BlockTables:
         if state.slot >= 0:
             self._free.append(state.slot)
             state.slot = -1
+        if self.window_blocks is not None:
+            self.window_blocks.release(state)
 
 
 class HeldRequests(dict[str, RequestState]):

@@ -93,6 +93,8 @@ def model_info(worker: Worker, served_name: str | None = None) -> common_pb2.Mod
         prepared_id=manifest.prepared_id,
         max_step_tokens=manifest.max_step_tokens,
         max_step_sampled_rows=manifest.max_step_sampled_rows,
+        sliding_window=manifest.sliding_window,
+        kv_window_blocks=manifest.kv_window_blocks,
     )
 
 

@@ -33,6 +33,9 @@ class RequestState:
     num_drafts: int = 0  # draft tokens at the end of token_ids, verified by this step
     speculated: bool = False  # this step's plan gave it drafts (a response format may take all)
     slot: int = -1  # its row of the worker's block tables (persistent_batch.py); -1: none
+    # A sliding-window model's sliding layers: a window block per block of its context, the
+    # null block behind its window (window_blocks.py).
+    window_ids: list[int] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
@@ -99,6 +102,13 @@ class FlatBatch:
     # requests that ask for prompt logprobs: (state, chunk start position, rows) per chunk.
     prompt_rows: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[RequestState, int, int]] = field(default_factory=list)
+    # The sliding layers' own blocks where they keep their window only, as the three above:
+    # (T,) written, (D, widest) decode tables, (P,) prefill blocks.
+    window_token_blocks: list[int] = field(default_factory=list)
+    window_decode_table: numpy.ndarray = field(
+        default_factory=lambda: numpy.zeros((0, 1), numpy.int32)
+    )
+    window_prefill_blocks: list[list[int]] = field(default_factory=list)
 
     @property
     def logit_rows(self) -> list[int]:
@@ -119,6 +129,7 @@ def flatten(
     scheduled: list[tuple[RequestState, int]],
     block_size: int,
     tables: numpy.ndarray | None = None,
+    windowed: bool = False,
 ) -> FlatBatch:
     """`scheduled`: (request, tokens to compute this step), in plan order; `tables`: the
     worker's block tables, rows by `RequestState.slot` (persistent_batch.py).
@@ -128,7 +139,8 @@ def flatten(
     as a draft, or recomputed after preemption, its row computes the same bits (decode rows do
     not depend on their batch; prefills over cached blocks give a cold prefill's bits, see
     attention.py). So a preempted request resumes with the tokens it would have produced, and
-    drafts change no greedy output."""
+    drafts change no greedy output. `windowed`: the window rows too (the requests'
+    window_ids)."""
     flat = FlatBatch()
     decode_states: list[RequestState] = []
     decode_num_blocks: list[int] = []
@@ -170,7 +182,36 @@ def flatten(
         flat.prefill_blocks.append(state.block_ids[: -(-context // block_size)])
         flat.prefill_query_starts.append(len(flat.input_ids))
         flat.prefill_context_lens.append(context)
+        if windowed:
+            flat.window_prefill_blocks.append(state.window_ids[: -(-context // block_size)])
+    if windowed:
+        _window_rows(flat, scheduled, decode_states, decode_num_blocks, block_size)
     return flat
+
+
+def _window_rows(
+    flat: FlatBatch,
+    scheduled: list[tuple[RequestState, int]],
+    decode_states: list[RequestState],
+    decode_num_blocks: list[int],
+    block_size: int,
+) -> None:
+    """The window blocks each row writes and each decode row reads: rows are in flatten's
+    order, each request's decode rows then its prefill rows, each run in position order."""
+    owners = list(decode_states)
+    for state, num_new in scheduled:
+        start = state.num_computed_tokens
+        owners += [state] * max(0, min(start + num_new, state.prompt_len) - start)
+    flat.window_token_blocks = [
+        state.window_ids[position // block_size]
+        for state, position in zip(owners, flat.positions, strict=True)
+    ]
+    if decode_states:
+        width = max(decode_num_blocks)
+        table = numpy.zeros((len(decode_states), width), dtype=numpy.int32)
+        for row, (state, count) in enumerate(zip(decode_states, decode_num_blocks, strict=True)):
+            table[row, :count] = state.window_ids[:count]
+        flat.window_decode_table = table
 
 
 def gather_tables(

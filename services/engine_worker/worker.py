@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any, cast
 
 import torch
 
+from services.engine_worker import scratch_steps
 from services.engine_worker.artifacts.loader import open_artifact
 from services.engine_worker.backends import backend_for_model
 from services.engine_worker.background_preparation import finish_pending
@@ -33,11 +33,12 @@ from services.engine_worker.step_failures import (
 from services.engine_worker.step_formats import StepFormats
 from services.engine_worker.step_inputs import RequestState
 from services.engine_worker.step_runner import StepRunner
+from services.engine_worker.window_blocks import WindowBlocks, window_requests
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, ModelValidationError, Reason
 from shared.model_entry import verified_source
 from shared.model_paths import resolve_model_path
-from shared.sampling import SamplingParams
+from shared.sliding_window import WindowPool
 from shared.step import (
     FailedRequest,
     LoadFailure,
@@ -77,8 +78,13 @@ class Worker:
         formats = StepFormats.resolve(config, self.backend, artifact.quantization, arch.llama_layer)
         cache = config.cache
         self.kv_shape = KVCacheShape.from_budget(
-            arch, cache.block_size, cache.kv_memory_bytes, formats.kv_cache
+            arch,
+            cache.block_size,
+            cache.kv_memory_bytes,
+            formats.kv_cache,
+            window_requests(config, self.backend),
         )
+        self.window_blocks = WindowBlocks.of(self.kv_shape)
         self.scratch_start = self.kv_shape.num_blocks  # blocks from here: fixtures' only
         check_worker_fits(arch, formats, config, self.kv_shape, self.backend, self.max_model_len)
         self.requests = HeldRequests.for_context(self.max_model_len, config.cache.block_size)
@@ -92,6 +98,7 @@ class Worker:
         if self.pending_preparation is not None:  # its fixture's blocks, never the scheduler's
             self.scratch_start -= fixture_blocks(self.kv_shape.block_size)
         self.runner.block_tables = self.requests.tables
+        self.requests.tables.window_blocks = self.window_blocks
         self.kv_transfer = BlockTransfer.open(
             config.kv_tiers, combined_digest(digests), formats.kv_cache, self.runner.kv_pool
         )
@@ -110,6 +117,7 @@ class Worker:
             backend=self.backend,
             max_model_len=self.max_model_len,
             kv_shape=dataclasses.replace(self.kv_shape, num_blocks=self.num_kv_blocks),
+            window_pool=self.window_pool,
             quantization=artifact.quantization,
             num_parameters=num_parameters,
             digests=digests,
@@ -139,6 +147,17 @@ class Worker:
         """The blocks the scheduler may use: all but those kept for fixtures while serving."""
         return self.scratch_start
 
+    @property
+    def window_pool(self) -> WindowPool | None:
+        """The window blocks the scheduler may count: all but the null block and, while a
+        fixture may run beside requests, what its steps hold."""
+        shape = self.kv_shape
+        if not shape.num_window_blocks:
+            return None
+        background = self.pending_preparation is not None
+        reserve = fixture_blocks(shape.block_size) + 1 if background else 0
+        return WindowPool(shape.window, shape.num_window_blocks - 1 - reserve)
+
     def finish_preparation(self) -> bool:
         """Between two steps, once the child has stored the prepared artifact: its programs
         serve from the next step and the manifest says so (background_preparation.py).
@@ -148,55 +167,16 @@ class Worker:
         return compiled
 
     def warm_up(self) -> None:
-        """One mixed prefill + decode step on scratch blocks, so the first request pays no
-        first-call costs. Nothing it writes is ever read: no block table points at it."""
-        block = self.kv_shape.block_size
-        tokens = list(range(min(block + 1, self.architecture.vocab_size)))
-        params = SamplingParams(max_tokens=1, temperature=0.0)
-        prefill = RequestState("warmup-prefill", tokens, [0, 1], 0, params, len(tokens))
-        decode = RequestState("warmup-decode", tokens[:2], [0], 1, params, 1)
-        rows = [(decode, 1), (prefill, len(tokens))]  # a one-row engine never batches the two
-        self._run_scratch(rows if self.config.scheduler.max_sampled_rows >= 2 else rows[1:])
-        # And a decode-only step: the compiled step has a graph for those too.
-        decode = RequestState("warmup-decode-alone", tokens[:2], [0], 1, params, 1)
-        self._run_scratch([(decode, 1)])
+        scratch_steps.warm_up(self)
 
     def greedy(self, prompt_ids: list[int], max_tokens: int, first_block: int = 0) -> list[int]:
-        """Greedy tokens (EOS included) on scratch blocks from `first_block`: how warm-up
-        fixtures are checked."""
-        block = self.kv_shape.block_size
-        num_blocks = -(-(len(prompt_ids) + max_tokens) // block)
-        if not prompt_ids or first_block + num_blocks > self.kv_shape.num_blocks:
-            raise KvmeshError(
-                Reason.INVALID_ARGUMENT, "a fixture needs a prompt that fits the KV cache"
-            )
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        state = RequestState(
-            "fixture",
-            list(prompt_ids),
-            list(range(first_block, first_block + num_blocks)),
-            0,
-            params,
-            len(prompt_ids),
-        )
-        scheduled = len(prompt_ids)
-        for _ in range(max_tokens):
-            self._run_scratch([(state, scheduled)])
-            scheduled = 1
-        return state.token_ids[len(prompt_ids) :]
+        """Greedy tokens (EOS included) on scratch blocks: how warm-up fixtures are checked."""
+        return scratch_steps.greedy(self, prompt_ids, max_tokens, first_block)
 
     def prompt_log_softmax(self, prompt_ids: list[int]) -> torch.Tensor:
         """(len - 1, vocab): the next-token log-distribution after each prefix of the prompt
         (torch backend), on scratch blocks, before any request runs: for quality checks."""
-        block = self.kv_shape.block_size
-        num_blocks = -(-len(prompt_ids) // block)
-        if len(prompt_ids) < 2 or num_blocks > self.kv_shape.num_blocks:
-            raise KvmeshError(Reason.INVALID_ARGUMENT, "a text that fits the KV cache is needed")
-        params = SamplingParams(max_tokens=1, temperature=0.0)
-        state = RequestState(
-            "score", list(prompt_ids), list(range(num_blocks)), 0, params, len(prompt_ids)
-        )
-        return cast(Any, self.runner).prompt_log_softmax(state)  # the torch backend's alone
+        return scratch_steps.prompt_log_softmax(self, prompt_ids)
 
     def grammars(self) -> GrammarCompiler:
         """Built on first use: loads the tokenizer llguidance needs (a fraction of a second)."""
@@ -271,7 +251,7 @@ class Worker:
         self.requests[new.request_id] = state
         return state
 
-    def _run_scratch(self, scheduled: list[tuple[RequestState, int]]) -> None:
+    def run_scratch(self, scheduled: list[tuple[RequestState, int]]) -> None:
         """Warm-up and fixtures: a failure there refuses the model (the log has the cause)."""
         _, failed = self._run(scheduled)
         if failed:
@@ -280,6 +260,8 @@ class Worker:
     def _run(
         self, scheduled: list[tuple[RequestState, int]]
     ) -> tuple[list[SampledToken], list[FailedRequest]]:
+        if self.window_blocks is not None:
+            self.window_blocks.cover(scheduled)
         states, outcomes = self.runner.step(scheduled, self._rng)
         for state, num_new in scheduled:
             state.num_computed_tokens += num_new

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.cache_events import CacheEventLog
 from services.scheduler.request import Request
+from services.scheduler.window_budget import WindowBudget
 from shared.step import BlockWrite
 
 
@@ -72,6 +73,8 @@ class BlockManager:
     # Hashed blocks copied down to the worker's KV tiers: as they fill (through), as they are
     # evicted (back), or never (None); the next plan carries them (take_writes).
     write_policy: str | None = None
+    # A sliding-window model's window blocks, counted beside the pool's (None: no such model).
+    window: WindowBudget | None = None
     stats: CacheStats = field(default_factory=CacheStats)
 
     def __post_init__(self) -> None:
@@ -131,6 +134,9 @@ class BlockManager:
         num_revived = sum(1 for b in prefix_ids if self.blocks[b].ref_count == 0)
         if max(num_fresh, 0) + num_revived > len(self._free):
             return False
+        window_span = self.window.span(request, num_new_tokens) if self.window else 0
+        if self.window and not self.window.fits(request, window_span):
+            return False
         if prefix is not None and prefix.from_cache:  # counted once, when admitted
             self.stats.queries += request.num_tokens
             self.stats.hits += prefix.num_tokens
@@ -144,6 +150,8 @@ class BlockManager:
             request.block_ids.append(block_id)
         for _ in range(num_fresh):
             request.block_ids.append(self._take_free_block())
+        if self.window:
+            self.window.hold(request, window_span)
         return True
 
     def _take_free_block(self) -> int:
@@ -211,6 +219,8 @@ class BlockManager:
                     self._free.move_to_end(block_id, last=False)
         request.block_ids.clear()
         request.num_hashed_blocks = 0
+        if self.window:
+            self.window.release(request)
 
     def trim(self, request: Request) -> None:
         """Frees the request's blocks past its computed tokens: what a step reserved for draft
@@ -253,3 +263,5 @@ class BlockManager:
         for block_hash, block_id in self._by_hash.items():
             if self.blocks[block_id].block_hash != block_hash:
                 raise AssertionError(f"stale hash entry {block_id}")
+        if self.window:
+            self.window.check(holders)

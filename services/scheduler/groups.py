@@ -7,6 +7,8 @@ copied (the worker copies it before the step runs, copy on write), and each sibl
 from the prompt's last token on, sampling its own first token. A member whose siblings all
 finished or were preempted computes the prompt itself (from the prefix cache where it can).
 A group is preempted together: its members' shared blocks are only freed when all let go.
+A sliding-window model shares nothing: a sibling's window blocks behind its position are gone,
+so each member computes the prompt itself.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from services.scheduler.request import Request, RequestStatus
 
 
 class Groups:
-    def __init__(self) -> None:
+    def __init__(self, shares_kv: bool = True) -> None:
         self._members: dict[str, list[Request]] = {}
+        self.shares_kv = shares_kv
 
     def add(self, request: Request) -> None:
         if request.group_id:
@@ -41,13 +44,13 @@ class Groups:
     def is_held(self, request: Request) -> bool:
         """A waiting member waits while a running sibling is still computing the prompt it
         would share: admitted now, it would compute the same tokens twice."""
-        wanted = request.num_shareable_tokens
+        wanted = request.num_shareable_tokens if self.shares_kv else 0
         computed = [s.num_pooled_tokens for s in self.running_siblings(request)]
         return bool(computed) and max(computed) < wanted
 
     def fork(self, request: Request, block_size: int) -> PrefixMatch | None:
         """The prompt's K/V from a running sibling that has computed it, or None."""
-        wanted = request.num_shareable_tokens
+        wanted = request.num_shareable_tokens if self.shares_kv else 0
         if wanted == 0:
             return None
         for sibling in self.running_siblings(request):

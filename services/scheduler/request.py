@@ -54,6 +54,7 @@ class Request:
     num_accepted_drafts: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
+    num_window_blocks: int = 0  # its sliding layers' blocks on the worker (window_budget.py)
     # Leading blocks cache_full_blocks has looked at since it last got blocks: each is looked
     # at once, when it fills, not on every step after.
     num_hashed_blocks: int = 0

@@ -23,10 +23,12 @@ from services.scheduler.result_updates import ResultUpdates
 from services.scheduler.scheduler_load import SchedulerLoad
 from services.scheduler.speculation import Speculator
 from services.scheduler.tier_loads import NO_TIERS, TierLoads, TierPolicy
+from services.scheduler.window_budget import WindowBudget
 from shared.config import CacheConfig, SchedulerConfig
 from shared.errors import KvmeshError, Reason
 from shared.outputs import FinishReason, RequestOutput
 from shared.sampling import SamplingParams
+from shared.sliding_window import WindowPool
 from shared.step import (
     NewRequestPlan,
     RunningRequestPlan,
@@ -43,20 +45,34 @@ class Scheduler(ResultUpdates):
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         tiers: TierPolicy = NO_TIERS,
+        window: WindowPool | None = None,
     ) -> None:
+        """`window`: a sliding-window model's window blocks. Their K/V behind each request's
+        position is freed, so no prefix (cached or a sibling's) can be reused with them."""
         self.config = config
         self.block_size = cache.block_size
         # A request can never outgrow the whole pool, so the pool caps the context length too.
         self.max_model_len = min(max_model_len, num_blocks * cache.block_size)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(
-            num_blocks, cache.block_size, cache.enable_prefix_caching, tiers.write_policy
+            num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching and window is None,
+            tiers.write_policy,
+            WindowBudget(window, cache.block_size) if window else None,
         )
         self.tier_loads = TierLoads(tiers, cache.block_size)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key
-        self.groups = Groups()
+        self.groups = Groups(shares_kv=window is None)
+        # A prompt goes in pieces whose window spans fit the window pool.
+        self.chunk_size = config.prefill_chunk_size
+        if window and window.most_step_tokens(self.block_size) < config.max_num_batched_tokens:
+            self.chunk_size = min(
+                self.chunk_size or config.max_num_batched_tokens,
+                window.most_step_tokens(self.block_size),
+            )
         self.prompt_scores = PromptScores()
         self.speculator = Speculator(config.speculative, self.block_manager, self.max_model_len)
         self._arrivals = itertools.count()
@@ -158,7 +174,7 @@ class Scheduler(ResultUpdates):
                 prefix = fork or self.block_manager.match_prefix(request)
             loads = self.tier_loads.plan(request, prefix)
             request.num_computed_tokens = prefix.num_tokens + len(loads) * self.block_size
-            num_new = request.tokens_to_schedule(budget, self.config.prefill_chunk_size)
+            num_new = request.tokens_to_schedule(budget, self.chunk_size)
             if num_new == 0 or not self.block_manager.allocate(request, num_new, prefix):
                 request.num_computed_tokens = 0
                 break
@@ -200,11 +216,13 @@ class Scheduler(ResultUpdates):
                 and computed < len(request.block_ids) * block_size
                 and not speculates
             ):  # a decode whose token has its slot already: what the general path gives it
+                if window := self.block_manager.window:  # its span moved on by a position
+                    window.hold(request, window.span(request, 1))
                 plans.append(RunningRequestPlan(request.request_id, (), 1))
                 budget -= 1
                 index += 1
                 continue
-            num_new = request.tokens_to_schedule(budget, self.config.prefill_chunk_size)
+            num_new = request.tokens_to_schedule(budget, self.chunk_size)
             if num_new == 0:
                 index += 1
                 continue

@@ -36,6 +36,7 @@ from shared.errors import KvmeshError, Reason
 from shared.outputs import FinishReason, RequestOutput
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, scheduler_pb2
 from shared.runtime.heap import freeze_startup_heap
+from shared.sliding_window import window_pool_of
 from shared.step import FailedRequest, StepPlan
 
 log = logging.getLogger("kvmesh.scheduler")
@@ -95,6 +96,7 @@ class StepLoop:
                 self.model.max_model_len,
                 tuple(self.model.eos_token_ids),
                 self.link.tiers,
+                window_pool_of(self.model),
             )
             freeze_startup_heap()
             await self.set_ready(True)

@@ -136,7 +136,10 @@ def assert_trace_is_whole(trace: traces_pb2.Trace, client: ClientTiming) -> None
     scheduler_ms = sum(
         duration_ms(s) for name in ("queue", "prefill", "decode") for s in by_name[name]
     )
-    assert 0.85 * request_ms - 5 <= scheduler_ms <= request_ms + 1, (scheduler_ms, request_ms)
+    # A step planned ahead starts on the worker as the step before it ends there, and its
+    # queue span ends when that step's result reaches the scheduler: the two overlap by the
+    # result's way back (2.3 ms seen on a 2-vCPU EPYC).
+    assert 0.85 * request_ms - 5 <= scheduler_ms <= request_ms + 5, (scheduler_ms, request_ms)
 
     attributes = dict(root.attributes)
     assert attributes["gen_ai.request.model"]

@@ -178,3 +178,45 @@ def test_a_gemma_gguf_is_not_converted_to_a_directory_that_would_lie(tmp_path: P
     write_gguf_of(Path(hf_dir), target, "gemma2", GEMMA2_PARTS)
     with pytest.raises(SystemExit, match="Gemma2ForCausalLM is not written as safetensors"):
         to_safetensors(str(target), str(tmp_path / "out"))
+
+
+def test_an_8k_context_keeps_the_window_of_its_sliding_layers(tmp_path: Path) -> None:
+    """Gemma 3's sliding layers keep their window (and a block) of an 8k-token context, the
+    full layer keeps it all, and the tokens are those of every layer keeping it all."""
+    from kvmesh.engine import Engine
+    from shared.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    window, block = 32, 16
+    model = save_random_checkpoint(
+        tmp_path / "hf", "gemma3", max_position_embeddings=8448, sliding_window=window
+    )
+    prompt = [3 + (i * 37) % 500 for i in range(8192)]
+    outputs, held = {}, []
+    for kept in ("full", "window"):
+        engine = Engine(
+            EngineConfig(
+                model=model,
+                weights="float32",
+                cache=CacheConfig(kv_memory_bytes=64 << 20, sliding_window_kv=kept),
+                scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=4),
+            )
+        )
+        worker = engine.worker
+        execute = worker.execute
+
+        def held_after(plan, worker=worker, execute=execute, kept=kept):  # type: ignore[no-untyped-def]
+            result = execute(plan)
+            states = list(worker.requests.values())
+            if kept == "window" and states and states[0].num_computed_tokens > len(prompt):
+                [state] = states  # decoding
+                held.append((len(state.block_ids), len([b for b in state.window_ids if b])))
+            return result
+
+        worker.execute = held_after  # type: ignore[method-assign]
+        [completion] = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))
+        outputs[kept] = completion.token_ids
+        layers = worker.architecture.style.sliding_layers
+        assert bool(worker.kv_shape.window_layers) == (kept == "window") and len(layers) == 2
+    assert outputs["window"] == outputs["full"]
+    assert held and all(full == 8192 // block + 1 for full, _ in held)
+    assert max(window_blocks for _, window_blocks in held) * block <= window + block

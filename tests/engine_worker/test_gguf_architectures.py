@@ -1,6 +1,8 @@
-"""Qwen3 and Phi-3 GGUFs as llama.cpp's converter writes them (Q and K rows not interleaved;
-Qwen3's `attn_q_norm` / `attn_k_norm` and head_dim as `key_length`; Phi-3's fused `attn_qkv` and
-`ffn_up`, its sliding window) against transformers on the checkpoint each was written from."""
+"""Qwen2, Qwen3, Mistral and Phi-3 GGUFs as llama.cpp's converter writes them (Q and K rows
+interleaved for Llama's architecture only, which Mistral's checkpoints are written as; Qwen2's
+Q/K/V biases; Qwen3's `attn_q_norm` / `attn_k_norm` and head_dim as `key_length`; Phi-3's fused
+`attn_qkv` and `ffn_up`, its sliding window) against transformers on the checkpoint each was
+written from."""
 
 from __future__ import annotations
 
@@ -30,6 +32,14 @@ GEMMA2_PARTS = (
 GEMMA3_PARTS = (*GEMMA2_PARTS, "attn_q_norm", "attn_k_norm")
 
 
+def all_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, one file or sharded."""
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    return tensors
+
+
 def write_gguf_of(
     hf_dir: Path,
     target: Path,
@@ -41,7 +51,7 @@ def write_gguf_of(
     import gguf
 
     config = json.loads((hf_dir / "config.json").read_text())
-    tensors = load_file(str(hf_dir / "model.safetensors"))
+    tensors = all_tensors(hf_dir)
     writer = gguf.GGUFWriter(str(target), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -107,6 +117,47 @@ def test_a_gguf_matches_transformers(
     assert engine.manifest["architecture"] == model.config.architectures[0]
     # Phi-3's 256-token window caps the context served (every layer attends to all of it).
     assert engine.worker.max_model_len == (256 if arch == "phi3" else 1024)
+    assert_mostly_matches(ours, expected)
+
+
+def _interleaved(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's `permute` for Llama's Q and K: each head's halves interleaved."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2)
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny_qwen2_dir", "tiny_mistral_dir"])
+def test_qwen2_and_mistral_ggufs_match_transformers(
+    checkpoint: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Qwen2 with its biases; Mistral as the converter writes it, a `llama` GGUF."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = Path(request.getfixturevalue(checkpoint))
+    config = json.loads((hf_dir / "config.json").read_text())
+    tensors = all_tensors(hf_dir)
+    qwen2 = checkpoint == "tiny_qwen2_dir"
+    heads = {"q": config["num_attention_heads"], "k": config["num_key_value_heads"]}
+
+    def projections(writer: Any) -> None:
+        writer.add_eos_token_id(config["eos_token_id"])
+        for i in range(config["num_hidden_layers"]):
+            for part in ("q", "k", "v") if qwen2 else ("q", "k"):
+                for kind in ("weight", "bias") if qwen2 else ("weight",):
+                    tensor = tensors[f"model.layers.{i}.self_attn.{part}_proj.{kind}"].float()
+                    if not qwen2:
+                        tensor = _interleaved(tensor, heads[part]).reshape(tensor.shape)
+                    writer.add_tensor(f"blk.{i}.attn_{part}.{kind}", tensor.numpy())
+
+    skipped = ("attn_q", "attn_k", "attn_v") if qwen2 else ("attn_q", "attn_k")
+    parts = tuple(p for p in _LAYER_PARTS if p not in (*skipped, "attn_q_norm", "attn_k_norm"))
+    target = tmp_path / "model.gguf"
+    write_gguf_of(hf_dir, target, "qwen2" if qwen2 else "llama", parts, projections)
+    prompts = [[5, 9, 200, 17], list(range(3, 60)), [44] * 20, list(range(100, 300, 7))]
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    expected = transformers_greedy(model, prompts, 16, eos=2)
+    ours, engine = kvmesh_greedy(str(target), prompts, 16)
+    name = "Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"
+    assert engine.manifest["architecture"] == name
     assert_mostly_matches(ours, expected)
 
 

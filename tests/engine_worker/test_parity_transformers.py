@@ -41,12 +41,18 @@ def run_kvmesh(
     model: str, prompts: list[list[int]], max_new: int, chunk: int | None, prefix: bool
 ) -> tuple[list[Greedy], Engine, int]:
     # Four sequences at a time: prompts are admitted over many steps, so later ones hit the
-    # prefix cache, and prefill chunks share steps with decodes.
+    # prefix cache, and prefill chunks share steps with decodes. A sliding-window model's
+    # sliding layers keep their window only (no prefix to reuse) unless they keep it all.
+    cache = CacheConfig(
+        kv_memory_bytes=64 << 20,
+        enable_prefix_caching=prefix,
+        sliding_window_kv="full" if prefix else "window",
+    )
     engine = Engine(
         EngineConfig(
             model=model,
             weights="float32",  # transformers' own arithmetic on the dequantized weights
-            cache=CacheConfig(kv_memory_bytes=64 << 20, enable_prefix_caching=prefix),
+            cache=cache,
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=256, max_num_seqs=4, prefill_chunk_size=chunk
             ),
@@ -82,6 +88,14 @@ def check_engine_state(engine: Engine, prefix: bool, largest_batch: int) -> None
     assert load.num_free_blocks == load.num_blocks  # every block came back
     assert largest_batch > 1
     assert (load.prefix_hit_tokens > 0) == prefix
+    window = engine.worker.window_blocks
+    sliding = bool(engine.worker.architecture.style.sliding_layers)
+    assert (window is not None) == (sliding and not prefix)
+    if window is not None:  # used, and every window block free or held by a request still
+        assert engine.manifest["sliding_window"] > 0  # on the worker (until the next plan)
+        states = engine.worker.requests.values()
+        held = sum(len([b for b in s.window_ids if b]) for s in states)
+        assert window.num_free + held == window.num_blocks - 1
 
 
 def hf_model(path: str):

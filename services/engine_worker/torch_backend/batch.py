@@ -36,30 +36,35 @@ def build_batch(
     head_dim: int,
     tables: numpy.ndarray | None = None,
     window: int | None = None,
+    window_blocks: bool = False,
 ) -> StepBatch:
     """Decodes (one new token) first, then prefill chunks, each request's tokens contiguous;
     `tables`: the worker's block tables (persistent_batch.py); `window`: the model's sliding
-    layers' (their own metadata beside the full layers')."""
-    flat = flatten(scheduled, block_size, tables)
+    layers' (their own metadata beside the full layers'); `window_blocks`: those layers keep
+    their window only, in blocks of their own (the requests' window_ids)."""
+    flat = flatten(scheduled, block_size, tables, windowed=window_blocks)
     positions = torch.tensor(flat.positions, dtype=torch.long)
-    key_write, value_write = kv_write_indices(
-        torch.tensor(flat.token_blocks, dtype=torch.long), positions, kv_heads, head_dim, block_size
-    )
 
-    def metadata(window: int | None) -> AttentionMetadata:
+    def metadata(window: int | None, own_blocks: bool = False) -> AttentionMetadata:
+        token_blocks = flat.window_token_blocks if own_blocks else flat.token_blocks
+        key_write, value_write = kv_write_indices(
+            torch.tensor(token_blocks, dtype=torch.long), positions, kv_heads, head_dim, block_size
+        )
+        prefill_blocks = flat.window_prefill_blocks if own_blocks else flat.prefill_blocks
+        decode_table = flat.window_decode_table if own_blocks else flat.decode_table
         segments = []
         for index, (start, context) in enumerate(
             zip(flat.prefill_starts, flat.prefill_context_lens, strict=True)
         ):
             mask = prefill_mask(start, context, window)
             token_start = flat.prefill_query_starts[index]
-            block_table = torch.tensor(flat.prefill_blocks[index])
+            block_table = torch.tensor(prefill_blocks[index])
             segments.append(
                 PrefillSegment(token_start, context - start, context, block_table, mask, window)
             )
         decode = None
         if flat.decode_context_lens:
-            pairs = _decode_pairs(flat.decode_table, flat.decode_context_lens, block_size, window)
+            pairs = _decode_pairs(decode_table, flat.decode_context_lens, block_size, window)
             decode = DecodeIndex.build(
                 **pairs, kv_heads=kv_heads, group=num_heads // kv_heads, head_dim=head_dim
             )
@@ -67,7 +72,7 @@ def build_batch(
 
     meta = metadata(None)
     if window is not None:
-        meta = dataclasses.replace(meta, windowed=metadata(window))
+        meta = dataclasses.replace(meta, windowed=metadata(window, window_blocks))
     return StepBatch(
         torch.tensor(flat.input_ids, dtype=torch.long),
         positions,

@@ -104,14 +104,19 @@ class CausalLM:
             q, k = qk[:, : arch.num_heads], qk[:, arch.num_heads :]
             v = qkv[:, self._qk_size :]
             k_cache, v_cache = kv_cache.layer(index)
+            layer_meta = _windowed(meta) if sliding else meta
             write_kv(
-                k_cache, v_cache, k, v.view(num_tokens, arch.num_kv_heads, arch.head_dim), meta
+                k_cache,
+                v_cache,
+                k,
+                v.view(num_tokens, arch.num_kv_heads, arch.head_dim),
+                layer_meta,
             )
             attn = paged_attention(
                 q,
                 k_cache,
                 v_cache,
-                _windowed(meta) if sliding else meta,
+                layer_meta,
                 self.scale,
                 self._exact_over_cache,
                 style.attn_softcap,

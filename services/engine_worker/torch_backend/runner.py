@@ -109,6 +109,7 @@ class Runner:
             arch.head_dim,
             tables,
             self.model.window,
+            bool(self.kv_cache.shape.window_layers),
         )
         if self.device.type != "cpu":  # the tensors only: the request states stay as they are
             batch = dataclasses.replace(
@@ -155,6 +156,7 @@ class Runner:
             self.arch.num_heads,
             self.arch.head_dim,
             window=self.model.window,
+            window_blocks=bool(self.kv_cache.shape.window_layers),
         )
         logits = self.model.forward(
             batch.input_ids, batch.positions, self.kv_cache, batch.meta, rows

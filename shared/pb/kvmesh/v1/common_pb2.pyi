@@ -174,7 +174,7 @@ class Error(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ..., retry_after_ms: _Optional[int] = ..., grpc_code: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "artifact_digest", "artifact_sha256", "artifact_path", "architecture", "num_parameters", "dtype", "quantization", "backend", "max_model_len", "kv_block_size", "kv_blocks", "kv_cache_bytes", "kv_bytes_per_token", "load_seconds", "warmup_seconds", "vocab_size", "eos_token_ids", "aliases", "default_sampling", "task", "embedding_dimensions", "runtime", "device", "threads", "tokenizer_digest", "cuda_graphs", "prepared_id", "serving_role", "max_step_tokens", "max_step_sampled_rows")
+    __slots__ = ("name", "version", "artifact_digest", "artifact_sha256", "artifact_path", "architecture", "num_parameters", "dtype", "quantization", "backend", "max_model_len", "kv_block_size", "kv_blocks", "kv_cache_bytes", "kv_bytes_per_token", "load_seconds", "warmup_seconds", "vocab_size", "eos_token_ids", "aliases", "default_sampling", "task", "embedding_dimensions", "runtime", "device", "threads", "tokenizer_digest", "cuda_graphs", "prepared_id", "serving_role", "max_step_tokens", "max_step_sampled_rows", "sliding_window", "kv_window_blocks")
     class ArtifactSha256Entry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,8 @@ class ModelInfo(_message.Message):
     SERVING_ROLE_FIELD_NUMBER: _ClassVar[int]
     MAX_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_STEP_SAMPLED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    KV_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     artifact_digest: str
@@ -260,4 +262,6 @@ class ModelInfo(_message.Message):
     serving_role: str
     max_step_tokens: int
     max_step_sampled_rows: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., artifact_digest: _Optional[str] = ..., artifact_sha256: _Optional[_Mapping[str, str]] = ..., artifact_path: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., load_seconds: _Optional[float] = ..., warmup_seconds: _Optional[float] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., aliases: _Optional[_Iterable[str]] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., task: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., runtime: _Optional[_Mapping[str, str]] = ..., device: _Optional[str] = ..., threads: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., cuda_graphs: _Optional[_Mapping[str, str]] = ..., prepared_id: _Optional[str] = ..., serving_role: _Optional[str] = ..., max_step_tokens: _Optional[int] = ..., max_step_sampled_rows: _Optional[int] = ...) -> None: ...
+    sliding_window: int
+    kv_window_blocks: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., artifact_digest: _Optional[str] = ..., artifact_sha256: _Optional[_Mapping[str, str]] = ..., artifact_path: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., load_seconds: _Optional[float] = ..., warmup_seconds: _Optional[float] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., aliases: _Optional[_Iterable[str]] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., task: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., runtime: _Optional[_Mapping[str, str]] = ..., device: _Optional[str] = ..., threads: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., cuda_graphs: _Optional[_Mapping[str, str]] = ..., prepared_id: _Optional[str] = ..., serving_role: _Optional[str] = ..., max_step_tokens: _Optional[int] = ..., max_step_sampled_rows: _Optional[int] = ..., sliding_window: _Optional[int] = ..., kv_window_blocks: _Optional[int] = ...) -> None: ...
