@@ -56,11 +56,11 @@ def resolve_backend(name: str) -> str:
 
 
 def backend_for_model(name: str, arch: ModelArchitecture, path: str) -> str:
-    """`resolve_backend`'s, where it runs the model: only the torch backend runs a layer other
-    than Llama's (Gemma's, a partial rotary, LongRoPE), refused by name before anything is
-    allocated."""
+    """`resolve_backend`'s, where it runs the model: the cupy backend runs Llama's layer and
+    Gemma 3's; the rest (Gemma 2's soft-caps, a partial rotary, LongRoPE) only the torch
+    backend, refused by name before anything is allocated."""
     backend = resolve_backend(name)
-    if backend != "torch" and not arch.llama_layer:
+    if backend != "torch" and not arch.cupy_layer:
         raise ModelValidationError(
             path,
             f"{arch.name} runs on the torch backend only",

@@ -18,7 +18,7 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {
         kind: save_random_checkpoint(tmp_path_factory.mktemp(kind), kind, **SHAPE)
-        for kind in ("llama", "qwen2", "qwen3", "phi3")
+        for kind in ("llama", "qwen2", "qwen3", "phi3", "gemma3")
     }
 
 

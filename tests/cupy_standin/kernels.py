@@ -54,9 +54,10 @@ def add_rms_norm(name: str, grid: Grid, args: tuple) -> None:
 
 
 def embed_rms_norm(name: str, grid: Grid, args: tuple) -> None:
-    out, residual, table, ids, weight, hidden, eps = args
-    count = grid[0]
-    residual.reshape(-1, hidden)[:count] = table.reshape(-1, hidden)[ids[:count]]
+    out, residual, table, ids, weight, hidden, eps, scale = args
+    s, count = _suffix(name), grid[0]
+    embedded = to_float(table.reshape(-1, hidden)[ids[:count]], s)
+    residual.reshape(-1, hidden)[:count] = rounded(embedded * numpy.float32(scale), s)
     add_rms_norm(name, grid, (out, residual, None, weight, None, hidden, eps))
 
 
@@ -205,6 +206,7 @@ def paged_decode_attention(name: str, grid: Grid, args: tuple) -> None:
         kv_heads,
         min_partition,
         scale,
+        window,
     ) = args
     s, dim = _suffix(name), _head_dim(name)
     block = int(re.search(r"_b(\d+)$", name).group(1))  # type: ignore[union-attr]
@@ -232,10 +234,13 @@ def paged_decode_attention(name: str, grid: Grid, args: tuple) -> None:
         length = int(context_lens[seq])
         k, v = _keys_and_values((keys, values), tables[seq], length, heads, kv_heads, block, dim, s)
         query = q[seq] * scale
-        parts = [
-            online_softmax(query, k[first:end], v[first:end], 256)  # chunks: same maths
-            for first, end in decode_splits(length, max_splits, block, min_partition)
+        start = max(0, length - window) if window > 0 else 0  # a sliding layer's first key
+        base = start // block * block  # its splits start at its window's first block
+        spans = [
+            (max(base + first, start), base + end)
+            for first, end in decode_splits(length - base, max_splits, block, min_partition)
         ]
+        parts = [online_softmax(query, k[lo:hi], v[lo:hi], 256) for lo, hi in spans]
         for split, (top, total, unnormalized) in enumerate(parts):
             p_out[seq, :, split], p_stats[seq, :, split] = (
                 unnormalized,
@@ -263,6 +268,7 @@ def paged_prefill_attention(name: str, grid: Grid, args: tuple) -> None:
         kv_heads,
         block,
         scale,
+        window,
     ) = args
     s, dim = _suffix(name), _head_dim(name)
     covered, seqs = grid[0] * 4, grid[1]  # four queries (warps) per block
@@ -276,7 +282,11 @@ def paged_prefill_attention(name: str, grid: Grid, args: tuple) -> None:
         k, v = _keys_and_values((keys, values), tables[seq], length, heads, kv_heads, block, dim, s)
         scores = numpy.einsum("qhd,thd->hqt", q * scale, k)
         positions = length - chunk + numpy.arange(num_q)
-        scores[:, numpy.arange(length)[None, :] > positions[:, None]] = -numpy.inf
+        key_positions = numpy.arange(length)[None, :]
+        hidden = key_positions > positions[:, None]
+        if window > 0:  # a sliding layer's: keys more than a window back are hidden too
+            hidden |= key_positions <= positions[:, None] - window
+        scores[:, hidden] = -numpy.inf
         weights = numpy.exp(scores - scores.max(axis=2, keepdims=True))
         attended = numpy.einsum("hqt,thd->qhd", weights, v) / weights.sum(axis=2).T[..., None]
         target = out.reshape(-1, out_stride)
@@ -289,6 +299,16 @@ def silu_and_mul(name: str, grid: Grid, args: tuple) -> None:
     rows = to_float(gate_up.reshape(-1, 2 * inner)[:tokens], s)
     gate, up = rows[:, :inner], rows[:, inner:]
     activated = to_float(rounded(gate / (1.0 + numpy.exp(-gate)), s), s)
+    out.reshape(-1, inner)[:tokens] = rounded(activated * up, s)
+
+
+def gelu_tanh_and_mul(name: str, grid: Grid, args: tuple) -> None:
+    out, gate_up, inner = args
+    s, tokens = _suffix(name), grid[0]
+    rows = to_float(gate_up.reshape(-1, 2 * inner)[:tokens], s)
+    gate, up = rows[:, :inner], rows[:, inner:]
+    cubic = numpy.float32(0.7978845608028654) * (gate + numpy.float32(0.044715) * gate**3)
+    activated = to_float(rounded(numpy.float32(0.5) * gate * (1.0 + numpy.tanh(cubic)), s), s)
     out.reshape(-1, inner)[:tokens] = rounded(activated * up, s)
 
 
@@ -358,6 +378,7 @@ REFERENCES: dict[str, Callable[[str, Grid, tuple], None]] = {
     "paged_prefill_attention": paged_prefill_attention,
     "silu_and_mul": silu_and_mul,
     "bias_add": bias_add,
+    "gelu_tanh_and_mul": gelu_tanh_and_mul,
     "sample_tokens": sample_tokens,
 }
 

@@ -1,6 +1,7 @@
 """Gemma 2 and 3 (text) on the torch backend: GGUFs as llama.cpp's converter writes them against
 transformers, logprobs through the soft-capped head, sliding layers that read their window
-only, packed weights, and the backends that refuse them.
+only and keep it alone, packed weights, and the backend that refuses Gemma 2 (Gemma 3 on the
+cupy backend: tests/cupy_standin/).
 
 Greedy parity from the safetensors directories, with batching, chunked prefill and prefix
 caching, is in test_parity_transformers.py."""
@@ -132,17 +133,18 @@ def test_packed_weights_run_gemma_eager(tiny_gemma3_dir: str) -> None:
     assert matches >= 6, matches  # int8 rows round; the tokens follow the float model's
 
 
-def test_the_cupy_backend_refuses_gemma_by_name(
-    tiny_gemma3_dir: str, monkeypatch: pytest.MonkeyPatch
+def test_the_cupy_backend_refuses_gemma2_by_name(
+    tiny_gemma2_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Its soft-capped scores are the torch backend's alone (Gemma 3 runs on both)."""
     from services.engine_worker import backends
     from services.engine_worker.worker import Worker
     from shared.config import EngineConfig
 
     monkeypatch.setattr(backends, "cuda_devices", lambda: 1)  # as if a GPU were there
     with pytest.raises(ModelValidationError) as refused:
-        Worker(EngineConfig(model=tiny_gemma3_dir, backend="cupy"))
-    assert "Gemma3ForCausalLM runs on the torch backend only" in str(refused.value)
+        Worker(EngineConfig(model=tiny_gemma2_dir, backend="cupy"))
+    assert "Gemma2ForCausalLM runs on the torch backend only" in str(refused.value)
 
 
 def test_a_prepared_gemma_loads_with_its_norms(

@@ -86,10 +86,11 @@ def test_auto_picks_cupy_on_a_gpu() -> None:
     assert engine.worker.manifest.backend == "cupy"
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen3", "phi3", "gemma3"])
 def test_newer_architectures_match_the_torch_backend(kind: str, tmp_path_factory) -> None:
-    """Qwen3's per-head Q/K norm kernel and Phi-3's fused projections on the GPU, float32,
-    graphs on: the torch backend's greedy tokens, up to near-ties."""
+    """Qwen3's per-head Q/K norm kernel, Phi-3's fused projections and Gemma 3's layer (GeGLU,
+    sandwich norms, sliding windows in both attention kernels) on the GPU, float32, graphs on:
+    the torch backend's greedy tokens, up to near-ties."""
     from tests.model_fixtures import save_random_checkpoint
 
     shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4)
@@ -114,3 +115,66 @@ def test_newer_architectures_match_the_torch_backend(kind: str, tmp_path_factory
     verdicts = [compare(o, r) for o, r in zip(greedy("cupy"), greedy("torch"), strict=True)]
     assert all(v in ("match", "near_tie") for v in verdicts), verdicts
     assert verdicts.count("match") >= len(verdicts) // 2, verdicts
+
+
+def test_gemma3_sliding_layers_give_the_torch_backends_logprobs(tmp_path_factory) -> None:
+    """Greedy tokens of random weights hide a layer reading past its window; logprobs show it
+    (moved by up to 1.0 on the stand-in): both attention kernels' windows, float32."""
+    from tests.model_fixtures import save_random_checkpoint
+
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    path = save_random_checkpoint(tmp_path_factory.mktemp("gemma3"), "gemma3", **shape)
+    prompts = mixed_prompts(3, 500)  # many past the 24-token window
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True)
+
+    def run(backend: str) -> list:
+        weights = "float32" if backend == "torch" else "auto"
+        config = EngineConfig(
+            model=path,
+            backend=backend,
+            dtype="float32",
+            weights=weights,
+            cache=CacheConfig(kv_memory_bytes=16 << 20),
+        )
+        return Engine(config).generate(prompts, params)
+
+    compared = 0
+    for ours, theirs in zip(run("cupy"), run("torch"), strict=True):
+        if ours.token_ids != theirs.token_ids:
+            continue  # a near-tie took another path; the tokens test judges those
+        compared += 1
+        for a, b in zip(ours.logprobs, theirs.logprobs, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=2e-3)
+    assert compared >= len(prompts) // 2
+
+
+def test_gemma3_head_dim_256_runs_in_bfloat16(tmp_path_factory) -> None:
+    """Gemma 3 1B-12B's head_dim: both attention kernels' 256 instantiations (16-bit only;
+    float32 is refused at load), against the torch backend up to near-ties."""
+    from tests.model_fixtures import save_random_checkpoint
+
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    path = save_random_checkpoint(
+        tmp_path_factory.mktemp("gemma3-256"),
+        "gemma3",
+        num_key_value_heads=1,
+        head_dim=256,
+        **shape,
+    )
+    prompts = mixed_prompts(3, 500)
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=TOP)
+
+    def greedy(backend: str) -> list[Greedy]:
+        config = EngineConfig(
+            model=path,
+            backend=backend,
+            dtype="bfloat16",
+            cache=CacheConfig(kv_memory_bytes=16 << 20),
+        )
+        done = Engine(config).generate(prompts, params)
+        return [Greedy(c.token_ids, [[t for t, _ in lp.top] for lp in c.logprobs]) for c in done]
+
+    verdicts = [compare(o, r) for o, r in zip(greedy("cupy"), greedy("torch"), strict=True)]
+    assert all(v in ("match", "near_tie") for v in verdicts), verdicts
+    with pytest.raises(ValueError, match="256 in float16 or bfloat16"):
+        Engine(EngineConfig(model=path, backend="cupy", dtype="float32"))

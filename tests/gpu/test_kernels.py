@@ -30,7 +30,10 @@ from services.engine_worker.cupy_backend.kernels.rms_norm import (
     head_rms_norm,
 )
 from services.engine_worker.cupy_backend.kernels.rotary_and_cache import rotary_and_cache
-from services.engine_worker.cupy_backend.kernels.silu_and_mul import silu_and_mul
+from services.engine_worker.cupy_backend.kernels.silu_and_mul import (
+    gelu_tanh_and_mul,
+    silu_and_mul,
+)
 from tests.gpu.reference import SPECS, assert_close, get, put, put_int, rounded
 
 # (num_heads, kv_heads, head_dim): SmolLM2-135M, a Llama-3-8B layer, MHA with small heads.
@@ -49,6 +52,11 @@ def test_embed_rms_norm_gathers_then_normalizes(spec: DTypeSpec, hidden: int) ->
     assert torch.equal(get(residual, spec), rows)
     normed = rounded(rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + 1e-5), spec)
     assert_close(get(out, spec), normed * rounded(weight, spec), spec)
+    # Gemma's scale (sqrt(hidden), as the compute dtype holds it), on the gathered rows.
+    scale = float(rounded(torch.tensor(hidden**0.5), spec))
+    table_d, ids_d, weight_d = put(table, spec), put_int(ids), put(weight, spec)
+    embed_rms_norm(out, residual, table_d, ids_d, weight_d, 1e-5, spec, scale)
+    assert torch.equal(get(residual, spec), rounded(rows * scale, spec))
 
 
 @by_name
@@ -177,6 +185,9 @@ def test_silu_and_mul_and_bias_add(spec: DTypeSpec) -> None:
     silu_and_mul(out, put(gate_up, spec), spec)
     x = rounded(gate_up, spec)
     assert_close(get(out, spec), rounded(F.silu(x[:, :1536]), spec) * x[:, 1536:], spec)
+    gelu_tanh_and_mul(out, put(gate_up, spec), spec)  # Gemma's GeGLU
+    gelu = rounded(F.gelu(x[:, :1536], approximate="tanh"), spec)
+    assert_close(get(out, spec), gelu * x[:, 1536:], spec)
     rows, bias = torch.randn(5, 960), torch.randn(960)
     rows_d = put(rows, spec)
     bias_add(rows_d, put(bias, spec), spec)
@@ -209,8 +220,10 @@ def reference_attention(
     context: int,
     query_positions: list[int],
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """q (n, H, D) at the given positions over one sequence's paged context -> (n, H, D)."""
+    """q (n, H, D) at the given positions over one sequence's paged context -> (n, H, D);
+    `window` > 0: each query sees its last `window` positions only (a sliding layer)."""
     num_heads, kv_heads = q.shape[1], keys.shape[1]
     k = keys[table].permute(1, 0, 2, 3).reshape(kv_heads, -1, keys.shape[3])[:, :context]
     v = values[table].permute(1, 0, 2, 3).reshape(kv_heads, -1, keys.shape[3])[:, :context]
@@ -218,6 +231,8 @@ def reference_attention(
     v = v.repeat_interleave(num_heads // kv_heads, 0)
     scores = torch.einsum("nhd,hcd->nhc", q, k) * scale
     visible = torch.arange(context)[None, :] <= torch.tensor(query_positions)[:, None]
+    if window > 0:
+        visible &= torch.arange(context)[None, :] > torch.tensor(query_positions)[:, None] - window
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     return torch.einsum("nhc,hcd->nhd", scores.softmax(-1), v)
 
@@ -226,11 +241,19 @@ def reference_attention(
 @pytest.mark.parametrize(("num_heads", "kv_heads", "head_dim"), HEAD_SHAPES)
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("grid_splits", [1, 5, 64])
+@pytest.mark.parametrize("window", [0, 100])
 def test_paged_decode_attention(
-    spec: DTypeSpec, num_heads: int, kv_heads: int, head_dim: int, block: int, grid_splits: int
+    spec: DTypeSpec,
+    num_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block: int,
+    grid_splits: int,
+    window: int,
 ) -> None:
     """One block, a partial block, split edges and many splits; launched twice, so a merge
-    ticket left set would show in the second run."""
+    ticket left set would show in the second run. A window of 100 (a sliding layer's) starts
+    mid-block."""
     contexts = [1, 17, 256, 257, 3000, 9000]
     blocks_needed = [math.ceil(c / block) for c in contexts]
     num_blocks = sum(blocks_needed) + 3
@@ -253,12 +276,12 @@ def test_paged_decode_attention(
     for _ in range(2):
         paged_decode_attention(
             out, put(qkv, spec), key_d, value_d, cupy.asarray(table), put_int(contexts),
-            num_heads, scale, scratch, spec,
+            num_heads, scale, scratch, spec, window=window,
         )  # fmt: skip
         actual = get(out, spec).view(-1, num_heads, head_dim)
         for row, context in enumerate(contexts):
             expected = reference_attention(
-                q[row : row + 1], k_ref, v_ref, tables[row], context, [context - 1], scale
+                q[row : row + 1], k_ref, v_ref, tables[row], context, [context - 1], scale, window
             )
             assert_close(actual[row : row + 1], expected, spec)
     assert not cupy.asnumpy(scratch.tickets).any()
@@ -312,8 +335,9 @@ def test_fused_decode_attention_rotates_writes_the_new_token_and_attends_to_it(
 @by_name
 @pytest.mark.parametrize(("num_heads", "kv_heads", "head_dim"), HEAD_SHAPES)
 @pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("window", [0, 24])
 def test_paged_prefill_attention_over_cached_prefixes(
-    spec: DTypeSpec, num_heads: int, kv_heads: int, head_dim: int, block: int
+    spec: DTypeSpec, num_heads: int, kv_heads: int, head_dim: int, block: int, window: int
 ) -> None:
     # (cached prefix, new tokens): a fresh prompt, a chunk after a cached prefix, one token.
     segments = [(0, 37), (40, 25), (64, 1), (5, 70)]
@@ -346,6 +370,7 @@ def test_paged_prefill_attention_over_cached_prefixes(
         num_heads,
         scale,
         spec,
+        window,
     )
     q = rounded(qkv, spec)[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
     actual = get(out, spec).view(tokens, num_heads, head_dim)
@@ -354,6 +379,6 @@ def test_paged_prefill_attention_over_cached_prefixes(
         rows = slice(int(starts[row]), int(starts[row + 1]))
         positions = list(range(cached, cached + new))
         expected = reference_attention(
-            q[rows], k_ref, v_ref, tables[row], contexts[row], positions, scale
+            q[rows], k_ref, v_ref, tables[row], contexts[row], positions, scale, window
         )
         assert_close(actual[rows], expected, spec)

@@ -76,6 +76,18 @@ class ModelArchitecture:
         return self.style.is_llama and rope.partial == 1.0 and rope.rope_type != "longrope"
 
     @property
+    def cupy_layer(self) -> bool:
+        """What the cupy backend runs: Llama's layer, or Gemma's without soft-capped scores
+        (Gemma 3), with a full rotary and no LongRoPE."""
+        rope, style = self.rope, self.style
+        return (
+            style.attn_softcap is None
+            and style.final_softcap is None
+            and rope.partial == 1.0
+            and rope.rope_type != "longrope"
+        )
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

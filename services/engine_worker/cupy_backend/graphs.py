@@ -20,7 +20,8 @@ from typing import Any
 
 from services.engine_worker.cupy_backend.batch import GpuBatch
 from services.engine_worker.cupy_backend.device_sampling import DeviceRows
-from services.engine_worker.cupy_backend.model import CupyCausalLM, GpuKVCache
+from services.engine_worker.cupy_backend.kv_pool import GpuKVCache
+from services.engine_worker.cupy_backend.model import CupyCausalLM
 from services.engine_worker.cupy_backend.packed_inputs import PackedInputs
 from services.engine_worker.cupy_backend.workspace import Workspace
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import cupy
-import numpy
 import torch
 
 from services.engine_worker.artifacts.architecture import ModelArchitecture
+from services.engine_worker.artifacts.rope import RopeSpec
 from services.engine_worker.artifacts.weights import ModelWeights
 from services.engine_worker.cupy_backend.batch import GpuBatch
 from services.engine_worker.cupy_backend.cublas_gemm import CUDA_R_32F, CublasGemm
@@ -38,11 +38,21 @@ from services.engine_worker.cupy_backend.kernels.rms_norm import (
 )
 from services.engine_worker.cupy_backend.kernels.rotary_and_cache import rotary_and_cache
 from services.engine_worker.cupy_backend.kernels.sample_tokens import SamplingRows, sample_tokens
-from services.engine_worker.cupy_backend.kernels.silu_and_mul import silu_and_mul
+from services.engine_worker.cupy_backend.kernels.silu_and_mul import (
+    gelu_tanh_and_mul,
+    silu_and_mul,
+)
+from services.engine_worker.cupy_backend.kv_pool import GpuKVCache
 from services.engine_worker.cupy_backend.workspace import Workspace
-from services.engine_worker.kv_cache import KVCacheShape
 
 _TORCH_STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.int16}
+
+
+def _rope_tables(rope: RopeSpec, head_dim: int, max_positions: int) -> tuple[Any, Any]:
+    """cos and sin, (positions, D / 2) float32 each."""
+    positions = torch.arange(max_positions, dtype=torch.float32)[:, None]
+    freqs = positions * rope.inv_freq(head_dim)[None, :]
+    return cupy.asarray(freqs.cos().numpy()), cupy.asarray(freqs.sin().numpy())
 
 
 def to_device(tensor: torch.Tensor, spec: DTypeSpec) -> Any:
@@ -62,6 +72,9 @@ class GpuLayer:
     gate_up: Any  # (hidden, 2 inter)
     down: Any  # (inter, hidden)
     qk_norm: Any | None = None  # (heads + kv_heads, head_dim): Qwen3's per-head Q/K norms
+    # Gemma's norms of the attention's and the MLP's outputs, before their residual adds.
+    attn_out_norm: Any | None = None
+    mlp_out_norm: Any | None = None
 
 
 class GpuWeights:
@@ -73,59 +86,9 @@ class GpuWeights:
         self.final_norm = put(weights.final_norm)
         self.lm_head = put(weights.lm_head)
         self.layers = tuple(
-            # Llama's layer only (backends.check_backend_runs): no sandwich norms to carry.
             GpuLayer(**{f.name: put(getattr(layer, f.name)) for f in fields(GpuLayer)})
             for layer in weights.layers
         )
-
-
-class GpuKVCache:
-    """Per layer K and V, each (num_blocks, kv_heads, block_size, head_dim): one pool."""
-
-    def __init__(self, shape: KVCacheShape, spec: DTypeSpec, stream: Any = None) -> None:
-        self.shape = shape
-        self.stream = stream  # the steps' stream: a block read or loaded is ordered on it
-        dims = (
-            shape.num_layers,
-            2,
-            shape.num_blocks,
-            shape.num_kv_heads,
-            shape.block_size,
-            shape.head_dim,
-        )
-        self.pool = cupy.zeros(dims, dtype=spec.storage)
-
-    @property
-    def num_bytes(self) -> int:
-        return int(self.pool.nbytes)
-
-    def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
-        """As the torch KVCache's: each destination block becomes its source's copy."""
-        if pairs:
-            sources, destinations = (list(column) for column in zip(*pairs, strict=True))
-            self.pool[:, :, destinations] = self.pool[:, :, sources]
-
-    def layer(self, index: int) -> tuple[Any, Any]:
-        return self.pool[index, 0], self.pool[index, 1]
-
-    def read_block(self, block_id: int) -> bytes:
-        """One block's K and V for every layer, contiguous, copied to the host after the
-        steps queued before it."""
-        with self.stream:
-            block = cupy.asnumpy(cupy.ascontiguousarray(self.pool[:, :, block_id]))
-            self.stream.synchronize()
-        return bytes(block.tobytes())
-
-    def write_block(self, block_id: int, payload: bytes | memoryview) -> None:
-        shape = self.pool[:, :, block_id].shape
-        host = numpy.frombuffer(payload, dtype=self.pool.dtype).reshape(shape)
-        with self.stream:  # before the step that reads it, on the same stream
-            self.pool[:, :, block_id] = cupy.asarray(host)
-            self.stream.synchronize()  # `host` is a view of `payload`: done with it
-
-    @property
-    def block_payload_bytes(self) -> int:
-        return int(self.pool[:, :, 0].nbytes)
 
 
 @dataclass(frozen=True)
@@ -179,13 +142,23 @@ class CupyCausalLM:
         self.spec = spec
         self.gemm = gemm
         self.weights = GpuWeights(weights, spec)
-        freqs = (
-            torch.arange(max_positions, dtype=torch.float32)[:, None]
-            * (arch.rope.inv_freq(arch.head_dim)[None, :])
+        style = arch.style
+        self.cos, self.sin = _rope_tables(arch.rope, arch.head_dim, max_positions)
+        # Sliding layers (Gemma 3) read their window only, rotated with a RoPE of their own.
+        self.local_cos, self.local_sin = (
+            (self.cos, self.sin)
+            if style.local_rope is None
+            else _rope_tables(style.local_rope, arch.head_dim, max_positions)
         )
-        self.cos = cupy.asarray(freqs.cos().numpy())  # (positions, D / 2) float32
-        self.sin = cupy.asarray(freqs.sin().numpy())
-        self.scale = arch.head_dim**-0.5
+        self.window = style.sliding_window or 0
+        self.scale = style.attention_scale or arch.head_dim**-0.5
+        # Gemma's embedding scale as the compute dtype holds it, as the torch model applies it.
+        self.embed_scale = 1.0
+        if style.embed_scale is not None:
+            self.embed_scale = float(
+                torch.tensor(style.embed_scale, dtype=getattr(torch, spec.name))
+            )
+        self.activate = silu_and_mul if style.activation == "silu" else gelu_tanh_and_mul
 
     def forward(self, batch: DeviceBatch, cache: GpuKVCache, ws: Workspace) -> Any:
         """Logits (S, vocab) float32, a view into the workspace (valid until the next call).
@@ -204,8 +177,14 @@ class CupyCausalLM:
         x, normed, qkv = ws.residual[:tokens], ws.normed[:tokens], ws.qkv[:tokens]
         attn, proj = ws.attn[:tokens], ws.proj[:tokens]
         eps = arch.rms_norm_eps
-        embed_rms_norm(normed, x, w.embed, batch.input_ids, w.layers[0].input_norm, eps, spec)
+        embed_rms_norm(
+            normed, x, w.embed, batch.input_ids, w.layers[0].input_norm, eps, spec, self.embed_scale
+        )
+        sliding_layers = arch.style.sliding_layers
         for index, layer in enumerate(w.layers):
+            sliding = index in sliding_layers
+            cos, sin = (self.local_cos, self.local_sin) if sliding else (self.cos, self.sin)
+            window = self.window if sliding else 0
             if index:  # residual += the previous layer's MLP output; normed = its input norm.
                 add_rms_norm(normed, x, layer.input_norm, eps, spec, delta=proj)
             gemm(normed, layer.qkv, qkv, spec)
@@ -214,14 +193,14 @@ class CupyCausalLM:
             key_cache, value_cache = cache.layer(index)
             fused = None
             if decode_only:
-                fused = FusedWrite(layer.qkv_bias, batch.positions, self.cos, self.sin, batch.slots)
+                fused = FusedWrite(layer.qkv_bias, batch.positions, cos, sin, batch.slots)
             else:
                 rotary_and_cache(
                     qkv,
                     layer.qkv_bias,
                     batch.positions,
-                    self.cos,
-                    self.sin,
+                    cos,
+                    sin,
                     batch.slots,
                     key_cache,
                     value_cache,
@@ -241,6 +220,7 @@ class CupyCausalLM:
                     scratch,
                     spec,
                     fused,
+                    window=window,
                 )
             if not decode_only:
                 paged_prefill_attention(
@@ -255,14 +235,19 @@ class CupyCausalLM:
                     arch.num_heads,
                     self.scale,
                     spec,
+                    window,
                 )
             gemm(attn, layer.o_proj, proj, spec)
             if layer.o_bias is not None:
                 bias_add(proj, layer.o_bias, spec)
+            if layer.attn_out_norm is not None:  # in place: one row of `hidden` per token
+                head_rms_norm(proj, layer.attn_out_norm.reshape(1, -1), eps, spec)
             add_rms_norm(normed, x, layer.post_norm, eps, spec, delta=proj)
             gemm(normed, layer.gate_up, ws.gate_up[:tokens], spec)
-            silu_and_mul(ws.act[:tokens], ws.gate_up[:tokens], spec)
+            self.activate(ws.act[:tokens], ws.gate_up[:tokens], spec)
             gemm(ws.act[:tokens], layer.down, proj, spec)
+            if layer.mlp_out_norm is not None:
+                head_rms_norm(proj, layer.mlp_out_norm.reshape(1, -1), eps, spec)
         # The last MLP add and the final norm only where a token is sampled.
         final = ws.final[:samples]
         add_rms_norm(final, x, w.final_norm, eps, spec, delta=proj, rows=batch.sample_rows)

@@ -25,7 +25,8 @@ from services.engine_worker.cupy_backend.device_sampling import DeviceRows, row_
 from services.engine_worker.cupy_backend.graphs import DecodeGraphs, buckets_up_to
 from services.engine_worker.cupy_backend.kernels.library import DTYPES
 from services.engine_worker.cupy_backend.kernels.paged_decode_attention import check_shape
-from services.engine_worker.cupy_backend.model import CupyCausalLM, DeviceBatch, GpuKVCache
+from services.engine_worker.cupy_backend.kv_pool import GpuKVCache
+from services.engine_worker.cupy_backend.model import CupyCausalLM, DeviceBatch
 from services.engine_worker.cupy_backend.packed_inputs import PackedInputs
 from services.engine_worker.cupy_backend.step_timing import StepTiming
 from services.engine_worker.cupy_backend.workspace import (
@@ -83,8 +84,14 @@ class Runner:
         dtype: torch.dtype,
         config: EngineConfig,
     ) -> None:
-        check_shape(arch.num_heads, arch.num_kv_heads, arch.head_dim, kv_shape.block_size)
         self.spec = DTYPES[_DTYPE_NAMES[dtype]]
+        check_shape(
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+            kv_shape.block_size,
+            self.spec.itemsize,
+        )
         self.arch = arch
         self.block_size = kv_shape.block_size
         self.weights_resident_bytes = weights.resident_bytes  # copied to the GPU as they are

@@ -21,12 +21,17 @@
 // token's K (biased, rotated) and V (biased) into the cache at its slot (-1: a padded row of
 // a captured graph, nothing written): no rotary or KV-write launch. Unfused mode reads
 // queries that rotary_and_cache.cu already rotated.
+// A sliding layer (window > 0) reads the last `window` positions only: its splits cover the
+// blocks from the window's first, and the positions before it in that block are skipped.
 // K/V cache layout: (num_blocks, kv_heads, BLOCK, D). fp32 math throughout.
 #include "common.cuh"
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxGroup = 8;  // query heads per KV head; the launcher checks
+// Three CTAs an SM: ptxas may use up to 168 registers a thread (it spilled at 128, its own
+// pick, once the sliding window's bounds were added).
+constexpr int kMinCtasPerSm = 3;
 
 // A 16-byte vector of T as floats.
 __device__ __forceinline__ void unpack(const uint4& raw, float (&out)[4], float) {
@@ -73,7 +78,7 @@ __device__ void paged_decode_attention(
     const float* __restrict__ sin_table, const int* __restrict__ positions,
     const long long* __restrict__ slots, T* key_cache, T* value_cache,
     const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ context_lens,
-    int num_heads, int kv_heads, int min_partition, float scale) {
+    int num_heads, int kv_heads, int min_partition, float scale, int window) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kLanesPerPos = D / kVec;
   constexpr int kPosPerPass = 32 / kLanesPerPos;
@@ -91,13 +96,16 @@ __device__ void paged_decode_attention(
   const int split = blockIdx.x, seq = blockIdx.y, kv_head = blockIdx.z;
   const int group = num_heads / kv_heads, first_head = kv_head * group;
   const int context = context_lens[seq];
+  const int start = window > 0 ? max(0, context - window) : 0;  // the first position read
+  const int start_block = start / BLOCK;
   const int context_blocks = (context + BLOCK - 1) / BLOCK;
-  const int wanted = max(1, (context + min_partition - 1) / min_partition);
-  const int blocks_per_split = (context_blocks + min(wanted, (int)gridDim.x) - 1) /
+  const int span_blocks = context_blocks - start_block;
+  const int wanted = max(1, (context - start_block * BLOCK + min_partition - 1) / min_partition);
+  const int blocks_per_split = (span_blocks + min(wanted, (int)gridDim.x) - 1) /
                                min(wanted, (int)gridDim.x);
-  const int splits = (context_blocks + blocks_per_split - 1) / blocks_per_split;  // none empty
+  const int splits = (span_blocks + blocks_per_split - 1) / blocks_per_split;  // none empty
   if (split >= splits) return;
-  const int first_block = split * blocks_per_split;
+  const int first_block = start_block + split * blocks_per_split;
   const int end_block = min(first_block + blocks_per_split, context_blocks);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const T* row = qkv + static_cast<long long>(seq) * row_stride;
@@ -161,7 +169,8 @@ __device__ void paged_decode_attention(
       }
 #pragma unroll
       for (int i = 0; i < kInFlight; ++i) {
-        const bool live = (round + i) * kPosPerPass + slot_in_pass < valid;
+        const int in_block = (round + i) * kPosPerPass + slot_in_pass;
+        const bool live = in_block < valid && b * BLOCK + in_block >= start;
         float k[kVec], v[kVec];
         unpack(k_raw[i], k, T());
         unpack(v_raw[i], v, T());
@@ -271,23 +280,46 @@ __device__ void paged_decode_attention(
   if (tid == 0) tickets[seq * kv_heads + kv_head] = 0;  // ready for the next launch
 }
 
+// A lane's 16-byte chunk must divide a position's K row among at most 32 lanes: head_dim 256
+// (Gemma 3) in 16-bit types only. The float32 instantiation is a stub the launcher never
+// calls (check_shape refuses it), so one module still holds every storage type.
+template <typename T, int D>
+constexpr bool kLaidOut = D / (16 / sizeof(T)) <= 32;
+
+template <typename T, int D, int BLOCK>
+__device__ void decode_entry(
+    T* out, float* partial_out, float* partial_stats, int* tickets, const T* qkv, int row_stride,
+    const T* qkv_bias, const float* cos_table, const float* sin_table, const int* positions,
+    const long long* slots, T* key_cache, T* value_cache, const int* block_tables,
+    int max_blocks, const int* context_lens, int num_heads, int kv_heads, int min_partition,
+    float scale, int window) {
+  if constexpr (kLaidOut<T, D>) {
+    paged_decode_attention<T, D, BLOCK>(
+        out, partial_out, partial_stats, tickets, qkv, row_stride, qkv_bias, cos_table,
+        sin_table, positions, slots, key_cache, value_cache, block_tables, max_blocks,
+        context_lens, num_heads, kv_heads, min_partition, scale, window);
+  } else {
+    __trap();
+  }
+}
+
 // DECODE_FOR expands its arguments (KVMESH_HEAD_DIM...) before DECODE_NAMED pastes them.
 #define DECODE_FOR(SUFFIX, T, D, BLOCK) DECODE_NAMED(SUFFIX, T, D, BLOCK)
 #define DECODE_NAMED(SUFFIX, T, D, BLOCK)                                                   \
-  extern "C" __global__ void __launch_bounds__(kThreads)                                    \
+  extern "C" __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)                     \
       paged_decode_attention_##SUFFIX##_d##D##_b##BLOCK(                                    \
           T* out, float* partial_out, float* partial_stats, int* tickets, const T* qkv,     \
           int row_stride, const T* qkv_bias, const float* cos_table, const float* sin_table, \
           const int* positions, const long long* slots, T* key_cache, T* value_cache,       \
           const int* block_tables, int max_blocks, const int* context_lens, int num_heads,  \
-          int kv_heads, int min_partition, float scale) {                                   \
-    paged_decode_attention<T, D, BLOCK>(                                                    \
+          int kv_heads, int min_partition, float scale, int window) {                       \
+    decode_entry<T, D, BLOCK>(                                                              \
         out, partial_out, partial_stats, tickets, qkv, row_stride, qkv_bias, cos_table,     \
         sin_table, positions, slots, key_cache, value_cache, block_tables, max_blocks,      \
-        context_lens, num_heads, kv_heads, min_partition, scale);                           \
+        context_lens, num_heads, kv_heads, min_partition, scale, window);                   \
   }
 // Every head size and block size (the compile check), or only KVMESH_HEAD_DIM and
-// KVMESH_BLOCK_SIZE when the launcher defines them: NVRTC then compiles 3 kernels, not 27.
+// KVMESH_BLOCK_SIZE when the launcher defines them: NVRTC then compiles 3 kernels, not 36.
 #if defined(KVMESH_HEAD_DIM) && defined(KVMESH_BLOCK_SIZE)
 #define DECODE(SUFFIX, T) DECODE_FOR(SUFFIX, T, KVMESH_HEAD_DIM, KVMESH_BLOCK_SIZE)
 #else
@@ -295,9 +327,10 @@ __device__ void paged_decode_attention(
   DECODE_FOR(SUFFIX, T, D, 8)        \
   DECODE_FOR(SUFFIX, T, D, 16)       \
   DECODE_FOR(SUFFIX, T, D, 32)
-#define DECODE(SUFFIX, T)       \
-  DECODE_FOR_DIM(SUFFIX, T, 32) \
-  DECODE_FOR_DIM(SUFFIX, T, 64) \
-  DECODE_FOR_DIM(SUFFIX, T, 128)
+#define DECODE(SUFFIX, T)        \
+  DECODE_FOR_DIM(SUFFIX, T, 32)  \
+  DECODE_FOR_DIM(SUFFIX, T, 64)  \
+  DECODE_FOR_DIM(SUFFIX, T, 128) \
+  DECODE_FOR_DIM(SUFFIX, T, 256)
 #endif
 KVMESH_INSTANTIATE(DECODE)

@@ -12,7 +12,7 @@ from services.engine_worker.cupy_backend.kernels.library import NULL, DTypeSpec,
 
 THREADS = 128
 MAX_GROUP = 8  # query heads per KV head (kMaxGroup in the kernel)
-HEAD_DIMS = (32, 64, 128)
+HEAD_DIMS = (32, 64, 128, 256)  # 256 (Gemma 3) in 16-bit types: a lane's chunk is 8 values
 BLOCK_SIZES = (8, 16, 32)  # KV block sizes the kernel is compiled for
 # A split takes at least this many positions: a 1k context at batch 1 runs as 4 CTAs per KV
 # head, and a merge is paid only where the context is longer than one split.
@@ -75,17 +75,22 @@ def instantiation(spec: DTypeSpec, head_dim: int, block_size: int) -> tuple[str,
     return name, (f"KVMESH_HEAD_DIM={head_dim}", f"KVMESH_BLOCK_SIZE={block_size}")
 
 
-def check_shape(num_heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
+def check_shape(
+    num_heads: int, kv_heads: int, head_dim: int, block_size: int, itemsize: int = 2
+) -> None:
+    """`itemsize`: the KV's bytes an element (head_dim 256 needs 16-bit K and V)."""
     if (
         num_heads % kv_heads
         or num_heads // kv_heads > MAX_GROUP
         or head_dim not in HEAD_DIMS
+        or head_dim * itemsize > 32 * 16  # a position's row over at most 32 lanes' 16 bytes
         or block_size not in BLOCK_SIZES
     ):
         raise ValueError(
-            f"decode attention supports head_dim {HEAD_DIMS}, KV blocks of {BLOCK_SIZES} "
-            f"tokens and up to {MAX_GROUP} query heads per KV head; got head_dim {head_dim}, "
-            f"blocks of {block_size}, {num_heads} heads, {kv_heads} KV heads"
+            f"decode attention supports head_dim {HEAD_DIMS} (256 in float16 or bfloat16), KV "
+            f"blocks of {BLOCK_SIZES} tokens and up to {MAX_GROUP} query heads per KV head; got "
+            f"head_dim {head_dim} ({itemsize}-byte elements), blocks of {block_size}, "
+            f"{num_heads} heads, {kv_heads} KV heads"
         )
 
 
@@ -102,14 +107,16 @@ def paged_decode_attention(
     spec: DTypeSpec,
     fused: FusedWrite | None = None,
     min_partition: int = MIN_PARTITION,
+    window: int = 0,
 ) -> None:
     """out (S, H * D) for the first S rows of qkv (one query each). Caches are
     (blocks, kv_heads, block, D); block_tables int32 (S, max_blocks); context_lens int32 (S,),
     each >= 1 and counting the new token. scratch: views for S rows; its split count is the
-    grid's. With `fused`, the rows' Q and K are still unrotated and the new K/V not written."""
+    grid's. With `fused`, the rows' Q and K are still unrotated and the new K/V not written.
+    `window` > 0: a sliding layer's, each row reads its last `window` positions only."""
     num_seqs, max_blocks = block_tables.shape
     _, kv_heads, block_size, head_dim = key_cache.shape
-    check_shape(num_heads, kv_heads, head_dim, block_size)
+    check_shape(num_heads, kv_heads, head_dim, block_size, spec.itemsize)
     if not num_seqs:
         return
     rope = fused or FusedWrite(None, NULL, NULL, NULL, NULL)
@@ -137,5 +144,6 @@ def paged_decode_attention(
             numpy.int32(kv_heads),
             numpy.int32(min_partition),
             numpy.float32(scale),
+            numpy.int32(window),
         ),
     )

@@ -5,7 +5,8 @@
 // context - num_q + i and sees keys 0..that position, read through the block table (the
 // chunk's own K/V are written to the cache first). Grid: (ceil(max_num_q / 4), num_seqs,
 // num_heads), 128 threads: a warp per query, online softmax over chunks of 32 keys (a key per
-// lane for Q.K, then each lane owns D / 32 output dimensions for P.V). fp32 math.
+// lane for Q.K, then each lane owns D / 32 output dimensions for P.V). A sliding layer
+// (window > 0) starts each query's keys `window - 1` positions back. fp32 math.
 #include "common.cuh"
 
 constexpr int kQueriesPerBlock = 4;
@@ -16,7 +17,7 @@ __device__ void paged_prefill_attention(
     const T* __restrict__ key_cache, const T* __restrict__ value_cache,
     const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ query_starts,
     const int* __restrict__ context_lens, int num_heads, int kv_heads, int block_size,
-    float scale) {
+    float scale, int window) {
   __shared__ float q_shared[kQueriesPerBlock][D];
   const int seq = blockIdx.y, head = blockIdx.z, kv_head = head / (num_heads / kv_heads);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -35,7 +36,8 @@ __device__ void paged_prefill_attention(
   float running_max = -INFINITY, running_sum = 0.0f, acc[kPerLane];
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) acc[j] = 0.0f;
-  for (int chunk = 0; chunk <= position; chunk += 32) {
+  const int start = window > 0 ? max(0, position - window + 1) : 0;
+  for (int chunk = start; chunk <= position; chunk += 32) {
     const int key_position = chunk + lane;
     float score = -INFINITY;
     if (key_position <= position) {
@@ -72,13 +74,15 @@ __device__ void paged_prefill_attention(
   extern "C" __global__ void paged_prefill_attention_##SUFFIX##_d##D(                        \
       T* out, int out_stride, const T* qkv, int row_stride, const T* key_cache,              \
       const T* value_cache, const int* block_tables, int max_blocks, const int* query_starts, \
-      const int* context_lens, int num_heads, int kv_heads, int block_size, float scale) {   \
+      const int* context_lens, int num_heads, int kv_heads, int block_size, float scale,     \
+      int window) {                                                                          \
     paged_prefill_attention<T, D>(out, out_stride, qkv, row_stride, key_cache, value_cache,  \
                                   block_tables, max_blocks, query_starts, context_lens,      \
-                                  num_heads, kv_heads, block_size, scale);                   \
+                                  num_heads, kv_heads, block_size, scale, window);           \
   }
 #define PREFILL(SUFFIX, T)         \
   PREFILL_FOR_DIM(SUFFIX, T, 32)   \
   PREFILL_FOR_DIM(SUFFIX, T, 64)   \
-  PREFILL_FOR_DIM(SUFFIX, T, 128)
+  PREFILL_FOR_DIM(SUFFIX, T, 128)  \
+  PREFILL_FOR_DIM(SUFFIX, T, 256)
 KVMESH_INSTANTIATE(PREFILL)

@@ -23,10 +23,12 @@ def paged_prefill_attention(
     num_heads: int,
     scale: float,
     spec: DTypeSpec,
+    window: int = 0,
 ) -> None:
     """Rows query_starts[s]..query_starts[s + 1] of out (T, H * D) for each prefill sequence s;
     its chunk is the last tokens of its context_lens[s], already written to the cache.
-    block_tables int32 (N, max_blocks); query_starts int32 (N + 1,); context_lens int32 (N,)."""
+    block_tables int32 (N, max_blocks); query_starts int32 (N + 1,); context_lens int32 (N,).
+    `window` > 0: a sliding layer's, each query sees its last `window` positions only."""
     num_seqs, max_blocks = block_tables.shape
     _, kv_heads, block_size, head_dim = key_cache.shape
     if not num_seqs:
@@ -49,5 +51,6 @@ def paged_prefill_attention(
             numpy.int32(kv_heads),
             numpy.int32(block_size),
             numpy.float32(scale),
+            numpy.int32(window),
         ),
     )

@@ -1,6 +1,7 @@
 // RMSNorm fused with what comes before it in a decoder:
 //   add_rms_norm:   residual[r] += delta[r] (when delta is given; rounded to T, as torch adds)
-//   embed_rms_norm: residual[r] = table[ids[r]] (the embedding gather of the first layer)
+//   embed_rms_norm: residual[r] = table[ids[r]] * scale (the embedding gather of the first
+//                   layer; Gemma scales it by sqrt(hidden), rounded to T, else scale is 1)
 // then out[r] = weight * (T)(residual[r] * rsqrt(mean(residual[r]^2) + eps)).
 //   head_rms_norm:  the same over each of a fused QKV row's first `heads` heads, in place,
 //                   head h with weight row h (Qwen3's q_norm and k_norm before the rotary).
@@ -45,12 +46,13 @@ __device__ void add_rms_norm(T* __restrict__ out, T* __restrict__ residual,
 template <typename T>
 __device__ void embed_rms_norm(T* __restrict__ out, T* __restrict__ residual,
                                const T* __restrict__ table, const int* __restrict__ ids,
-                               const T* __restrict__ weight, int hidden, float eps) {
+                               const T* __restrict__ weight, int hidden, float eps,
+                               float scale) {
   const T* embedded = table + static_cast<long long>(ids[blockIdx.x]) * hidden;
   T* row = residual + static_cast<long long>(blockIdx.x) * hidden;
   float sum_squares = 0.0f;
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-    const T value = embedded[i];
+    const T value = from_float<T>(to_float(embedded[i]) * scale);
     row[i] = value;
     sum_squares += to_float(value) * to_float(value);
   }
@@ -81,8 +83,8 @@ __device__ void head_rms_norm(T* __restrict__ qkv, const T* __restrict__ weight,
   }                                                                                        \
   extern "C" __global__ void embed_rms_norm_##SUFFIX(T* out, T* residual, const T* table,  \
                                                      const int* ids, const T* weight,      \
-                                                     int hidden, float eps) {              \
-    embed_rms_norm<T>(out, residual, table, ids, weight, hidden, eps);                     \
+                                                     int hidden, float eps, float scale) { \
+    embed_rms_norm<T>(out, residual, table, ids, weight, hidden, eps, scale);              \
   }                                                                                        \
   extern "C" __global__ void head_rms_norm_##SUFFIX(T* qkv, const T* weight, int heads,    \
                                                     int dim, int row_width, float eps) {   \

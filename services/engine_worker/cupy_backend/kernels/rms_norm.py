@@ -42,15 +42,32 @@ def add_rms_norm(
 
 
 def embed_rms_norm(
-    out: Any, residual: Any, table: Any, ids: Any, weight: Any, eps: float, spec: DTypeSpec
+    out: Any,
+    residual: Any,
+    table: Any,
+    ids: Any,
+    weight: Any,
+    eps: float,
+    spec: DTypeSpec,
+    scale: float = 1.0,
 ) -> None:
-    """residual (T, hidden) = table[ids]; out = rms_norm(residual) * weight. ids int32 (T,)."""
+    """residual (T, hidden) = table[ids] * scale; out = rms_norm(residual) * weight. ids int32
+    (T,); `scale`: Gemma's sqrt(hidden), as the compute dtype holds it."""
     num_rows, hidden = out.shape
     if num_rows:
         kernel("rms_norm", f"embed_rms_norm_{spec.suffix}")(
             (num_rows,),
             _threads(hidden),
-            (out, residual, table, ids, weight, numpy.int32(hidden), numpy.float32(eps)),
+            (
+                out,
+                residual,
+                table,
+                ids,
+                weight,
+                numpy.int32(hidden),
+                numpy.float32(eps),
+                numpy.float32(scale),
+            ),
         )
 
 

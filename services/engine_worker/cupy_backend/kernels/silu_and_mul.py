@@ -1,4 +1,4 @@
-"""Launcher of silu_and_mul.cu."""
+"""Launchers of silu_and_mul.cu: SwiGLU's and GeGLU's elementwise halves."""
 
 from __future__ import annotations
 
@@ -14,5 +14,14 @@ def silu_and_mul(out: Any, gate_up: Any, spec: DTypeSpec) -> None:
     tokens, inner = out.shape
     if tokens:
         kernel("silu_and_mul", f"silu_and_mul_{spec.suffix}")(
+            (tokens,), (256,), (out, gate_up, numpy.int32(inner))
+        )
+
+
+def gelu_tanh_and_mul(out: Any, gate_up: Any, spec: DTypeSpec) -> None:
+    """out (T, I) = gelu_tanh(gate_up[:, :I]) * gate_up[:, I:] (Gemma's GeGLU)."""
+    tokens, inner = out.shape
+    if tokens:
+        kernel("silu_and_mul", f"gelu_tanh_and_mul_{spec.suffix}")(
             (tokens,), (256,), (out, gate_up, numpy.int32(inner))
         )
