@@ -52,16 +52,19 @@ class WindowBlocks:
     def cover(self, scheduled: Iterable[tuple[RequestState, int]]) -> None:
         """Before a step: each request's span for the tokens it computes, freed behind it (and
         past it: a rejected draft's block) first, so the step's requests share what was freed.
-        Raises KV_CACHE_EXHAUSTED where the scheduler's count was exceeded."""
+        A request holds one run of blocks, so only the entries leaving it are visited. Raises
+        INTERNAL where the scheduler's count was exceeded (a bug: the request fails)."""
         spans = []
         for state, num_new in scheduled:
             computed = state.num_computed_tokens
             first, stop = window_span(computed, computed + num_new, self.window, self.block_size)
             ids = state.window_ids
-            for index in range(len(ids)):
-                if (index < first or index >= stop) and ids[index] != NULL_BLOCK:
-                    self._free.append(ids[index])
-                    ids[index] = NULL_BLOCK
+            index = min(first, len(ids)) - 1
+            while index >= 0 and ids[index] != NULL_BLOCK:  # behind the window
+                self._free.append(ids[index])
+                ids[index] = NULL_BLOCK
+                index -= 1
+            self._free += (b for b in ids[stop:] if b != NULL_BLOCK)  # past it
             del ids[stop:]
             spans.append((ids, first, stop))
         for ids, first, stop in spans:
