@@ -20,6 +20,14 @@ from shared.model_paths import resolve_model_path
 from shared.text_tokenizer import load_tokenizer
 
 _SKIPPED_KEYS = ("GGUF.", "general.architecture", "general.file_type")
+_MODEL_TYPES = {
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+}
 _ALL_F32 = 0  # llama.cpp's LLAMA_FTYPE_ALL_F32
 
 
@@ -57,23 +65,27 @@ def to_safetensors(source: str, target_dir: str) -> None:
     from safetensors.torch import save_file
 
     # here, not at the top: every `kvmesh` command imports this module, and these import torch
+    from services.engine_worker.artifacts.decoder_style import GEMMA_ARCHITECTURES
     from services.engine_worker.artifacts.loader import open_artifact
     from services.engine_worker.artifacts.weights import expected_tensors
 
     artifact = open_artifact(source)
     artifact.validate()
     arch = artifact.architecture
-    if not arch.llama_layer:  # its config.json would not say Gemma's norms, windows or LongRoPE
+    gemma = arch.name in GEMMA_ARCHITECTURES
+    if not (arch.llama_layer or gemma):  # a config.json that would not say its LongRoPE
         raise SystemExit(f"kvmesh convert: {arch.name} is not written as safetensors yet")
     required, _ = expected_tensors(arch)
     os.makedirs(target_dir, exist_ok=True)
     tensors = {name: artifact.load(name).float().contiguous() for name in required}
+    if gemma:  # transformers' Gemma norms hold w and scale by 1 + w; a GGUF holds 1 + w
+        for name in tensors:
+            if "norm" in name:
+                tensors[name] += arch.style.norm_offset - 1.0
     save_file(tensors, os.path.join(target_dir, "model.safetensors"))
     config = {
         "architectures": [arch.name],
-        "model_type": {"Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}.get(
-            arch.name, "llama"
-        ),
+        "model_type": _MODEL_TYPES.get(arch.name, "llama"),
         "vocab_size": arch.vocab_size,
         "hidden_size": arch.hidden_size,
         "intermediate_size": arch.intermediate_size,
@@ -88,6 +100,7 @@ def to_safetensors(source: str, target_dir: str) -> None:
         "torch_dtype": "float32",
         "bos_token_id": arch.bos_token_id,
         "eos_token_id": list(arch.eos_token_ids) or None,
+        "pad_token_id": None,  # a family's default may lie past a small vocabulary (Phi-3's)
     }
     if arch.rope.rope_type != "default":
         config["rope_scaling"] = {
@@ -97,6 +110,8 @@ def to_safetensors(source: str, target_dir: str) -> None:
             "high_freq_factor": arch.rope.high_freq_factor,
             "original_max_position_embeddings": arch.rope.original_max_position_embeddings,
         }
+    if gemma:
+        config.update(_gemma_config(arch))
     Path(target_dir, "config.json").write_text(json.dumps(config, indent=2))
     tokenizer = load_tokenizer(source)
     if tokenizer is not None:
@@ -108,6 +123,27 @@ def to_safetensors(source: str, target_dir: str) -> None:
             "chat_template": tokenizer.chat_template,
         }
         Path(target_dir, "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+
+
+def _gemma_config(arch: Any) -> dict[str, Any]:
+    """What a Gemma config.json says beyond Llama's: the layer kinds and window, the query
+    scale, the soft-caps and Gemma 3's local RoPE base."""
+    style = arch.style
+    layer_types = [
+        "sliding_attention" if i in style.sliding_layers else "full_attention"
+        for i in range(arch.num_layers)
+    ]
+    config = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": round(style.attention_scale**-2),  # an int in transformers
+        "sliding_window": style.sliding_window,
+        "layer_types": layer_types,
+        "attn_logit_softcapping": style.attn_softcap,
+        "final_logit_softcapping": style.final_softcap,
+    }
+    if style.local_rope is not None:
+        config["rope_local_base_freq"] = style.local_rope.theta
+    return config
 
 
 def add_convert_parser(commands: argparse._SubParsersAction) -> None:

@@ -42,6 +42,8 @@ class KVCacheShape:
         layer_block = 2 * arch.kv_size * element * block_size
         style = arch.style
         window_layers = style.sliding_layers if window_requests else frozenset()
+        if len(window_layers) == arch.num_layers:  # no full layer to size the one pool by
+            window_layers = frozenset()
         num_window_blocks = 0
         if window_layers and style.sliding_window:
             max_seqs, step_tokens = window_requests or (1, 1)

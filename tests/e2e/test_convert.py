@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import gguf
+import pytest
 
 from kvmesh.cli import main
 from kvmesh.engine import Engine
@@ -43,3 +44,29 @@ def test_f32_gguf_and_safetensors_answer_as_the_original(tmp_path: Path) -> None
         tokens, converted_manifest = greedy(converted)
         assert converted_manifest["quantization"] in ("F32", "none")
         assert tokens == original
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "phi3"])
+def test_a_directory_of_another_family_reads_as_its_own(kind: str, tmp_path: Path) -> None:
+    """Qwen3's Q/K norms and Phi-3's fused projections under their own model_type: kvmesh and
+    transformers read the written directory as the original."""
+    from kvmesh.convert import to_safetensors
+    from tests.engine_worker.parity import (
+        assert_mostly_matches,
+        kvmesh_greedy,
+        transformers_greedy,
+    )
+    from tests.engine_worker.test_parity_transformers import hf_model
+    from tests.model_fixtures import save_random_checkpoint
+
+    original = save_random_checkpoint(tmp_path / "hf", kind)
+    to_safetensors(original, str(tmp_path / "out"))
+    prompts = [[5, 9, 200, 17], list(range(3, 60))]
+    theirs, _ = kvmesh_greedy(original, prompts, 8)
+    ours, _ = kvmesh_greedy(str(tmp_path / "out"), prompts, 8)
+    assert [g.tokens for g in ours] == [g.tokens for g in theirs]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == kind
+    assert_mostly_matches(
+        ours, transformers_greedy(hf_model(str(tmp_path / "out")), prompts, 8, eos=2)
+    )

@@ -8,6 +8,7 @@ caching, is in test_parity_transformers.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -171,15 +172,33 @@ def test_a_prepared_gemma_loads_with_its_norms(
     assert outputs[1] == outputs[0]
 
 
-def test_a_gemma_gguf_is_not_converted_to_a_directory_that_would_lie(tmp_path: Path) -> None:
-    """The GGUF's norms hold 1 + w and a written config.json would not say the windows."""
+@pytest.mark.parametrize(
+    "kind, parts, overrides",
+    [
+        ("gemma3", GEMMA3_PARTS, dict(query_pre_attn_scalar=32)),
+        ("gemma2", GEMMA2_PARTS, dict(query_pre_attn_scalar=16)),
+    ],
+)
+def test_a_gemma_gguf_converts_to_a_directory_transformers_reads(
+    kind: str, parts: tuple[str, ...], overrides: dict[str, float], tmp_path: Path
+) -> None:
+    """`kvmesh convert DIR` of a GGUF: norms back to transformers' w (the GGUF holds 1 + w),
+    a config.json with the layer kinds, window, query scale, soft-caps and local RoPE; the
+    directory answers as the GGUF does, in kvmesh and in transformers."""
     from kvmesh.convert import to_safetensors
 
-    hf_dir = save_random_checkpoint(tmp_path / "hf", "gemma2", query_pre_attn_scalar=16)
-    target = tmp_path / "gemma2.gguf"
-    write_gguf_of(Path(hf_dir), target, "gemma2", GEMMA2_PARTS)
-    with pytest.raises(SystemExit, match="Gemma2ForCausalLM is not written as safetensors"):
-        to_safetensors(str(target), str(tmp_path / "out"))
+    hf_dir = save_random_checkpoint(tmp_path / "hf", kind, **overrides)
+    target = tmp_path / f"{kind}.gguf"
+    write_gguf_of(Path(hf_dir), target, kind, parts)
+    out = tmp_path / "out"
+    to_safetensors(str(target), str(out))
+    from_gguf, gguf_engine = kvmesh_greedy(str(target), PROMPTS, 12)
+    from_dir, engine = kvmesh_greedy(str(out), PROMPTS, 12)
+    assert [g.tokens for g in from_dir] == [g.tokens for g in from_gguf]
+    # The same layer, read from the config.json: only where 1 is added to the norms differs.
+    style = engine.worker.architecture.style
+    assert dataclasses.replace(style, norm_offset=0.0) == gguf_engine.worker.architecture.style
+    assert_mostly_matches(from_dir, transformers_greedy(hf_model(str(out)), PROMPTS, 12, eos=2))
 
 
 def test_an_8k_context_keeps_the_window_of_its_sliding_layers(tmp_path: Path) -> None:
