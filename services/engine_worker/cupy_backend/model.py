@@ -163,8 +163,9 @@ class CupyCausalLM:
     def forward(self, batch: DeviceBatch, cache: GpuKVCache, ws: Workspace) -> Any:
         """Logits (S, vocab) float32, a view into the workspace (valid until the next call).
 
-        Launches per layer of a decode-only step: 2 norms (3 with Qwen3's Q/K norm), 4 GEMMs,
-        attention (with the rotary and the KV write), SwiGLU; and outside the layers, the final
+        Launches per layer of a decode-only step: 2 norms (3 with a Q/K norm, 5 with Gemma's
+        output norms too), 4 GEMMs, attention (with the rotary and the KV write), the gated
+        activation; and outside the layers, the final
         norm and the LM head (the embedding is fused into the first norm); forward_and_sample
         adds the draw.
         Steps with prefill rows add one rotary + KV write per layer and prefill attention."""
