@@ -129,7 +129,7 @@ def flatten(
     scheduled: list[tuple[RequestState, int]],
     block_size: int,
     tables: numpy.ndarray | None = None,
-    windowed: bool = False,
+    window: int = 0,
 ) -> FlatBatch:
     """`scheduled`: (request, tokens to compute this step), in plan order; `tables`: the
     worker's block tables, rows by `RequestState.slot` (persistent_batch.py).
@@ -139,8 +139,8 @@ def flatten(
     as a draft, or recomputed after preemption, its row computes the same bits (decode rows do
     not depend on their batch; prefills over cached blocks give a cold prefill's bits, see
     attention.py). So a preempted request resumes with the tokens it would have produced, and
-    drafts change no greedy output. `windowed`: the window rows too (the requests'
-    window_ids)."""
+    drafts change no greedy output. `window` > 0: the sliding layers' window, whose rows are
+    built too, from the requests' window_ids."""
     flat = FlatBatch()
     decode_states: list[RequestState] = []
     decode_num_blocks: list[int] = []
@@ -182,10 +182,10 @@ def flatten(
         flat.prefill_blocks.append(state.block_ids[: -(-context // block_size)])
         flat.prefill_query_starts.append(len(flat.input_ids))
         flat.prefill_context_lens.append(context)
-        if windowed:
+        if window:
             flat.window_prefill_blocks.append(state.window_ids[: -(-context // block_size)])
-    if windowed:
-        _window_rows(flat, scheduled, decode_states, decode_num_blocks, block_size)
+    if window:
+        _window_rows(flat, scheduled, decode_states, decode_num_blocks, block_size, window)
     return flat
 
 
@@ -195,9 +195,11 @@ def _window_rows(
     decode_states: list[RequestState],
     decode_num_blocks: list[int],
     block_size: int,
+    window: int,
 ) -> None:
     """The window blocks each row writes and each decode row reads: rows are in flatten's
-    order, each request's decode rows then its prefill rows, each run in position order."""
+    order, each request's decode rows then its prefill rows, each run in position order. A
+    decode row's table holds its window's blocks only: the rest is the null block (0) anyway."""
     owners = list(decode_states)
     for state, num_new in scheduled:
         start = state.num_computed_tokens
@@ -209,8 +211,10 @@ def _window_rows(
     if decode_states:
         width = max(decode_num_blocks)
         table = numpy.zeros((len(decode_states), width), dtype=numpy.int32)
-        for row, (state, count) in enumerate(zip(decode_states, decode_num_blocks, strict=True)):
-            table[row, :count] = state.window_ids[:count]
+        rows = zip(decode_states, decode_num_blocks, flat.decode_context_lens, strict=True)
+        for row, (state, count, context) in enumerate(rows):
+            first = max(0, context - window) // block_size
+            table[row, first:count] = state.window_ids[first:count]
         flat.window_decode_table = table
 
 

@@ -42,7 +42,7 @@ def build_batch(
     `tables`: the worker's block tables (persistent_batch.py); `window`: the model's sliding
     layers' (their own metadata beside the full layers'); `window_blocks`: those layers keep
     their window only, in blocks of their own (the requests' window_ids)."""
-    flat = flatten(scheduled, block_size, tables, windowed=window_blocks)
+    flat = flatten(scheduled, block_size, tables, window if window_blocks and window else 0)
     positions = torch.tensor(flat.positions, dtype=torch.long)
 
     def metadata(window: int | None, own_blocks: bool = False) -> AttentionMetadata:
