@@ -293,23 +293,30 @@ def paged_prefill_attention(name: str, grid: Grid, args: tuple) -> None:
         target[rows, : heads * dim] = rounded(attended.reshape(num_q, heads * dim), s)
 
 
-def silu_and_mul(name: str, grid: Grid, args: tuple) -> None:
-    out, gate_up, inner = args
-    s, tokens = _suffix(name), grid[0]
-    rows = to_float(gate_up.reshape(-1, 2 * inner)[:tokens], s)
-    gate, up = rows[:, :inner], rows[:, inner:]
-    activated = to_float(rounded(gate / (1.0 + numpy.exp(-gate)), s), s)
-    out.reshape(-1, inner)[:tokens] = rounded(activated * up, s)
+def _gated(activation: Callable[[numpy.ndarray], numpy.ndarray]) -> Callable:
+    """A gated activation's reference: act(gate) rounded to the storage type, times up."""
+
+    def run(name: str, grid: Grid, args: tuple) -> None:
+        out, gate_up, inner = args
+        s, tokens = _suffix(name), grid[0]
+        rows = to_float(gate_up.reshape(-1, 2 * inner)[:tokens], s)
+        gate, up = rows[:, :inner], rows[:, inner:]
+        out.reshape(-1, inner)[:tokens] = rounded(to_float(rounded(activation(gate), s), s) * up, s)
+
+    return run
 
 
-def gelu_tanh_and_mul(name: str, grid: Grid, args: tuple) -> None:
-    out, gate_up, inner = args
-    s, tokens = _suffix(name), grid[0]
-    rows = to_float(gate_up.reshape(-1, 2 * inner)[:tokens], s)
-    gate, up = rows[:, :inner], rows[:, inner:]
-    cubic = numpy.float32(0.7978845608028654) * (gate + numpy.float32(0.044715) * gate**3)
-    activated = to_float(rounded(numpy.float32(0.5) * gate * (1.0 + numpy.tanh(cubic)), s), s)
-    out.reshape(-1, inner)[:tokens] = rounded(activated * up, s)
+silu_and_mul = _gated(lambda x: x / (1.0 + numpy.exp(-x)))
+gelu_tanh_and_mul = _gated(  # 0.7978845608 = sqrt(2 / pi)
+    lambda x: (
+        numpy.float32(0.5)
+        * x
+        * (
+            1.0
+            + numpy.tanh(numpy.float32(0.7978845608028654) * (x + numpy.float32(0.044715) * x**3))
+        )
+    )
+)
 
 
 def bias_add(name: str, grid: Grid, args: tuple) -> None:
