@@ -45,8 +45,8 @@ class KVCacheShape:
         if len(window_layers) == arch.num_layers:  # no full layer to size the one pool by
             window_layers = frozenset()
         num_window_blocks = 0
-        if window_layers and style.sliding_window:
-            max_seqs, step_tokens = window_requests or (1, 1)
+        if window_requests and window_layers and style.sliding_window:
+            max_seqs, step_tokens = window_requests
             num_window_blocks = window_split(
                 budget_bytes // (layer_block * arch.num_layers),
                 max_seqs * most_window_blocks(style.sliding_window, step_tokens, block_size),
