@@ -111,6 +111,26 @@ def build(log=sys.stderr, cuda_arch: str | None = None) -> Path:
     return bin_dir
 
 
+def run_repacked(command: list[str], log=sys.stderr) -> subprocess.CompletedProcess[str]:
+    """A llama.cpp binary run with its CPU repacking of quantized weights on (its default);
+    where the repacked kernels die by a signal, once more with `--no-repack`, said on `log`.
+    Its AMX kernels do on a 2-vCPU Sapphire Rapids-class VM (SIGILL at a `tilezero`) while a
+    plain AMX program runs there; whether the result was repacked: "--no-repack" not in .args."""
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode < 0:
+        print(
+            f"llama.cpp: {Path(command[0]).name} died by signal {-result.returncode} with "
+            "repacked weights on this CPU; running it again with --no-repack",
+            file=log,
+        )
+        result = subprocess.run([*command, "--no-repack"], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise subprocess.CalledProcessError(
+            result.returncode, result.args, result.stdout, result.stderr
+        )
+    return result
+
+
 @dataclass(frozen=True)
 class BatchedBenchRow:
     prompt_tokens: int
@@ -135,37 +155,37 @@ def batched_bench(
     CUDA build's GPU (99: all); repack: llama.cpp's CPU repacking of quantized weights (its
     default) left on."""
     context = max(batches) * (prompt + generated) + 64
-    result = subprocess.run(
-        [
-            str(bin_dir / "llama-batched-bench"),
-            "-m",
-            model,
-            "-c",
-            str(context),
-            "-b",
-            "2048",
-            "-ub",
-            "512",
-            "-npp",
-            str(prompt),
-            "-ntg",
-            str(generated),
-            "-npl",
-            ",".join(map(str, batches)),
-            "-t",
-            str(threads),
-            "-tb",
-            str(threads),
-            *([] if repack else ["--no-repack"]),
-            "-fa",
-            "on",
-            "-ngl",
-            str(gpu_layers),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    command = [
+        str(bin_dir / "llama-batched-bench"),
+        "-m",
+        model,
+        "-c",
+        str(context),
+        "-b",
+        "2048",
+        "-ub",
+        "512",
+        "-npp",
+        str(prompt),
+        "-ntg",
+        str(generated),
+        "-npl",
+        ",".join(map(str, batches)),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-fa",
+        "on",
+        "-ngl",
+        str(gpu_layers),
+    ]
+    if repack:
+        result = run_repacked(command)
+    else:
+        result = subprocess.run(
+            [*command, "--no-repack"], check=True, capture_output=True, text=True
+        )
     rows = []
     # |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s | ...
     for line in result.stdout.splitlines():
