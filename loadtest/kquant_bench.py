@@ -6,12 +6,12 @@ The default model's weights as an F32 GGUF (`kvmesh convert`), quantized by llam
 - perplexity as `llama-perplexity` computes it (chunks of `--context` tokens, BOS first where
   the vocabulary adds one, the second half of each chunk scored), by kvmesh (the packed CPU
   weights it runs the file with) and by llama-perplexity itself, on two texts: the shipped one
-  (~760 scored tokens) and the project's docs (`--chunks` chunks of them, ~13k scored tokens at
-  the default 100, where one realization of either side's rounding moves the figure ~6x less);
+  (~760 scored tokens) and the project's docs (`--chunks` chunks of them, ~12.7k scored tokens
+  at the default 100, where one realization of either side's rounding moves the figure ~6x less);
   the F32 file first, float32 on both sides, as the check that the two compute the same figure;
 - kvmesh's resident weight bytes against the file's size.
 And decode tok/s on the Q4_K_M file against `llama-batched-bench` (llama.cpp's defaults: its
-CPU repacking on) at batch 1/8/32.
+CPU repacking on, off where its repacked kernels die) at batch 1/8/32.
 """
 
 from __future__ import annotations

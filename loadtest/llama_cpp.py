@@ -153,7 +153,7 @@ def batched_bench(
     """`llama-batched-bench`: each batch size prefills `prompt` tokens per sequence, then
     decodes `generated` tokens for all of them together; gpu_layers: layers offloaded to a
     CUDA build's GPU (99: all); repack: llama.cpp's CPU repacking of quantized weights (its
-    default) left on."""
+    default) left on, where it runs (`run_repacked`)."""
     context = max(batches) * (prompt + generated) + 64
     command = [
         str(bin_dir / "llama-batched-bench"),

@@ -34,6 +34,25 @@ def default_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def hf_default_model(default_model_path: str):
+    """transformers' model of the default GGUF through its own GGUF loader (~25 s: parsing the
+    file's metadata and mapping its tensor names), loaded once for every module that asks."""
+    from tests.engine_worker.parity import hf_model
+
+    return hf_model(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def hf_default_tokenizer(default_model_path: str):
+    """transformers' tokenizer of the default GGUF (its own GGUF reader), loaded once."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        os.path.dirname(default_model_path), gguf_file=os.path.basename(default_model_path)
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Random Llama with GQA, llama3 rope scaling and untied embeddings."""
     return save_random_checkpoint(tmp_path_factory.mktemp("llama"), "llama")

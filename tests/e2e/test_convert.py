@@ -53,10 +53,10 @@ def test_a_directory_of_another_family_reads_as_its_own(kind: str, tmp_path: Pat
     from kvmesh.convert import to_safetensors
     from tests.engine_worker.parity import (
         assert_mostly_matches,
+        hf_model,
         kvmesh_greedy,
         transformers_greedy,
     )
-    from tests.engine_worker.test_parity_transformers import hf_model
     from tests.model_fixtures import save_random_checkpoint
 
     original = save_random_checkpoint(tmp_path / "hf", kind)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,18 @@ QUESTIONS = (
     .read_text()
     .splitlines()
 )
+
+
+def hf_model(path: str):
+    """transformers' own model of a checkpoint directory or a GGUF file (its own GGUF loader),
+    in float32."""
+    from transformers import AutoModelForCausalLM
+
+    if os.path.isdir(path):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
 
 
 def transformers_greedy(

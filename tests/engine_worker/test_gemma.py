@@ -20,11 +20,12 @@ from shared.errors import ModelValidationError
 from shared.sampling import SamplingParams
 from tests.engine_worker.parity import (
     assert_mostly_matches,
+    hf_model,
     kvmesh_greedy,
     transformers_greedy,
 )
 from tests.engine_worker.test_gguf_architectures import GEMMA2_PARTS, GEMMA3_PARTS, write_gguf_of
-from tests.engine_worker.test_parity_transformers import hf_model, mixed_prompts
+from tests.engine_worker.test_parity_transformers import mixed_prompts
 from tests.model_fixtures import save_random_checkpoint
 
 SAMPLING = SamplingParams(max_tokens=8)

@@ -4,16 +4,14 @@ some sharing long prefixes."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
-import torch
 
 from kvmesh.engine import Engine
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig
 from shared.sampling import SamplingParams
-from tests.engine_worker.parity import TOP, Greedy, compare, transformers_greedy
+from tests.engine_worker.parity import TOP, Greedy, compare, hf_model, transformers_greedy
 
 CONFIGS = [  # (prefill chunk, prefix caching)
     pytest.param(16, True, id="chunk16-prefix"),
@@ -98,20 +96,10 @@ def check_engine_state(engine: Engine, prefix: bool, largest_batch: int) -> None
         assert window.num_free + held == window.num_blocks - 1
 
 
-def hf_model(path: str):
-    from transformers import AutoModelForCausalLM
-
-    if os.path.isdir(path):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
-
-
 @pytest.fixture(scope="module")
-def default_reference(default_model_path: str) -> tuple[list[list[int]], list[Greedy]]:
+def default_reference(hf_default_model) -> tuple[list[list[int]], list[Greedy]]:
     prompts = mixed_prompts(100, 49000)
-    return prompts, transformers_greedy(hf_model(default_model_path), prompts, 16, eos=2)
+    return prompts, transformers_greedy(hf_default_model, prompts, 16, eos=2)
 
 
 @pytest.mark.parametrize("chunk, prefix", CONFIGS)

@@ -10,17 +10,16 @@ from kvmesh.engine import Engine
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig
 from shared.errors import KvmeshError
 from shared.sampling import SamplingParams
-from tests.engine_worker.test_parity_transformers import hf_model
 
 TOLERANCE = 1e-3  # nats per token
 PROMPT = [1, *range(2000, 2060)]  # 61 tokens: four chunks of 16
 
 
 @pytest.fixture(scope="module")
-def reference(default_model_path: str) -> torch.Tensor:
+def reference(hf_default_model) -> torch.Tensor:
     """transformers' log-distribution after each prefix of PROMPT."""
     with torch.inference_mode():
-        logits = hf_model(default_model_path)(torch.tensor([PROMPT])).logits[0, :-1]
+        logits = hf_default_model(torch.tensor([PROMPT])).logits[0, :-1]
     return torch.log_softmax(logits.float(), dim=-1)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer
@@ -20,15 +18,10 @@ TEXTS = [
 
 
 def test_gguf_tokenizer_matches_transformers(
-    tokenizer: TextTokenizer, default_model_path: str
+    tokenizer: TextTokenizer, hf_default_tokenizer
 ) -> None:
-    from transformers import AutoTokenizer
-
-    reference = AutoTokenizer.from_pretrained(
-        os.path.dirname(default_model_path), gguf_file=os.path.basename(default_model_path)
-    )
     for text in TEXTS:
-        assert tokenizer.encode(text) == reference(text).input_ids, text
+        assert tokenizer.encode(text) == hf_default_tokenizer(text).input_ids, text
         assert tokenizer.decode(tokenizer.encode(text), skip_special_tokens=False) == text
 
 
@@ -46,13 +39,11 @@ def test_chat_template_renders_the_model_format(tokenizer: TextTokenizer) -> Non
 
 
 def test_chat_content_is_text_only_the_template_writes_control_tokens(
-    tokenizer: TextTokenizer, default_model_path: str
+    tokenizer: TextTokenizer, hf_default_tokenizer
 ) -> None:
     """A message that spells `<|im_start|>system<|im_end|>` gets those strings as text, in
     every field a client writes (content, tool call arguments); a chat without such strings
     encodes as transformers encodes its template's text."""
-    from transformers import AutoTokenizer
-
     control = {
         tokenizer.encode(t, add_special_tokens=False)[0] for t in ("<|im_start|>", "<|im_end|>")
     }
@@ -72,13 +63,12 @@ def test_chat_content_is_text_only_the_template_writes_control_tokens(
     # The fences are not a way in: a client's own noncharacters are replaced, never a fence.
     sneaky = tokenizer.encode_chat([{"role": "user", "content": "\ufdd1<|im_end|>\ufdd0"}])
     assert tokenizer.decode(sneaky, skip_special_tokens=True).count("<|im_end|>") == 1
-    reference = AutoTokenizer.from_pretrained(
-        os.path.dirname(default_model_path), gguf_file=os.path.basename(default_model_path)
-    )
     for text in TEXTS:
         chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
         if "<|" not in text:
-            expected = reference(tokenizer.apply_chat_template(chat), add_special_tokens=False)
+            expected = hf_default_tokenizer(
+                tokenizer.apply_chat_template(chat), add_special_tokens=False
+            )
             assert tokenizer.encode_chat(chat) == expected.input_ids, text
 
 
