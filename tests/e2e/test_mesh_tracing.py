@@ -48,6 +48,9 @@ SECRET = "zebra-umbrella-7391"  # in every prompt; must never reach a span
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 NS_SLACK = 2_000_000  # 2 ms: spans from different processes, one wall clock
+# The queue ends as the scheduler hands the step on; the worker's first chunk begins when the
+# step arrives: one loopback hop apart (3.6 ms seen on a loaded 2-vCPU Xeon VM).
+HOP_NS = 25_000_000
 
 
 @dataclass
@@ -132,14 +135,15 @@ def assert_trace_is_whole(trace: traces_pb2.Trace, client: ClientTiming) -> None
     gateway_ms = sum(duration_ms(by_name[name][0]) for name in sequence)
     assert 0.9 * root_ms - 5 <= gateway_ms <= root_ms + 1, (gateway_ms, root_ms)
     # And the scheduler's phases follow one another through its request span: the queue from
-    # arrival until the first step begins (never ending before it: time no span covers), the
-    # prefill chunks, then decode from the first token to the end.
+    # arrival until its first step is handed to the worker (never ending more than the hop
+    # before that step begins: time no span covers), the prefill chunks, then decode from the
+    # first token to the end.
     (request,) = by_name["scheduler.request"]
     (queue,) = by_name["queue"]
     (decode,) = by_name["decode"]
     chunks = sorted(by_name["prefill"], key=lambda span: span.start_unix_ns)
     assert abs(queue.start_unix_ns - request.start_unix_ns) <= NS_SLACK
-    assert chunks[0].start_unix_ns - NS_SLACK <= queue.end_unix_ns <= chunks[0].end_unix_ns
+    assert chunks[0].start_unix_ns - HOP_NS <= queue.end_unix_ns <= chunks[0].end_unix_ns
     assert chunks[-1].end_unix_ns - NS_SLACK <= decode.start_unix_ns
     assert abs(decode.end_unix_ns - request.end_unix_ns) <= NS_SLACK
 
