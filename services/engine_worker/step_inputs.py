@@ -16,6 +16,7 @@ import llguidance
 import numpy
 
 from shared.sampling import SamplingParams
+from shared.sliding_window import window_span
 from shared.step import NewRequestPlan, RunningRequestPlan
 
 
@@ -211,10 +212,10 @@ def _window_rows(
     if decode_states:
         width = max(decode_num_blocks)
         table = numpy.zeros((len(decode_states), width), dtype=numpy.int32)
-        rows = zip(decode_states, decode_num_blocks, flat.decode_context_lens, strict=True)
-        for row, (state, count, context) in enumerate(rows):
-            first = max(0, context - window) // block_size
-            table[row, first:count] = state.window_ids[first:count]
+        rows = zip(decode_states, flat.decode_context_lens, strict=True)
+        for row, (state, context) in enumerate(rows):  # one query, at position context - 1
+            first, stop = window_span(context - 1, context, window, block_size)
+            table[row, first:stop] = state.window_ids[first:stop]
         flat.window_decode_table = table
 
 
