@@ -11,17 +11,13 @@ import grpc
 
 from kvmesh import run_file
 from kvmesh.client import generate_request
+from kvmesh.mesh.compiled_steps import CompiledStepWatch
 from kvmesh.mesh.control_server import serve_control
 from kvmesh.mesh.launcher import Mesh, MeshConfig
 from kvmesh.mesh.rollout import RolloutController
 from kvmesh.mesh.service_process import PROGRESS_EVERY_S, free_port
 from kvmesh.mesh.settings import UP_SETTINGS, refused, service_args
 from kvmesh.remote_cli import stream_to_terminal
-from services.engine_worker.preparation_underway import (
-    COMPILED_SERVING,
-    EAGER_WHILE_COMPILING,
-    PREPARATION_FAILED,
-)
 from shared.errors import KvmeshError, Reason
 from shared.model_repository import ModelRepository
 from shared.runtime.metrics import serve_metrics
@@ -153,15 +149,17 @@ def mesh_addresses(mesh: Mesh, control: str, own_metrics: str = "") -> dict[str,
     }
 
 
+WATCH_EVERY_S = 2.0  # how often a running `kvmesh up` reads its compiling workers' logs
+
+
 def _interrupted(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _wait_for_compiled_steps(mesh: Mesh) -> None:
+def _wait_for_compiled_steps(watch: CompiledStepWatch) -> None:
     """A one-shot start whose workers answered on the eager step: stopping now would throw
     their compiling away, so the next start would compile again. Ctrl-C still stops at once."""
-    preparing = [s for s in mesh.services if s.has_logged(EAGER_WHILE_COMPILING)]
-    if not preparing:
+    if not watch.pending:
         return
     print(
         "kvmesh: waiting for the compiled step to finish compiling and be stored, so that "
@@ -170,20 +168,15 @@ def _wait_for_compiled_steps(mesh: Mesh) -> None:
     )
     started = time.perf_counter()
     next_note = started + PROGRESS_EVERY_S
-    while any(
-        s.process.poll() is None
-        and not s.has_logged(COMPILED_SERVING)
-        and not s.has_logged(PREPARATION_FAILED)
-        for s in preparing
-    ):
+    while any(s.process.poll() is None for s in watch.pending):
         time.sleep(1.0)
-        if time.perf_counter() >= next_note:
+        watch.report()
+        if watch.pending and time.perf_counter() >= next_note:
             print(f"kvmesh: still compiling ({next_note - started:.0f}s)", file=sys.stderr)
             next_note += PROGRESS_EVERY_S
-    failed = [s.name for s in preparing if not s.has_logged(COMPILED_SERVING)]
     took = f"{time.perf_counter() - started:.0f}s"
-    if failed:
-        names = ", ".join(failed)
+    if watch.failed or watch.pending:
+        names = ", ".join([*watch.failed, *(s.name for s in watch.pending)])
         print(f"kvmesh: {names}: no compiled step stored ({took}; see its log)", file=sys.stderr)
     else:
         print(f"kvmesh: compiled and stored after {took} more", file=sys.stderr)
@@ -221,14 +214,14 @@ def run_up(args: argparse.Namespace) -> int:
         addresses = mesh_addresses(mesh, control_address, own_metrics)
         recorded = run_file.write(addresses)
         print(f"kvmesh: ready in {time.perf_counter() - started:.1f}s", file=sys.stderr)
-        for service in mesh.services:
-            if service.has_logged(EAGER_WHILE_COMPILING):
-                print(
-                    f"kvmesh: {service.name} answers on its eager step while its compiled step "
-                    "compiles (minutes, once on this machine): it switches when that is done, "
-                    "and later starts load it in seconds",
-                    file=sys.stderr,
-                )
+        watch = CompiledStepWatch(mesh.services)
+        for service in watch.pending:
+            print(
+                f"kvmesh: {service.name} answers on its eager step while its compiled step "
+                "compiles (minutes, once on this machine): it switches when that is done, "
+                "and later starts load it in seconds",
+                file=sys.stderr,
+            )
         for name, value in addresses.items():
             if isinstance(value, dict):
                 for service, url in value.items():
@@ -245,9 +238,12 @@ def run_up(args: argparse.Namespace) -> int:
             messages = [{"role": "user", "content": args.prompt}]
             request = generate_request(messages=messages, max_tokens=128, temperature=0.0)
             status = stream_to_terminal(mesh.gateway_address, request, None)
-            _wait_for_compiled_steps(mesh)
+            _wait_for_compiled_steps(watch)
             return status
         print("kvmesh: Ctrl-C drains and stops every service", file=sys.stderr)
+        while watch.pending:  # says how each compiling worker's compiled step ended
+            time.sleep(WATCH_EVERY_S)
+            watch.report()
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

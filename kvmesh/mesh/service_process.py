@@ -102,8 +102,18 @@ class ServiceProcess:
 
     def has_logged(self, message: str) -> bool:
         """Whether a line of its log carries `message` (read whole: for start-up lines)."""
+        return self.logged(message) is not None
+
+    def logged(self, message: str) -> dict[str, object] | None:
+        """The first log record that carries `message`, with its fields; None if none does."""
         with open(self.log_path, errors="replace") as handle:
-            return any(f'"msg": "{message}"' in line for line in handle)
+            for line in handle:
+                if f'"msg": "{message}"' in line:
+                    try:
+                        return dict(json.loads(line))
+                    except ValueError:
+                        return {"msg": message}
+        return None
 
     def last_message(self) -> str:
         """Its log's last message (the text of a JSON log line)."""

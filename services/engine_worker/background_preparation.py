@@ -26,7 +26,12 @@ import torch
 
 from services.engine_worker import preparation_underway
 from services.engine_worker.preparation_underway import PREPARATION_FAILED
-from services.engine_worker.prepared_artifact import PreparedArtifact, PreparedKey, PreparedStore
+from services.engine_worker.prepared_artifact import (
+    PreparedArtifact,
+    PreparedKey,
+    PreparedStore,
+    step_limits_of,
+)
 from services.engine_worker.preparing import PROGRAMS
 from services.engine_worker.torch_backend.saved_programs import PROGRAM_SUFFIX
 from shared.config import EngineConfig, KVTierConfig
@@ -55,6 +60,7 @@ class ChildPreparation:
 
     def __init__(self, config: EngineConfig, key: PreparedKey, store: PreparedStore) -> None:
         self.key, self.store = key, store
+        self.step_limits = step_limits_of(config.scheduler)
         self.log = store.writable_root() / f".prepare-{key.id}.log"
         with open(self.log, "w") as out:
             # Its own session: a stop reaches it alone, and it stops its compilers itself.
@@ -77,10 +83,10 @@ class ChildPreparation:
         """Blocks until the child exits, then verifies what it stored (any thread: no torch)."""
         code = self.process.wait()
         preparation_underway.forget(self.token)
-        found = self.store.lookup(self.key).artifact
+        found = self.store.lookup(self.key, self.step_limits).artifact
         if code != 0 or found is None:
             tail = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
-            raise RuntimeError(f"preparing in a child process failed ({code}): {tail}")
+            raise RuntimeError(f"{_how_it_ended(code, tail)}\nthe end of its log: {tail}")
         found.verify()
         self.artifact = found
         self.log.unlink(missing_ok=True)
@@ -96,6 +102,17 @@ class ChildPreparation:
                     os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self.log.unlink(missing_ok=True)
+
+
+def _how_it_ended(code: int, tail: str) -> str:
+    """One line: how the child ended, and its error's last line (a compiler's own words come
+    last; its log records are JSON lines)."""
+    if code < 0:
+        return f"the child preparing the model was killed by {signal.Signals(-code).name}"
+    words = [line for line in tail.splitlines() if line.strip() and not line.startswith("{")]
+    said = f": {words[-1].strip()[-300:]}" if words else ""
+    how = f"exited with {code}" if code else "exited without storing the artifact"
+    return f"the child preparing the model {how}{said}"
 
 
 class ServingWorker(Protocol):
@@ -118,6 +135,7 @@ def finish_pending(worker: ServingWorker) -> bool:
         return False
     torch.set_num_threads(child.serving_threads)  # called on the torch thread
     if child.artifact is None:
+        worker.preparation.source = "failed"
         return False
     stored, compiled = child.artifact, worker.runner.compiled
     if compiled is not None:
@@ -133,6 +151,7 @@ def finish_pending(worker: ServingWorker) -> bool:
             PREPARATION_FAILED,
             extra={"expected": fixture["expected_ids"], "found": found, "artifact": stored.id},
         )
+        worker.preparation.source = "failed"
         return False
     if compiled is not None:
         compiled.programs.eager_fallback = False

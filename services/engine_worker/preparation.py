@@ -34,6 +34,7 @@ from services.engine_worker.prepared_artifact import (
     PreparedKey,
     PreparedStore,
     runtime_key_parts,
+    step_limits_of,
 )
 from services.engine_worker.step_formats import StepFormats, dtype_name
 from services.engine_worker.torch_backend.weights import int4_source
@@ -67,7 +68,8 @@ class Preparation:
     """What the manifest says of how this runner was made ready."""
 
     # loaded (a prepared artifact) | prepared (and stored) | preparing (serving on the eager
-    # step, its compiled programs compiling; `prepared` once they serve) | off
+    # step, its compiled programs compiling; `prepared` once they serve, `failed` if they
+    # never will: the eager step serves on) | off
     source: str = "off"
     id: str = ""
     directory: str = ""
@@ -124,20 +126,22 @@ def ready_runner(
     if not _preparable(worker, formats):
         return (*_from_source(worker, artifact, formats, Preparation()), None)
     key = prepared_key(worker, formats, source_digest)
-    store = store_for(worker)
-    found, waited = store.lookup(key), 0.0
+    store, limits = store_for(worker), step_limits_of(worker.config.scheduler)
+    found, waited = store.lookup(key, limits), 0.0
     if found.artifact is None and background and worker.config.prepared == "auto":
         return _in_background(worker, artifact, formats, key, store, found.mismatch)
     if found.artifact is None:
         with ExitStack() as held:
             waited = held.enter_context(store.locked(key))  # another worker may be preparing
-            found = store.lookup(key)  # what it stored while this one waited
+            found = store.lookup(key, limits)  # what it stored while this one waited
             if found.artifact is None:
                 _say_preparing(found.mismatch)
                 preparation = Preparation("prepared", key.id, mismatch=found.mismatch)
                 preparation.lock_wait_seconds = waited
                 runner, num_parameters = _build(worker, artifact, formats, preparation)
-                started = preparing.start(runner, num_parameters, key, store, held.pop_all())
+                started = preparing.start(
+                    runner, num_parameters, key, store, held.pop_all(), limits
+                )
                 try:
                     _warm_up(worker, runner, formats, preparation)
                 except BaseException:
@@ -155,7 +159,8 @@ def ready_runner(
 def _say_preparing(mismatch: str) -> None:
     if mismatch:
         log.warning(
-            "prepared artifact not used: it was made for another runtime; preparing anew",
+            "prepared artifact not used: it was made for another runtime or other step "
+            "limits; preparing anew",
             extra={"mismatch": mismatch},
         )
     # Said first: the launcher shows it while a first start waits (minutes).

@@ -5,7 +5,8 @@ Layout: `<root>/<id>/manifest.json` beside the files it lists with their sha256.
 first 16 hex digits of the key's digest; the key names the source artifact's digest, the
 kvmesh, torch, Python and C++ compiler versions, the step's own source files, the CPU's
 instruction set, and the formats the worker runs (backend, weights, activations, KV dtype,
-block size, compiled or not). A directory is written under a temporary name and renamed, and
+block size, compiled or not). The step limits are left out: the manifest says which it serves
+(`step_limits_mismatch`). A directory is written under a temporary name and renamed, and
 a lock per id makes workers racing on one key prepare it once.
 """
 
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from shared.config import SchedulerConfig
 from shared.errors import ModelValidationError
 from shared.model_entry import sha256_file
 
@@ -134,6 +136,15 @@ def _compiler_version() -> str:
     return done.stdout.splitlines()[0] if done.stdout else "none"
 
 
+def step_limits_of(limits: SchedulerConfig) -> dict[str, int]:
+    """The limits on one step's size that an artifact records, and a worker's must meet."""
+    return {
+        "max_num_batched_tokens": limits.max_num_batched_tokens,
+        "max_num_seqs": limits.max_num_seqs,
+        "max_sampled_rows": limits.max_sampled_rows,
+    }
+
+
 @dataclass(frozen=True)
 class PreparedArtifact:
     directory: Path
@@ -142,6 +153,16 @@ class PreparedArtifact:
     @property
     def id(self) -> str:
         return str(self.manifest["id"])
+
+    def step_limits_mismatch(self, step_limits: dict[str, int]) -> str:
+        """Why it may not serve a worker with these step limits ('step_limits: theirs !=
+        ours'); "" when it may: export proved that its programs take any size, or it was
+        prepared under the same limits. Its key leaves them out: then one artifact serves
+        every engine of the model."""
+        prepared_for = self.manifest.get("step_limits")
+        if self.manifest.get("programs_take_any_size") or prepared_for == step_limits:
+            return ""
+        return f"step_limits: {prepared_for!r} != {step_limits!r} (programs fixed to its sizes)"
 
     def verify(self) -> None:
         """Every listed file present with its digest: a corrupt artifact is never loaded."""
@@ -178,16 +199,19 @@ class PreparedStore:
     def __init__(self, roots: list[Path]) -> None:
         self.roots = roots
 
-    def lookup(self, key: PreparedKey) -> Lookup:
-        """The artifact stored under this key; else why one of the same source (its id's
-        first) was not used."""
+    def lookup(self, key: PreparedKey, step_limits: dict[str, int]) -> Lookup:
+        """The artifact stored under this key that serves these step limits; else why one of
+        the same source (its id's first) was not used."""
         mismatches: list[str] = []
         for root in self.roots:
             for folder in sorted(path.parent for path in root.glob(f"*/{MANIFEST}")):
                 stored = _read_manifest(folder) or {}
                 differences = key.differences(stored.get("key", {}))
                 if folder.name == key.id and not differences:
-                    return Lookup(PreparedArtifact(folder, stored), "")
+                    found = PreparedArtifact(folder, stored)
+                    if not (why := found.step_limits_mismatch(step_limits)):
+                        return Lookup(found, "")
+                    differences = [why]
                 reason = f"{folder.name}: " + "; ".join(differences)
                 if folder.name == key.id:
                     mismatches.insert(0, reason)

@@ -46,18 +46,24 @@ class Started:
     staging: Path
     table: ProgramTable | None
     lock: ExitStack
+    step_limits: dict[str, int]  # the worker's, recorded with the artifact
     token: int = 0  # its entry in preparation_underway
 
 
 def start(
-    runner: Any, num_parameters: int, key: PreparedKey, store: PreparedStore, lock: ExitStack
+    runner: Any,
+    num_parameters: int,
+    key: PreparedKey,
+    store: PreparedStore,
+    lock: ExitStack,
+    step_limits: dict[str, int],
 ) -> Started:
     """Called before the warm-up steps: they compile the programs into the staging folder."""
     staging = store.begin(key)
     table = runner.compiled.programs if runner.compiled is not None else None
     if table is not None:
         table.record_into(staging / PROGRAMS)
-    started = Started(runner, num_parameters, key, store, staging, table, lock)
+    started = Started(runner, num_parameters, key, store, staging, table, lock, step_limits)
     started.token = preparation_underway.under_way(
         lambda: preparation_underway.abandon_staging(staging, table)
     )
@@ -98,6 +104,9 @@ def finish(started: Started, greedy: Greedy, phases: dict[str, float]) -> Path:
             {
                 "num_parameters": started.num_parameters,
                 "step_programs": programs,
+                # Which workers may load it (PreparedArtifact.step_limits_mismatch).
+                "step_limits": started.step_limits,
+                "programs_take_any_size": table is None or all(table.takes_any_size.values()),
                 "fixture": {"prompt_ids": list(FIXTURE_PROMPT), "expected_ids": fixture},
                 "phases": {name: round(seconds, 3) for name, seconds in phases.items()},
             },

@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import grpc
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Histogram
 
+from services.engine_worker.compiled_step_status import finish_preparation, report_preparation
 from services.engine_worker.kv_tiers.handover import LeaseEnded
-from services.engine_worker.preparation_underway import COMPILED_SERVING, PREPARATION_FAILED
 from services.engine_worker.step_failures import CircuitBreaker, FaultInjector
 from services.engine_worker.step_telemetry import record_step
 from services.engine_worker.worker import Worker
@@ -29,7 +29,7 @@ from shared.codec import (
     result_to_pb,
 )
 from shared.config import EngineConfig
-from shared.errors import KvmeshError, ModelValidationError, Reason
+from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
 from shared.runtime.heap import freeze_startup_heap
 from shared.runtime.metrics import TOKEN_SECONDS
@@ -41,17 +41,6 @@ STEP_FAILURES = Counter(
     "kvmesh_step_failed_requests",
     "Requests a step could not compute (each failed alone)",
     ["reason"],
-)
-STEP_COMPILED = Gauge(
-    "kvmesh_step_compiled",
-    "Torch backend: 1 when the step runs compiled, 0 on the eager step (a first start serves on "
-    "it while its programs compile)",
-)
-MODEL_LOAD_SECONDS = Gauge(
-    "kvmesh_model_load_seconds",
-    "Seconds of this worker's start by phase: load (source or prepared artifact), prepare "
-    "(packing), compile (tracing the step), warmup (first steps and fixtures), store",
-    ["phase"],
 )
 SCHEMA_COMPILE_SECONDS = Histogram(
     "kvmesh_schema_compile_seconds",
@@ -132,38 +121,14 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
         except Exception:
             log.exception("model failed to load")
             raise
-        self._report_preparation()
+        await report_preparation(self.worker, self.runtime)
         log.info("ready", extra={"manifest": self.worker.manifest.to_dict()})
         freeze_startup_heap()
         await self.runtime.set_ready(True)
         if self.worker.pending_preparation is not None:
-            self._preparing = asyncio.create_task(self._finish_preparation(self.worker))
-
-    async def _finish_preparation(self, worker: Worker) -> None:
-        """Serving on the eager step meanwhile: the stored programs switched in between two
-        steps once the child preparing them has exited (background_preparation.py)."""
-        pending = worker.pending_preparation
-        if pending is not None:
-            try:  # the child's exit and the artifact's digests: off the torch thread
-                await asyncio.to_thread(pending.wait)
-            except (RuntimeError, ModelValidationError) as error:
-                if not self.runtime.draining:  # stopped: the child was stopped
-                    log.error(PREPARATION_FAILED, extra={"error": str(error)[-1000:]})
-        compiled = await self._in_torch_thread(worker.finish_preparation)
-        self._report_preparation()
-        if compiled:
-            log.info(COMPILED_SERVING, extra={"preparation": worker.manifest.preparation})
-
-    def _report_preparation(self) -> None:
-        worker = self._ready_worker()
-        for phase, seconds in (worker.manifest.preparation or {}).get("phases", {}).items():
-            MODEL_LOAD_SECONDS.labels(phase).set(seconds)
-        compiled = getattr(worker.runner, "compiled", None)
-        STEP_COMPILED.set(
-            compiled is not None
-            and worker.pending_preparation is None
-            and not compiled.programs.eager_fallback
-        )
+            self._preparing = asyncio.create_task(
+                finish_preparation(self.worker, self.runtime, self._in_torch_thread)
+            )
 
     def _ready_worker(self) -> Worker:
         if self.worker is None:

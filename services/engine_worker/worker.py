@@ -23,6 +23,7 @@ from services.engine_worker.kv_tiers.transfer import BlockTransfer
 from services.engine_worker.manifest import artifact_digests, combined_digest, describe
 from services.engine_worker.persistent_batch import HeldRequests
 from services.engine_worker.preparation import ready_runner
+from services.engine_worker.prepared_artifact import step_limits_of
 from services.engine_worker.preparing import fixture_blocks
 from services.engine_worker.step_failures import (
     FaultInjector,
@@ -33,6 +34,7 @@ from services.engine_worker.step_failures import (
 from services.engine_worker.step_formats import StepFormats
 from services.engine_worker.step_inputs import RequestState
 from services.engine_worker.step_runner import StepRunner
+from services.engine_worker.torch_backend.saved_programs import StepCompileError
 from services.engine_worker.window_blocks import WindowBlocks, window_requests
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, ModelValidationError, Reason
@@ -92,9 +94,12 @@ class Worker:
         # A repository version's fixtures were recorded with its compiled step: checked on it.
         background = background_preparation and not (self.entry and self.entry.fixtures)
         self.runner: StepRunner
-        self.runner, num_parameters, self.preparation, self.pending_preparation = ready_runner(
-            self, artifact, formats, combined_digest(digests), background
-        )
+        try:
+            self.runner, num_parameters, self.preparation, self.pending_preparation = ready_runner(
+                self, artifact, formats, combined_digest(digests), background
+            )
+        except StepCompileError as failed:
+            raise failed.under(step_limits_of(config.scheduler)) from failed
         if self.pending_preparation is not None:  # its fixture's blocks, never the scheduler's
             self.scratch_start -= fixture_blocks(self.kv_shape.block_size)
         self.runner.block_tables = self.requests.tables

@@ -157,6 +157,12 @@ class ServiceRuntime:
             serving = named_ready and not self.draining
             await self.health.set(name, _SERVING if serving else _NOT_SERVING)
 
+    async def set_named_ready(self, name: str, ready: bool) -> None:
+        """One named health service alone (a worker's compiled step): the service's own
+        readiness stays as it is."""
+        self._named_ready[name] = ready
+        await self.health.set(name, _SERVING if ready and not self.draining else _NOT_SERVING)
+
     def refuse_if_draining(self) -> None:
         if self.draining:
             raise KvmeshError(

@@ -1,17 +1,25 @@
 """A first `kvmesh up` on a machine with no prepared artifact answers while its worker's step
 programs compile in child processes; stopped then, it leaves nothing behind: no process, no
-staging folder. (The switch to the compiled programs: test_prepared_artifact.py.)"""
+staging folder; if the preparation fails, `kvmesh up`, the worker's metrics and its
+compiled-step health say so while the eager step serves on. (The switch to the compiled
+programs: test_prepared_artifact.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from kvmesh.client import MeshClient, generate_request
+from services.engine_worker.compiled_step_status import COMPILED_STEP_HEALTH
 
 STOP_WITHIN_S = 10.0
 
@@ -81,3 +89,75 @@ def test_a_first_start_answers_while_compiling_and_sigterm_leaves_nothing_behind
         for pid in processes_with(marker):
             os.kill(pid, signal.SIGKILL)
         up.kill()
+
+
+def printed(log: Path, prefix: str) -> str | None:
+    """The last word of `kvmesh up`'s first line starting with `prefix`."""
+    for line in log.read_text().splitlines():
+        if line.startswith(prefix):
+            return line.split()[-1]
+    return None
+
+
+def test_a_failed_preparation_is_printed_and_the_eager_step_serves_on(
+    tiny_qwen2_dir: str, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    marker = f"KVMESH_CACHE_DIR={cache}"
+    log = tmp_path / "up.log"
+    flags = "--quantize int4 --compile auto --prepared auto --kv-memory 64MiB"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh", "up", "--model", tiny_qwen2_dir, *flags.split()],
+        env={**os.environ, "KVMESH_CACHE_DIR": str(cache)},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while (address := gateway_address(log)) is None:
+            assert up.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.2)
+        assert "engine-worker-0 answers on its eager step" in log.read_text()
+        # The child preparing the model dies (as an OOM kill would take it).
+        while not (child := [p for p, c in processes_with(marker).items() if "in_child" in c]):
+            assert time.monotonic() < deadline, "no child preparing"
+            time.sleep(0.2)
+        os.kill(child[0], signal.SIGKILL)
+        failed = "kvmesh: engine-worker-0: preparing its compiled step failed ("
+        while failed not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        assert f"{failed}the child preparing the model was killed by SIGKILL)" in log.read_text()
+        assert "it serves on its eager step" in log.read_text()
+        metrics_url = printed(log, "kvmesh:   metrics engine-worker-0: ")
+        assert metrics_url is not None
+        with urllib.request.urlopen(metrics_url, timeout=10) as page:
+            metrics = page.read().decode()
+        assert "kvmesh_step_preparation_failed 1.0" in metrics
+        assert "kvmesh_step_compiled 0.0" in metrics
+        assert compiled_step_health(log) == health_pb2.HealthCheckResponse.NOT_SERVING
+        request = generate_request(token_ids=[5, 9, 11, 2], max_tokens=4, temperature=0.0)
+        with MeshClient(address) as client:  # on the eager step
+            events = list(client.stream(request, timeout=60))
+        assert sum(len(e.delta.token_ids) for e in events if e.HasField("delta")) == 4
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(timeout=30)
+        finally:
+            for pid in processes_with(marker):
+                os.kill(pid, signal.SIGKILL)
+            up.kill()
+
+
+def compiled_step_health(up_log: Path) -> int:
+    """The worker's compiled-step health status, at the address its own log says it listens on."""
+    logs = printed(up_log, "kvmesh:   logs: ")
+    assert logs is not None
+    lines = (Path(logs) / "engine-worker-0.log").read_text().splitlines()
+    address = next(json.loads(line)["address"] for line in lines if '"msg": "listening"' in line)
+    with grpc.insecure_channel(address) as channel:
+        check = health_pb2.HealthCheckRequest(service=COMPILED_STEP_HEALTH)
+        return health_pb2_grpc.HealthStub(channel).Check(check, timeout=10).status

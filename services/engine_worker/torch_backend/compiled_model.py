@@ -41,7 +41,7 @@ from services.engine_worker.torch_backend.graph_projections import (
     projection_parts,
 )
 from services.engine_worker.torch_backend.model import CausalLM
-from services.engine_worker.torch_backend.saved_programs import ProgramTable
+from services.engine_worker.torch_backend.saved_programs import ProgramTable, StepCompileError
 from services.engine_worker.torch_backend.weights import Int8Embedding, TorchWeights
 
 
@@ -184,6 +184,7 @@ class CompiledCausalLM:
         # else traced lazily, made on first use (torch.compile imports Dynamo: ~1 s).
         self.programs = ProgramTable()
         self._graph: Callable[..., Any] | None = None
+        self._examples: dict[bool, GraphBatch] = {}  # by `prefilling`: what a trace is hinted by
 
     def load_programs(self, saved: dict[str, Path]) -> None:
         """The step's programs a prepared model saved (saved_programs.py)."""
@@ -238,14 +239,28 @@ class CompiledCausalLM:
     def _traced(self, name: str, batch: GraphBatch, args: tuple[Any, ...]) -> torch.Tensor:
         """A step with no program loaded: its graph traced lazily, or exported for a program
         compiled ahead of time (saved_programs.py), with the sizes it keeps dynamic."""
-        batch.mark_dynamic()
+        # A lazy trace or an export: either way the compiler's hints are the sizes of a batch
+        # of our choosing, not the first step's (a one-row engine's prefill has no decode rows:
+        # GraphBatch.export_example).
+        prefilling = bool(args[3])
+        if prefilling not in self._examples:
+            self._examples[prefilling] = GraphBatch.export_example(
+                prefilling, self._keys[0].shape[3]
+            )
+        example = self._examples[prefilling]
+        batch.mark_dynamic(hints=example)
+        example.mark_dynamic()
         # Any KV budget, the same graph and program: marked before every trace, since an
         # export consumes the marks (a decode program exported after the prefill one had the
         # pool's block count fixed, and indexed past it under a larger --kv-memory).
         for tensor in (*self._keys, *self._values):
             torch._dynamo.mark_dynamic(tensor, 0)
+        exported_for = (*args[:4], example, *args[5:])
         # Sizes 0 and 1 must not get a graph (and kernels) of their own: see the docstring.
         with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
-            program = self.programs.get(name, _graph, args, options=_OPTIONS)
+            program = self.programs.get(name, _graph, exported_for, options=_OPTIONS)
             with torch.inference_mode():
-                return self._logits((program or self._lazy_graph())(*args))
+                try:
+                    return self._logits((program or self._lazy_graph())(*args))
+                except torch._dynamo.exc.BackendCompilerFailed as failed:
+                    raise StepCompileError(f"compiling {name} failed: {failed}") from failed

@@ -8,7 +8,8 @@ import numpy
 import torch
 import torch.utils._pytree as pytree
 
-from services.engine_worker.step_inputs import FlatBatch
+from services.engine_worker.step_inputs import FlatBatch, RequestState, flatten
+from shared.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -63,14 +64,41 @@ class GraphBatch:
             torch.tensor(flat.logit_rows, dtype=torch.long),
         )
 
-    def mark_dynamic(self) -> None:
-        for tensor in (*self.decode_rows, *self.prefill_rows, self.sample_rows):
-            torch._dynamo.mark_dynamic(tensor, 0)
-        for tensor in (self.decode_table, self.decode_context_lens, self.prefill_segments):
-            torch._dynamo.mark_dynamic(tensor, 0)
-        torch._dynamo.mark_dynamic(self.prefill_blocks, 0)
-        torch._dynamo.mark_dynamic(self.decode_table, 1)
-        torch._dynamo.mark_dynamic(self.prefill_blocks, 1)
+    @staticmethod
+    def export_example(prefilling: bool, block_size: int) -> GraphBatch:
+        """The batch a program is exported for, whatever step first needed it: a decode row
+        beside a prompt of two blocks (`prefilling`), or the decode row alone.
+
+        Its sizes are the compiler's hints, not limits: the program serves every size (each
+        ranges over 0..inf: `saved_programs.takes_any_size`). A hint of 0 breaks Inductor, which
+        divides by it when it lays out the output (a one-row engine's prefill steps have no
+        decode rows: `ZeroDivisionError` in `_size_hinting`), and hints taken from the first
+        step made the code depend on the engine's step limits. Block ids 0 and 1: the pool
+        is cut to two blocks for the compiler (`saved_programs._shrunk`)."""
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        prompt = list(range(block_size + 1))
+        decode = RequestState("example-decode", prompt[:2], [0], 1, params, 1)
+        prefill = RequestState("example-prefill", prompt, [0, 1], 0, params, len(prompt))
+        scheduled = [(decode, 1), (prefill, len(prompt))] if prefilling else [(decode, 1)]
+        return GraphBatch.of(flatten(scheduled, block_size))
+
+    def dynamic_sizes(self) -> list[tuple[torch.Tensor, int]]:
+        """Every (tensor, dimension) whose size varies from step to step."""
+        rows = (*self.decode_rows, *self.prefill_rows, self.sample_rows)
+        firsts = (*rows, self.decode_table, self.decode_context_lens, self.prefill_segments)
+        return [
+            *((tensor, 0) for tensor in (*firsts, self.prefill_blocks)),
+            (self.decode_table, 1),
+            (self.prefill_blocks, 1),
+        ]
+
+    def mark_dynamic(self, hints: GraphBatch | None = None) -> None:
+        """Its varying sizes marked for a trace; `hints`: a batch whose sizes the compiler
+        takes as its hints instead (export_example says why)."""
+        sizes = self.dynamic_sizes()
+        hinted = [t.shape[d] for t, d in hints.dynamic_sizes()] if hints else [None] * len(sizes)
+        for (tensor, dim), hint in zip(sizes, hinted, strict=True):
+            torch._dynamo.mark_dynamic(tensor, dim, hint_override=hint)
 
 
 def _long_tensor(array: numpy.ndarray) -> torch.Tensor:

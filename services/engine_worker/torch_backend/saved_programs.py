@@ -43,6 +43,19 @@ PROGRAM_SUFFIX = ".pt2"
 _EXPORTED_SUFFIX = ".exported.pt2"
 
 
+class StepCompileError(RuntimeError):
+    """The compiler failed on one of the step's graphs (its message ends with the compiler's
+    own last lines)."""
+
+    def under(self, step_limits: dict[str, int]) -> StepCompileError:
+        """The same failure as a user starting an engine reads it: its limits, the way out."""
+        named = ", ".join(f"{name}={value}" for name, value in step_limits.items())
+        return StepCompileError(
+            f"the compiled step could not be prepared (step limits {named}); compile='off' "
+            f"(--compile off, KVMESH_COMPILE=off) runs the eager step instead. {self}"
+        )
+
+
 class Program:
     """A loaded package, called with the arguments it was exported for.
 
@@ -69,9 +82,19 @@ class Program:
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 
+def marked_sizes(args: tuple[Any, ...]) -> list[tuple[int, ...]]:
+    """The dimensions marked dynamic (`torch._dynamo.mark_dynamic`) of each tensor in `args`."""
+    return [
+        tuple(getattr(leaf, "_dynamo_dynamic_indices", ()))
+        for leaf in pytree.tree_leaves(args)
+        if isinstance(leaf, torch.Tensor)
+    ]
+
+
 def export_program(function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    """`function` exported for `args`: the sizes marked dynamic (`torch._dynamo.mark_dynamic`)
-    stay dynamic, every other one and every non-tensor argument is fixed."""
+    """`function` exported for `args`: the sizes marked dynamic stay dynamic where export can
+    keep them (`takes_any_size` tells), every other one and every non-tensor argument is
+    fixed."""
     leaves, spec = pytree.tree_flatten(args)
     at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
@@ -84,11 +107,28 @@ def export_program(function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
 
     tensors = tuple(leaves[i] for i in at)
     dynamic = tuple(
-        {d: torch.export.Dim.DYNAMIC for d in getattr(t, "_dynamo_dynamic_indices", ())} or None
-        for t in tensors
+        {d: torch.export.Dim.DYNAMIC for d in dims} or None for dims in marked_sizes(args)
     )
     with torch.no_grad():
         return torch.export.export(Bound(), tensors, dynamic_shapes=(dynamic,), strict=False)
+
+
+def takes_any_size(exported: Any, marked: list[tuple[int, ...]]) -> bool:
+    """Whether an exported program computes any size of every dimension that was `marked`
+    dynamic, as export proved it: each stayed a symbol (none was fixed to its example's size)
+    ranging over 0..inf. Then no step limits are baked into it."""
+    from torch.utils._sympy.numbers import int_oo  # sympy: 0.3 s a loading worker never pays
+
+    names = set(exported.graph_signature.user_inputs)
+    nodes = exported.graph.nodes
+    inputs = [n.meta["val"] for n in nodes if n.op == "placeholder" and n.name in names]
+    kept = len(inputs) == len(marked) and all(
+        isinstance(value.shape[dim], torch.SymInt)
+        for value, dims in zip(inputs, marked, strict=True)
+        for dim in dims
+    )
+    ranges = exported.range_constraints.values()
+    return kept and all(r.lower <= 0 and r.upper == int_oo for r in ranges)
 
 
 def _shrunk(tensor: torch.Tensor) -> torch.Tensor:
@@ -106,7 +146,9 @@ class _Compiling:
     ) -> None:
         self.package = package
         self.exported = package.with_suffix(_EXPORTED_SUFFIX)
+        marked = marked_sizes(args)  # before the export, which consumes the marks
         exported = export_program(function, args)
+        self.takes_any_size = takes_any_size(exported, marked)
         # AOTInductor wants example inputs; the KV pool whole was 1.2 GB written and read back
         exported.example_inputs = (tuple(map(_shrunk, exported.example_inputs[0])), {})
         torch.export.save(exported, str(self.exported))
@@ -146,7 +188,7 @@ class _Compiling:
         self.exported.unlink(missing_ok=True)
         self.log.unlink(missing_ok=True)
         if self.process.returncode != 0:
-            raise RuntimeError(f"compiling {self.package.name} failed: {errors}")
+            raise StepCompileError(f"compiling {self.package.name} failed: {errors}")
         return Program(self.package)
 
 
@@ -160,6 +202,7 @@ class ProgramTable:
     def __init__(self) -> None:
         self.programs: dict[str, Program] = {}
         self.compiled: dict[str, Path] = {}  # name -> package this process compiled
+        self.takes_any_size: dict[str, bool] = {}  # of those: whether export kept every size
         self.compile_seconds = 0.0  # exporting, and waiting for the compiling processes
         self._folder: Path | None = None
         self._compiling: dict[str, _Compiling] = {}
@@ -172,8 +215,11 @@ class ProgramTable:
         self._folder = folder
 
     def get(
-        self, name: str, function: Callable[..., Any], args: tuple[Any, ...], **options: Any
+        self, name: str, function: Callable[..., Any], example: tuple[Any, ...], **options: Any
     ) -> Callable[..., Any] | None:
+        """The program `name`, else (recording) `function` to run eagerly while the program
+        is exported for the arguments `example` and compiled: its sizes are the compiler's
+        hints, so they are the caller's choice, not whatever step came first."""
         program = self.programs.get(name)
         if program is not None or self._folder is None:
             return program
@@ -181,7 +227,7 @@ class ProgramTable:
             started = time.perf_counter()
             self._folder.mkdir(parents=True, exist_ok=True)
             package = self._folder / f"{name}{PROGRAM_SUFFIX}"
-            self._compiling[name] = _Compiling(function, args, package, options.get("options"))
+            self._compiling[name] = _Compiling(function, example, package, options.get("options"))
             self.compile_seconds += time.perf_counter() - started
         return function
 
@@ -192,6 +238,7 @@ class ProgramTable:
             for name, compiling in self._compiling.items():
                 self.programs[name] = compiling.wait()
                 self.compiled[name] = compiling.package
+                self.takes_any_size[name] = compiling.takes_any_size
         finally:
             self.abandon()  # after a failure, the others are not waited for
             self.compile_seconds += time.perf_counter() - started
