@@ -41,11 +41,40 @@ def processes_with(marker: str) -> dict[int, str]:
     return found
 
 
-def gateway_address(log: Path) -> str | None:
+def printed(log: Path, prefix: str) -> str | None:
+    """The last word of `kvmesh up`'s first line starting with `prefix`."""
     for line in log.read_text().splitlines():
-        if line.startswith("kvmesh:   gateway: "):
+        if line.startswith(prefix):
             return line.split()[-1]
     return None
+
+
+def answers(address: str) -> bool:
+    """Whether the mesh streams a four-token answer."""
+    request = generate_request(token_ids=[5, 9, 11, 2], max_tokens=4, temperature=0.0)
+    with MeshClient(address) as client:
+        events = list(client.stream(request, timeout=60))
+    return sum(len(e.delta.token_ids) for e in events if e.HasField("delta")) == 4
+
+
+def first_up(model: str, cache: Path, log: Path) -> tuple[subprocess.Popen[bytes], str, float]:
+    """`kvmesh up` on an empty cache, once its gateway answers: the process, the gateway's
+    address, and the deadline the test keeps to."""
+    flags = "--quantize int4 --compile auto --prepared auto --kv-memory 64MiB"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh", "up", "--model", model, *flags.split()],
+        env={**os.environ, "KVMESH_CACHE_DIR": str(cache)},
+        stdout=log.open("w"),  # a file: a full pipe would stall the launcher
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while (address := printed(log, "kvmesh:   gateway: ")) is None:
+        if up.poll() is not None or time.monotonic() > deadline:
+            up.kill()
+            raise AssertionError(f"never ready: {log.read_text()[-2000:]}")
+        time.sleep(0.2)
+    return up, address, deadline
 
 
 def test_a_first_start_answers_while_compiling_and_sigterm_leaves_nothing_behind(
@@ -53,25 +82,10 @@ def test_a_first_start_answers_while_compiling_and_sigterm_leaves_nothing_behind
 ) -> None:
     cache = tmp_path / "cache"
     marker = f"KVMESH_CACHE_DIR={cache}"
-    log = tmp_path / "up.log"  # a file: a full pipe would stall the launcher
-    flags = "--quantize int4 --compile auto --prepared auto --kv-memory 64MiB"
-    up = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh", "up", "--model", tiny_qwen2_dir, *flags.split()],
-        env={**os.environ, "KVMESH_CACHE_DIR": str(cache)},
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    log = tmp_path / "up.log"
+    up, address, deadline = first_up(tiny_qwen2_dir, cache, log)
     try:
-        deadline = time.monotonic() + 300
-        while (address := gateway_address(log)) is None:
-            assert up.poll() is None, log.read_text()[-2000:]
-            assert time.monotonic() < deadline, "never ready"
-            time.sleep(0.2)
-        request = generate_request(token_ids=[5, 9, 11, 2], max_tokens=4, temperature=0.0)
-        with MeshClient(address) as client:
-            events = list(client.stream(request, timeout=60))
-        assert sum(len(e.delta.token_ids) for e in events if e.HasField("delta")) == 4
+        assert answers(address)
         # The deepest the tree gets: the worker, the child preparing, the programs compiling.
         while not any("saved_programs" in c for c in processes_with(marker).values()):
             assert time.monotonic() < deadline, "no program ever compiled"
@@ -91,34 +105,14 @@ def test_a_first_start_answers_while_compiling_and_sigterm_leaves_nothing_behind
         up.kill()
 
 
-def printed(log: Path, prefix: str) -> str | None:
-    """The last word of `kvmesh up`'s first line starting with `prefix`."""
-    for line in log.read_text().splitlines():
-        if line.startswith(prefix):
-            return line.split()[-1]
-    return None
-
-
 def test_a_failed_preparation_is_printed_and_the_eager_step_serves_on(
     tiny_qwen2_dir: str, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
     marker = f"KVMESH_CACHE_DIR={cache}"
     log = tmp_path / "up.log"
-    flags = "--quantize int4 --compile auto --prepared auto --kv-memory 64MiB"
-    up = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh", "up", "--model", tiny_qwen2_dir, *flags.split()],
-        env={**os.environ, "KVMESH_CACHE_DIR": str(cache)},
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    up, address, deadline = first_up(tiny_qwen2_dir, cache, log)
     try:
-        deadline = time.monotonic() + 300
-        while (address := gateway_address(log)) is None:
-            assert up.poll() is None, log.read_text()[-2000:]
-            assert time.monotonic() < deadline, "never ready"
-            time.sleep(0.2)
         assert "engine-worker-0 answers on its eager step" in log.read_text()
         # The child preparing the model dies (as an OOM kill would take it).
         while not (child := [p for p, c in processes_with(marker).items() if "in_child" in c]):
@@ -138,10 +132,7 @@ def test_a_failed_preparation_is_printed_and_the_eager_step_serves_on(
         assert "kvmesh_step_preparation_failed 1.0" in metrics
         assert "kvmesh_step_compiled 0.0" in metrics
         assert compiled_step_health(log) == health_pb2.HealthCheckResponse.NOT_SERVING
-        request = generate_request(token_ids=[5, 9, 11, 2], max_tokens=4, temperature=0.0)
-        with MeshClient(address) as client:  # on the eager step
-            events = list(client.stream(request, timeout=60))
-        assert sum(len(e.delta.token_ids) for e in events if e.HasField("delta")) == 4
+        assert answers(address)  # on the eager step
     finally:
         up.send_signal(signal.SIGTERM)
         try:
