@@ -143,3 +143,22 @@ def test_int4_dot_rows_keep_a_decode_rows_bits_and_run_prefill_rows_dense() -> N
     dense = rows[10:].bfloat16().float() @ weight.float()
     assert ((prefill - dense).norm() / dense.norm()).item() < 0.01
     assert graph_ops.PREFILL_PIECE == 256
+
+
+def test_a_lock_left_by_a_process_killed_while_loading_does_not_stall_the_next() -> None:
+    """torch's extension builder takes a lock file on every load; a worker SIGKILLed inside
+    the load left it behind, and every later worker on the machine waited on it for ever."""
+    from torch.utils import cpp_extension
+
+    from services.engine_worker.torch_backend.dot_kernels import _build
+
+    stale = Path(cpp_extension._get_build_directory(_build()[0], verbose=False)) / "lock"
+    stale.touch()
+    load = "from services.engine_worker.torch_backend import dot_kernels as d\n"
+    load += "assert d.load_dot_kernels()"
+    try:
+        subprocess.run([sys.executable, "-c", load], check=True, timeout=120)
+    finally:
+        still_there = stale.exists()
+        stale.unlink(missing_ok=True)
+    assert not still_there

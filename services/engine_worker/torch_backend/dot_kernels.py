@@ -9,11 +9,14 @@ a fake tensor traced) before the library is built.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -67,6 +70,19 @@ def _build() -> tuple[str, list[str]]:
     return "kvmesh_dot_kernels", flags
 
 
+@contextlib.contextmanager
+def _builder_lock(folder: Path) -> Iterator[None]:
+    """Held around torch's extension builder in `folder`. The builder's own lock is a file it
+    takes on every load: a process killed inside `load` (a worker stopped while it starts)
+    leaves it behind, and every later start then waits on it for ever. Ours is an flock, which
+    the kernel releases when its holder dies, so a lock file found while holding it is such a
+    leftover."""
+    with open(folder / "kvmesh.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)  # the name cpp_extension gives its lock
+        yield
+
+
 @functools.cache
 def load_dot_kernels() -> bool:
     from torch.utils import cpp_extension
@@ -76,14 +92,17 @@ def load_dot_kernels() -> bool:
     name, flags = _build()
     _log.info("loading kvmesh's dot-product kernels (built once per machine, ~15 s)")
     try:
-        cpp_extension.load(
-            name=name,
-            sources=_SOURCES,
-            # -fopenmp for ATen's parallel_for; at run time it binds to torch's own libgomp.
-            extra_cflags=["-O3", *flags, "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+        with _builder_lock(folder):
+            cpp_extension.load(
+                name=name,
+                sources=_SOURCES,
+                # -fopenmp for ATen's parallel_for; at run time it binds to torch's own libgomp.
+                extra_cflags=["-O3", *flags, "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                build_directory=str(folder),
+            )
     except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
         _log.warning("kvmesh's dot-product kernels did not build (%s); torch's run instead", error)
         return False
