@@ -241,6 +241,14 @@ WEIGHT_FORMATS = ("packed", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
+class SimConfig:
+    """The simulated backend's step time (services/engine_worker/sim_backend/)."""
+
+    step_ms: float = 2.0  # every step, whatever its batch (the flags refuse a negative)
+    prefill_ms_per_1k_tokens: float = 0.0  # more per prompt token the step computes
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The root: model artifact, backend, and the component configs."""
 
@@ -263,6 +271,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)
+    sim: SimConfig = field(default_factory=SimConfig)  # read by --backend sim alone
 
     def __post_init__(self) -> None:
         _require(

@@ -19,6 +19,8 @@ BACKENDS = {
     "torch": "services.engine_worker.torch_backend.runner",
     # CUDA C kernels through CuPy, cuBLAS GEMMs
     "cupy": "services.engine_worker.cupy_backend.runner",
+    # no model computed: the serving path measured at a set step time; never chosen by auto
+    "sim": "services.engine_worker.sim_backend.runner",
 }
 
 
@@ -60,7 +62,7 @@ def backend_for_model(name: str, arch: ModelArchitecture, path: str) -> str:
     Gemma 3's; the rest (Gemma 2's soft-caps, a partial rotary, LongRoPE) only the torch
     backend, refused by name before anything is allocated."""
     backend = resolve_backend(name)
-    if backend != "torch" and not arch.cupy_layer:
+    if backend == "cupy" and not arch.cupy_layer:
         raise ModelValidationError(
             path,
             f"{arch.name} runs on the torch backend only",

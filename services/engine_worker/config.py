@@ -15,6 +15,7 @@ from shared.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    SimConfig,
     format_bytes,
     parse_bytes,
 )
@@ -53,8 +54,23 @@ MODEL_SETTINGS = (
     Setting(
         "backend",
         "auto",
-        "compute backend; auto: cupy when CuPy sees a GPU, else torch",
-        choices=("auto", "torch", "cupy"),
+        "compute backend; auto: cupy when CuPy sees a GPU, else torch; sim: no model "
+        "computed, tokens drawn per seed at --sim-step-ms a step (to measure the serving path)",
+        choices=("auto", "torch", "cupy", "sim"),
+        **_PER_PAIR,
+    ),
+    Setting(
+        "sim-step-ms",
+        SimConfig.step_ms,
+        "--backend sim: the wall time of every step, whatever its batch",
+        decimal(0.0),
+        **_PER_PAIR,
+    ),
+    Setting(
+        "sim-prefill-ms-per-1k-tokens",
+        SimConfig.prefill_ms_per_1k_tokens,
+        "--backend sim: more wall time per 1,000 prompt tokens a step computes",
+        decimal(0.0),
         **_PER_PAIR,
     ),
     Setting(
@@ -238,4 +254,5 @@ def engine_config(
         ),
         scheduler=scheduler or step_limit_config(args),
         kv_tiers=kv_tier_config(args),
+        sim=SimConfig(args.sim_step_ms, args.sim_prefill_ms_per_1k_tokens),
     )

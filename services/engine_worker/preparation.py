@@ -215,6 +215,9 @@ def _build(
 ) -> tuple[Any, int]:
     """The runner from the source artifact (load: dequantized; prepare: packed). The float
     weights go when this returns: the runner holds its own."""
+    if worker.backend == "sim":  # the serving path under test: no weights read
+        preparation.phases = {"load": 0.0, "prepare": 0.0}
+        return _runner(worker, formats, None), 0
     started = time.perf_counter()
     weights = ModelWeights.build(worker.architecture, artifact.load, formats.load_dtype)
     loaded = time.perf_counter()

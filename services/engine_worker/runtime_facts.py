@@ -47,6 +47,8 @@ def runtime_versions(backend: str) -> dict[str, str]:
 
 
 def device_name(backend: str) -> str:
+    if backend == "sim":
+        return "simulated: no model computed"
     if backend == "cupy":
         import cupy
 

@@ -67,6 +67,7 @@ class RunnerClass(Protocol):
 
 if TYPE_CHECKING:  # both backends hold to the contract: mypy checks these assignments
     from services.engine_worker.cupy_backend.runner import Runner as CupyRunner
+    from services.engine_worker.sim_backend.runner import Runner as SimRunner
     from services.engine_worker.torch_backend.runner import Runner as TorchRunner
 
-    _BACKENDS: tuple[RunnerClass, ...] = (TorchRunner, CupyRunner)
+    _BACKENDS: tuple[RunnerClass, ...] = (TorchRunner, CupyRunner, SimRunner)

@@ -233,6 +233,7 @@ class OpenAIFront:
             "owned_by": "kvmesh",
             "root": info.artifact_digest,
             "max_model_len": info.max_model_len,
+            "backend": info.backend,  # "sim": tokens drawn, no model computed
         }
 
     async def health(self, request: web.Request) -> web.Response:

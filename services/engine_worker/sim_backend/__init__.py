@@ -1,0 +1,1 @@
+"""The simulated backend: real KV accounting and sampling contract, no model computed."""
