@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-startup bench-kv-tiers bench-pd bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu test-gpu-standin gpu-check-prepare gpu-check bench-kernels bench-gpu bench-peers bench-cpu bench-kquants bench-spec bench-host profile-step perplexity eval-smoke soak clean
+.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-startup bench-kv-tiers bench-pd bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu test-gpu-standin gpu-check-prepare gpu-check bench-kernels bench-gpu bench-peers bench-cpu bench-kquants bench-spec bench-host bench-mesh-ceiling profile-step perplexity eval-smoke soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -179,6 +179,11 @@ bench-spec: $(STAMP)
 # The host's share of a steady decode step, model taken out (HOST_ARGS, e.g. --batches 32,128).
 bench-host: $(STAMP)
 	$(BIN)/python -m loadtest.host_bench $(HOST_ARGS)
+
+# What the mesh itself carries: --backend sim at 32/128/256 streams, gRPC and HTTP SSE, CPU per
+# streamed token by process and the ceiling each stage implies. A few minutes.
+bench-mesh-ceiling: $(STAMP)
+	$(BIN)/python -m loadtest.mesh_ceiling $(CEILING_ARGS)
 
 profile-step: $(STAMP)
 	$(BIN)/python -m loadtest.step_profile $(PROFILE_ARGS)

@@ -16,7 +16,7 @@ def test_auto_and_explicit_backends(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(KvmeshError) as refused:
         backends.resolve_backend("cupy")
     assert refused.value.reason is Reason.INVALID_ARGUMENT and "GPU" in refused.value.message
-    with pytest.raises(KvmeshError, match="available: auto, cupy, torch"):
+    with pytest.raises(KvmeshError, match="available: auto, cupy, sim, torch"):
         backends.resolve_backend("tensorrt")
     monkeypatch.setattr(backends, "cuda_devices", lambda: 1)
     assert backends.resolve_backend("auto") == "cupy"

@@ -1,0 +1,198 @@
+"""How many streamed tokens a second the mesh itself can carry: the serving path on the
+simulated backend (`--backend sim`), whose steps take a set time and compute nothing, so every
+CPU second the services spend is the price of carrying tokens, not of making them.
+
+For each count of concurrent streams (`--streams`, 32,128,256) and each protocol (gRPC
+`Generate` streams and `POST /v1/completions` with SSE), one round: every stream is opened at
+once with a random-token prompt and decodes `--output-len` tokens (ignore_eos), delivered every
+`--stream-interval` tokens. Per round: streamed tok/s at the client; each process's CPU
+microseconds per streamed token (/proc, the client apart); the inter-token latency at the
+client, p50 and p99, against the simulated step; and the tok/s each process's stage would carry
+on one core of its own (1e6 / its µs per token), whose least is the mesh's ceiling here.
+Run: make bench-mesh-ceiling
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import statistics
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+
+import aiohttp
+import grpc
+
+from kvmesh.mesh.launcher import Mesh, MeshConfig
+from loadtest.engine_bench import make_prompts
+from loadtest.mesh_bench import services_cpu
+from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+STAGES = ("gateway", "tokenizer", "scheduler")  # the serving path's per-token stages
+VOCAB = 49152  # the default model's: prompts of random ids below it
+
+
+@dataclass
+class Arrivals:
+    """What the client saw of one round: every delta's time and token count, per stream."""
+
+    started: float = field(default_factory=time.perf_counter)
+    streams: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    def stream(self) -> list[tuple[float, int]]:
+        self.streams.append([])
+        return self.streams[-1]
+
+
+async def grpc_round(mesh: Mesh, prompts: list[list[int]], output_len: int) -> Arrivals:
+    sampling = common_pb2.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    arrivals = Arrivals()
+    async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+
+        async def one(prompt: list[int]) -> None:
+            seen = arrivals.stream()
+            ids = common_pb2.TokenIds(ids=prompt)
+            async for event in stub.Generate(
+                inference_pb2.GenerateRequest(token_ids=ids, sampling=sampling)
+            ):
+                if event.HasField("delta"):
+                    seen.append((time.perf_counter(), len(event.delta.token_ids)))
+
+        await asyncio.gather(*(one(p) for p in prompts))
+    return arrivals
+
+
+async def http_round(mesh: Mesh, prompts: list[list[int]], output_len: int) -> Arrivals:
+    """Raw SSE lines, each chunk a delta; their tokens from the usage the stream ends with."""
+    body = {
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    arrivals = Arrivals()
+    timeout = aiohttp.ClientTimeout(total=900)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+
+        async def one(prompt: list[int]) -> None:
+            seen = arrivals.stream()
+            url = f"{mesh.http_url}/completions"
+            async with session.post(url, json={**body, "prompt": prompt}) as response:
+                response.raise_for_status()
+                async for line in response.content:
+                    if not line.startswith(b"data: {"):
+                        continue  # blank separators and the final [DONE]
+                    if b'"completion_tokens"' in line:  # the last chunk: usage alone
+                        _spread(seen, int(json.loads(line[6:])["usage"]["completion_tokens"]))
+                    else:
+                        seen.append((time.perf_counter(), 1))
+
+        await asyncio.gather(*(one(p) for p in prompts))
+    return arrivals
+
+
+def _spread(seen: list[tuple[float, int]], tokens: int) -> None:
+    """The stream's token count over its chunks (one each at stream interval 1)."""
+    if not seen:
+        return
+    each, extra = divmod(tokens, len(seen))
+    seen[:] = [(at, each + (i < extra)) for i, (at, _) in enumerate(seen)]
+
+
+def stage_of(process: str) -> str:
+    """A process's stage: `scheduler-0` is a scheduler."""
+    stage, _, index = process.rpartition("-")
+    return stage if index.isdigit() else process
+
+
+def summarize(arrivals: Arrivals, cpu: dict[str, float], step_ms: float) -> dict:
+    ended = max(at for stream in arrivals.streams for at, _ in stream)
+    tokens = sum(n for stream in arrivals.streams for _, n in stream)
+    gaps = sorted(
+        (later - earlier) * 1e3
+        for stream in arrivals.streams
+        for (earlier, _), (later, _) in itertools.pairwise(stream)
+    )
+    us_per_token = {name: seconds * 1e6 / tokens for name, seconds in cpu.items()}
+    path = sum(us for name, us in us_per_token.items() if stage_of(name) in STAGES)
+    ceilings = {name: 1e6 / us for name, us in us_per_token.items() if name != "client" and us > 0}
+    return {
+        "streamed_tokens": tokens,
+        "streamed_tok_s": tokens / (ended - arrivals.started),
+        "cpu_us_per_token": us_per_token,
+        "serving_path_us_per_token": path,
+        "itl_p50_ms": statistics.median(gaps),
+        "itl_p99_ms": gaps[min(len(gaps) - 1, round(0.99 * (len(gaps) - 1)))],
+        "itl_p99_over_step": gaps[round(0.99 * (len(gaps) - 1))] / step_ms if step_ms else None,
+        "ceiling_tok_s_per_core": ceilings,
+    }
+
+
+Round = Callable[[Mesh, list[list[int]], int], Coroutine[None, None, Arrivals]]
+
+
+def measure(
+    mesh: Mesh, run: Round, prompts: list[list[int]], output_len: int, step_ms: float
+) -> dict:
+    before = services_cpu(mesh)
+    arrivals = asyncio.run(run(mesh, prompts, output_len))
+    after = services_cpu(mesh)
+    cpu = {name: after[name] - before[name] for name in after}
+    return summarize(arrivals, cpu, step_ms)
+
+
+def report(row: dict) -> str:
+    us = row["cpu_us_per_token"]
+    stages = ", ".join(f"{n} {us[n]:.0f}" for n in sorted(us, key=lambda n: -us[n]))
+    least = min(row["ceiling_tok_s_per_core"].items(), key=lambda item: item[1])
+    return (
+        f"{row['protocol']:>4} {row['streams']:>4} streams: {row['streamed_tok_s']:8.0f} tok/s; "
+        f"gateway+tokenizer+scheduler {row['serving_path_us_per_token']:.0f} µs/token "
+        f"(CPU µs per token: {stages}); ITL p50 {row['itl_p50_ms']:.2f} ms, p99 "
+        f"{row['itl_p99_ms']:.2f} ms; least ceiling: {least[0]} {least[1]:.0f} tok/s a core"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", default="32,128,256")
+    parser.add_argument("--protocols", default="http,grpc")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--step-ms", type=float, default=2.0, help="the simulated step")
+    parser.add_argument("--stream-interval", type=int, default=1)
+    parser.add_argument("--plan-ahead", default="on", choices=("on", "off"))
+    parser.add_argument("--json", help="write every round here too")
+    args = parser.parse_args(argv)
+    counts = [int(n) for n in args.streams.split(",")]
+    config = MeshConfig(
+        worker_args=["--backend", "sim", "--sim-step-ms", str(args.step_ms)],
+        scheduler_args=[
+            *("--max-num-seqs", str(max(counts)), "--plan-ahead", args.plan_ahead),
+            *("--stream-interval", str(args.stream_interval)),
+        ],
+        tracing=False,
+    )
+    rows = []
+    with Mesh(config) as mesh:
+        rounds: dict[str, Round] = {"grpc": grpc_round, "http": http_round}
+        for streams in counts:
+            prompts = make_prompts(streams, args.prompt_len, args.prompt_len, VOCAB, streams)
+            for protocol in args.protocols.split(","):
+                run = rounds[protocol]
+                row = measure(mesh, run, prompts, args.output_len, args.step_ms)
+                rows.append({"protocol": protocol, "streams": streams, **row})
+                print(report(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(rows, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""`make bench-mesh-ceiling` end to end on a small load: the sim mesh started, both protocols
+measured, every streamed token counted, CPU per token and ceilings per process reported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loadtest.mesh_ceiling import STAGES, main, stage_of
+
+
+def test_both_protocols_count_every_token_and_price_each_stage(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "rounds.json"
+    main(["--streams", "4", "--output-len", "8", "--step-ms", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [(row["protocol"], row["streams"]) for row in rows] == [("http", 4), ("grpc", 4)]
+    for row in rows:
+        assert row["streamed_tokens"] == 4 * 8
+        assert set(STAGES) <= {stage_of(name) for name in row["cpu_us_per_token"]}
+        assert row["serving_path_us_per_token"] > 0 and row["itl_p99_ms"] >= row["itl_p50_ms"]
+        assert "client" not in row["ceiling_tok_s_per_core"]
+    assert "least ceiling" in capsys.readouterr().out
