@@ -29,8 +29,9 @@ def engine(default_model_path: str) -> Engine:
 
 
 def test_its_tokens_are_the_same_alone_or_batched_and_follow_the_seed(engine: Engine) -> None:
-    def params(seed: int | None) -> SamplingParams:
-        return SamplingParams(max_tokens=12, temperature=0.8, seed=seed, ignore_eos=True)
+    def params(seed: int | None) -> SamplingParams:  # unseeded: greedy
+        temperature = 0.8 if seed is not None else 0.0
+        return SamplingParams(max_tokens=12, temperature=temperature, seed=seed, ignore_eos=True)
 
     together = engine.generate(PROMPTS, [params(7), params(7), params(None)])
     alone = [engine.generate([p], params(s))[0] for p, s in zip(PROMPTS, (7, 7, None), strict=True)]
@@ -38,6 +39,9 @@ def test_its_tokens_are_the_same_alone_or_batched_and_follow_the_seed(engine: En
     assert all(len(c.token_ids) == 12 for c in together)
     reseeded = engine.generate(PROMPTS[:1], params(8))[0]
     assert reseeded.token_ids != together[0].token_ids
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, ignore_eos=True)
+    first, second = engine.generate(PROMPTS[:1] * 2, sampled)  # unseeded: each its own draw
+    assert first.token_ids != second.token_ids
     one_row = sim_engine(scheduler=SchedulerConfig(max_num_seqs=1))
     assert [c.token_ids for c in one_row.generate(PROMPTS, params(7))][:2] == [
         c.token_ids for c in together[:2]
@@ -45,10 +49,10 @@ def test_its_tokens_are_the_same_alone_or_batched_and_follow_the_seed(engine: En
 
 
 def test_limits_stop_ids_formats_and_logprobs_hold(engine: Engine) -> None:
-    first = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=8, ignore_eos=True))[0]
-    stopped = engine.generate(
-        PROMPTS[:1], SamplingParams(max_tokens=8, stop_token_ids=[first.token_ids[2]])
-    )[0]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = engine.generate(PROMPTS[:1], greedy)[0]
+    stop_at = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[first.token_ids[2]])
+    stopped = engine.generate(PROMPTS[:1], stop_at)[0]
     assert stopped.token_ids == first.token_ids[:3] and stopped.finish_reason == "stop"
     scored = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=4, logprobs=3))[0]
     assert all(

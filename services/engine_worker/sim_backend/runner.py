@@ -2,8 +2,9 @@
 
 A step takes a set wall time (`--sim-step-ms`, plus `--sim-prefill-ms-per-1k-tokens` for its
 prompt tokens), slept until its deadline, never spun, and each request's next token is drawn
-from its seed, its position and the token before it: the same tokens alone or in any batch,
-over the model's own vocabulary, so text detokenizes for real. Everything around it is the
+from a key (its seed; none for a greedy request; its id for an unseeded sampled one), its
+position and the token before it: the same tokens alone or in any batch, over the model's own
+vocabulary, so text detokenizes for real. Everything around it is the
 real mesh: the tokenizer, the scheduler's batching and KV blocks (a real pool, its pages never
 touched), stop ids, max_tokens, response formats (a drawn token the format forbids moves to
 the next it allows), logprobs of the requested shape. Never a default backend.
@@ -12,6 +13,7 @@ the next it allows), logprobs of the requested shape. Never a default backend.
 from __future__ import annotations
 
 import time
+import zlib
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ from shared.config import EngineConfig
 from shared.step import FailedRequest, PromptLogprobs, SampledToken, TokenLogprobs
 
 _MASK = (1 << 64) - 1
-UNSEEDED = 0  # the key of a request without a seed: greedy-like, the same every run
+UNSEEDED = 0  # a greedy request's key: its tokens follow from its context alone
 
 
 def drawn_token(key: int, position: int, previous: int, vocab_size: int) -> int:
@@ -35,6 +37,17 @@ def drawn_token(key: int, position: int, previous: int, vocab_size: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
     return (x ^ (x >> 31)) % vocab_size
+
+
+def _key(state: RequestState) -> int:
+    """A seeded request draws from its seed; a greedy one from the context alone (as a model's
+    argmax would: `n` greedy completions agree); an unseeded sampled one from its own id."""
+    sampling = state.sampling
+    if sampling.seed is not None:
+        return sampling.seed & _MASK
+    if sampling.temperature == 0:
+        return UNSEEDED
+    return zlib.crc32(state.request_id.encode()) + 1
 
 
 class Runner:
@@ -101,8 +114,7 @@ class Runner:
         """Its next token; drafts it verifies are all rejected (the drawn token follows the
         last known one)."""
         position = len(state.token_ids) - state.num_drafts
-        seed = state.sampling.seed
-        key = UNSEEDED if seed is None else seed & _MASK
+        key = _key(state)
         token = drawn_token(key, position, state.token_ids[position - 1], self.vocab_size)
         if state.matcher is not None:
             allowed = allowed_tokens(state.matcher, self.vocab_size)
