@@ -143,7 +143,7 @@ def metrics() -> str:
     from services.scheduler.metrics import COUNTERS, GAUGES
 
     by_owner: dict[str, list[str]] = {}
-    for path in sorted([*(ROOT / "services").rglob("*.py"), *(ROOT / "shared").glob("*.py")]):
+    for path in sorted([*(ROOT / "services").rglob("*.py"), *(ROOT / "shared").rglob("*.py")]):
         parts = path.relative_to(ROOT).parts
         owner = parts[1].replace("_", "-") if parts[0] == "services" else "every service"
         for name, kind, help_text, labels in _metric_calls(path):

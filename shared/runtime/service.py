@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from shared.errors import KvmeshError, Reason
 from shared.runtime.error_boundary import KvmeshErrors
+from shared.runtime.loop_lag import watch_loop_lag
 from shared.runtime.metrics import serve_metrics
 from shared.runtime.parent_watch import watch_parent
 from shared.runtime.settings import Setting, SettingsParser, add_settings, decimal, port
@@ -123,6 +124,7 @@ class ServiceRuntime:
         self._idle = asyncio.Event()
         self._idle.set()
         self._stopped = asyncio.Event()
+        self._lag_watch: asyncio.Task[None] | None = None  # kvmesh_event_loop_lag_seconds
 
     def add_servicer(
         self, register: Callable[[object, grpc.aio.Server], None], servicer: object
@@ -140,6 +142,7 @@ class ServiceRuntime:
         if bound == 0:
             raise OSError(f"cannot bind {self.address}")
         await self.server.start()
+        self._lag_watch = asyncio.create_task(watch_loop_lag())
         watch_parent()  # started by a launcher: gone when it is
         await self.health.set(LIVENESS, _SERVING)
         await self.set_ready(False)
@@ -201,6 +204,8 @@ class ServiceRuntime:
         if on_drain is not None:
             await on_drain()
         await self.server.stop(grace=1.0)
+        if self._lag_watch is not None:
+            self._lag_watch.cancel()
         log.info("stopped")
 
     def stop(self) -> None:

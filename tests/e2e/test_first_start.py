@@ -131,6 +131,7 @@ def test_a_failed_preparation_is_printed_and_the_eager_step_serves_on(
             metrics = page.read().decode()
         assert "kvmesh_step_preparation_failed 1.0" in metrics
         assert "kvmesh_step_compiled 0.0" in metrics
+        assert "kvmesh_event_loop_lag_seconds_count" in metrics  # every service's, this one's
         assert compiled_step_health(log) == health_pb2.HealthCheckResponse.NOT_SERVING
         assert answers(address)  # on the eager step
     finally:
