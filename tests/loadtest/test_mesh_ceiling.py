@@ -17,6 +17,7 @@ def test_both_protocols_count_every_token_and_price_each_stage(tmp_path: Path, c
     for row in rows:
         assert row["streamed_tokens"] == 4 * 8
         assert set(STAGES) <= {stage_of(name) for name in row["cpu_us_per_token"]}
-        assert row["serving_path_us_per_token"] > 0 and row["itl_p99_ms"] >= row["itl_p50_ms"]
+        assert all(us >= 0 for us in row["cpu_us_per_token"].values())
+        assert row["itl_p99_ms"] >= row["itl_p50_ms"]  # percentiles in order, not a timing
         assert "client" not in row["ceiling_tok_s_per_core"]
     assert "least ceiling" in capsys.readouterr().out

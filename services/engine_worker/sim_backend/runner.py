@@ -123,9 +123,8 @@ class Runner:
                 token = (token + int(later[0])) % self.vocab_size if len(later) else token
             state.matcher.consume_token(token)
         top = state.sampling.logprobs
-        logprobs = None
-        if top is not None:
-            others = ((token + i) % self.vocab_size for i in range(1, top))
-            ranked = ((token, 0.0), *((other, -30.0) for other in others))
-            logprobs = TokenLogprobs(token, 0.0, tuple(ranked)[:top])
-        return SampledToken(state.request_id, token, logprobs)
+        if top is None:
+            return SampledToken(state.request_id, token)
+        # The requested shape: the token itself first, then its neighbours, all but unlikely.
+        ranked = [(token, 0.0), *(((token + i) % self.vocab_size, -30.0) for i in range(1, top))]
+        return SampledToken(state.request_id, token, TokenLogprobs(token, 0.0, tuple(ranked[:top])))

@@ -200,11 +200,22 @@ class CompiledCausalLM:
     def forward(self, batch: GraphBatch, chained_decodes: bool = False) -> torch.Tensor:
         """-> logits (R, vocab) of the sampled rows. `chained_decodes`: some decode row reads
         another of this step (a draft, a recompute), which must be in the pool first."""
-        model = self.model
         # The graph that writes each layer's rows before its attention, or the one that
         # writes them all after it.
         prefilling = batch.prefill_rows[0].shape[0] > 0 or chained_decodes
-        args = (
+        name = "step-prefill" if prefilling else "step-decode"
+        program: Callable[..., Any] | None = self.programs.programs.get(name)
+        if program is None and self.programs.eager_fallback:  # nothing to mark, export or trace
+            program = _graph
+        if program is None:
+            return self._traced(name, batch, prefilling)
+        with torch.inference_mode():
+            return self._logits(program(*self._args(batch, prefilling)))
+
+    def _args(self, batch: GraphBatch, prefilling: bool) -> tuple[Any, ...]:
+        """`_graph`'s arguments for a batch."""
+        model = self.model
+        return (
             model.arch,
             model.scale,
             model._exact_over_cache,
@@ -218,14 +229,6 @@ class CompiledCausalLM:
             model.cos,
             model.signed_sin,
         )
-        name = "step-prefill" if prefilling else "step-decode"
-        program: Callable[..., Any] | None = self.programs.programs.get(name)
-        if program is None and self.programs.eager_fallback:  # nothing to mark, export or trace
-            program = _graph
-        if program is None:
-            return self._traced(name, batch, args)
-        with torch.inference_mode():
-            return self._logits(program(*args))
 
     def _logits(self, out: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The head over a graph's hidden rows, after a decode-only graph's K/V write."""
@@ -236,13 +239,12 @@ class CompiledCausalLM:
             hidden = out
         return self.model.weights.lm_head(hidden).float()
 
-    def _traced(self, name: str, batch: GraphBatch, args: tuple[Any, ...]) -> torch.Tensor:
+    def _traced(self, name: str, batch: GraphBatch, prefilling: bool) -> torch.Tensor:
         """A step with no program loaded: its graph traced lazily, or exported for a program
         compiled ahead of time (saved_programs.py), with the sizes it keeps dynamic."""
         # A lazy trace or an export: either way the compiler's hints are the sizes of a batch
         # of our choosing, not the first step's (a one-row engine's prefill has no decode rows:
         # GraphBatch.export_example).
-        prefilling = bool(args[3])
         if prefilling not in self._examples:
             self._examples[prefilling] = GraphBatch.export_example(
                 prefilling, self._keys[0].shape[3]
@@ -255,12 +257,14 @@ class CompiledCausalLM:
         # pool's block count fixed, and indexed past it under a larger --kv-memory).
         for tensor in (*self._keys, *self._values):
             torch._dynamo.mark_dynamic(tensor, 0)
-        exported_for = (*args[:4], example, *args[5:])
+        exported_for = self._args(example, prefilling)
         # Sizes 0 and 1 must not get a graph (and kernels) of their own: see the docstring.
         with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
             program = self.programs.get(name, _graph, exported_for, options=_OPTIONS)
             with torch.inference_mode():
                 try:
-                    return self._logits((program or self._lazy_graph())(*args))
+                    return self._logits(
+                        (program or self._lazy_graph())(*self._args(batch, prefilling))
+                    )
                 except torch._dynamo.exc.BackendCompilerFailed as failed:
                     raise StepCompileError(f"compiling {name} failed: {failed}") from failed
