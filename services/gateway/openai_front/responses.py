@@ -12,6 +12,7 @@ from typing import Any
 
 from services.gateway.openai_front.echo import echoed_prompt
 from services.gateway.openai_front.protocol import OpenAIRequest
+from services.gateway.openai_front.sse import TextChunks, sse
 from services.gateway.openai_front.tools import tool_call_object
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
 
@@ -67,6 +68,7 @@ class ResponseBuilder:
     choices: dict[int, Choice] = field(default_factory=dict)
     prompt_tokens: int = 0
     streamed_tokens: int = 0  # every choice's tokens so far (continuous usage)
+    text_chunks: TextChunks = field(default_factory=TextChunks)
 
     @property
     def object(self) -> str:
@@ -94,6 +96,32 @@ class ResponseBuilder:
         self.model = event.model
         self.fingerprint = f"kvmesh-{event.model_version}"  # the version that answers
         self.prompt_tokens = event.prompt_tokens
+
+    def delta_sse(self, delta: inference_pb2.Delta, index: int = 0) -> bytes | None:
+        """The event for one delta; None when it has nothing to show. A started choice's
+        text alone (the common chunk) is encoded from its template."""
+        choice = self.choice(index)
+        if not self._text_only(choice, delta):
+            chunk = self.delta_chunk(delta, index)
+            return None if chunk is None else sse(chunk)
+        self.streamed_tokens += len(delta.token_ids)
+        if not delta.text:
+            return None  # text held back
+        return self.text_chunks.encode(
+            index, delta.text, lambda text: self._chunk(self._choice(choice, text, None))
+        )
+
+    def _text_only(self, choice: Choice, delta: inference_pb2.Delta) -> bool:
+        """Whether this delta's chunk differs from the choice's others in its text alone."""
+        request = self.request
+        return (
+            choice.started
+            and not delta.tool_calls
+            and not request.logprobs
+            and not request.continuous_usage
+            and not request.echo_only
+            and (choice.echoed or not request.echo)
+        )
 
     def delta_chunk(self, delta: inference_pb2.Delta, index: int = 0) -> dict[str, Any] | None:
         """The chunk for one delta; None when it has nothing to show (text held back)."""

@@ -17,7 +17,6 @@ scheduler's stream, which frees the KV blocks.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -43,8 +42,9 @@ from services.gateway.openai_front.protocol import (
     parse_completion,
 )
 from services.gateway.openai_front.responses import ResponseBuilder
+from services.gateway.openai_front.sse import DONE, sse
 from services.gateway.openai_front.tokenize import detokenize, tokenize
-from services.gateway.policy.stall import ClientStalled, write_or_stall
+from services.gateway.policy.stall import ClientStalled, write_or_stall, writes_at_once
 from services.gateway.request.call_context import HttpCall
 from services.gateway.request.embed import embed
 from services.gateway.request.generate import GenerateHandler
@@ -57,14 +57,9 @@ log = logging.getLogger("kvmesh.gateway.http")
 Event = inference_pb2.GenerateEvent
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-SSE_DONE = b"data: [DONE]\n\n"
 # After an error answered before its body was read, aiohttp reads on this long (10 s by
 # default) before it closes: a client holding a partial body is let go sooner.
 LINGER_S = 1.0
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
 class OpenAIFront:
@@ -90,7 +85,8 @@ class OpenAIFront:
         app.router.add_get("/metrics", self.metrics)
         return app
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
+        """`reuse_port`: the port is shared with the host's other gateways (SO_REUSEPORT)."""
         logging.getLogger("aiohttp.server").addFilter(bad_http_in_one_line)
         # handler_cancellation: a client that hangs up cancels its handler, and the request.
         # Headers (and the wait between two requests on a kept-alive connection) are bounded
@@ -105,7 +101,8 @@ class OpenAIFront:
         await self._runner.setup()
         tls = tls_config()
         context = http_ssl_context(tls) if tls is not None else None
-        await web.TCPSite(self._runner, host, port, ssl_context=context).start()
+        site = web.TCPSite(self._runner, host, port, ssl_context=context, reuse_port=reuse_port)
+        await site.start()
         scheme = "https" if tls is not None else "http"
         log.info("openai http", extra={"address": f"{scheme}://{host}:{port}/v1"})
 
@@ -169,7 +166,7 @@ class OpenAIFront:
         response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
         await response.prepare(request)
         try:
-            await self._write_events(response, events, builder)
+            await self._write_events(request, response, events, builder)
         except ConnectionResetError:  # the client left between two chunks: nothing to send
             log.info("client closed the stream")
         except ClientStalled as stalled:
@@ -180,19 +177,26 @@ class OpenAIFront:
         return response
 
     async def _write_events(
-        self, response: web.StreamResponse, events: AsyncIterator[Event], builder: ResponseBuilder
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        events: AsyncIterator[Event],
+        builder: ResponseBuilder,
     ) -> None:
         stall_s = self.generate.policy.stall_timeout_s
 
         async def send(payload: bytes) -> None:
-            await write_or_stall(response.write(payload), stall_s)
+            if writes_at_once(request.transport, len(payload)):
+                await response.write(payload)  # cannot block: no timer to arm
+            else:
+                await write_or_stall(response.write(payload), stall_s)
 
         async for event in events:
             kind = event.WhichOneof("event")
             if kind == "delta":
-                chunk = builder.delta_chunk(event.delta, event.index)
-                if chunk is not None:
-                    await send(sse(chunk))
+                encoded = builder.delta_sse(event.delta, event.index)
+                if encoded is not None:
+                    await send(encoded)
             elif kind == "usage":
                 builder.choice(event.index).usage = event.usage
             elif kind == "failed":
@@ -200,7 +204,7 @@ class OpenAIFront:
             elif kind in ("completed", "cancelled"):
                 for chunk in builder.finish_chunks(event):
                     await send(sse(chunk))
-        await send(SSE_DONE)
+        await send(DONE)
         await response.write_eof()
 
     async def _whole(self, events: AsyncIterator[Event], builder: ResponseBuilder) -> web.Response:
