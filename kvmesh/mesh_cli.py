@@ -11,6 +11,7 @@ import grpc
 
 from kvmesh import run_file
 from kvmesh.client import generate_request
+from kvmesh.mesh import gateways
 from kvmesh.mesh.compiled_steps import CompiledStepWatch
 from kvmesh.mesh.control_server import serve_control
 from kvmesh.mesh.launcher import Mesh, MeshConfig
@@ -45,6 +46,20 @@ def add_up_parser(commands: argparse._SubParsersAction) -> None:
     )
     up.add_argument(
         "--decode-workers", type=whole(0), default=0, help="pairs that decode what was handed over"
+    )
+    up.add_argument(
+        "--gateways",
+        type=whole(1),
+        default=gateways.default_gateways(),
+        help="gateway processes sharing --port and --http-port (SO_REUSEPORT); default: one "
+        f"per {gateways.CORES_PER_GATEWAY} cores (%(default)s here)",
+    )
+    up.add_argument(
+        "--tokenizers",
+        type=whole(1),
+        default=None,
+        help="tokenizer processes, gateway i detokenizing on tokenizer i mod this; default: one "
+        f"per {gateways.GATEWAYS_PER_TOKENIZER} gateways",
     )
     up.add_argument("--redis", help="use this Redis (redis://HOST:PORT) instead of starting one")
     up.add_argument("--host", default="127.0.0.1")
@@ -125,6 +140,8 @@ def mesh_config(args: argparse.Namespace, models: list[str] | None = None) -> Me
         redis_url=args.redis,
         host=args.host,
         gateway_port=args.port,
+        gateways=args.gateways,
+        tokenizers=args.tokenizers or gateways.default_tokenizers(args.gateways),
         http_port=None if args.http_port < 0 else args.http_port,
         worker_threads=args.threads,
         worker_args=service_args(args, WORKER),

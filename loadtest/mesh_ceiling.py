@@ -20,12 +20,14 @@ import itertools
 import json
 import statistics
 import time
+import urllib.request
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
 import aiohttp
 import grpc
 
+from kvmesh.mesh.gateways import default_tokenizers
 from kvmesh.mesh.launcher import Mesh, MeshConfig
 from loadtest.engine_bench import make_prompts
 from loadtest.mesh_bench import services_cpu
@@ -33,6 +35,7 @@ from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 STAGES = ("gateway", "tokenizer", "scheduler")  # the serving path's per-token stages
 VOCAB = 49152  # the default model's: prompts of random ids below it
+CHANNELS_PER_GATEWAY = 8
 
 
 @dataclass
@@ -50,19 +53,26 @@ class Arrivals:
 async def grpc_round(mesh: Mesh, prompts: list[list[int]], output_len: int) -> Arrivals:
     sampling = common_pb2.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     arrivals = Arrivals()
-    async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
+    # A connection goes to one gateway: with several, streams go over several connections, as
+    # a client's worker pool would send them; with one, over one (HTTP/2 multiplexed).
+    count = 1 if len(mesh.gateways) == 1 else CHANNELS_PER_GATEWAY * len(mesh.gateways)
+    own = [("grpc.use_local_subchannel_pool", 1)]  # else channels share one connection
+    channels = [grpc.aio.insecure_channel(mesh.gateway_address, options=own) for _ in range(count)]
+    stubs = [inference_pb2_grpc.InferenceStub(channel) for channel in channels]
 
-        async def one(prompt: list[int]) -> None:
-            seen = arrivals.stream()
-            ids = common_pb2.TokenIds(ids=prompt)
-            async for event in stub.Generate(
-                inference_pb2.GenerateRequest(token_ids=ids, sampling=sampling)
-            ):
-                if event.HasField("delta"):
-                    seen.append((time.perf_counter(), len(event.delta.token_ids)))
+    async def one(index: int, prompt: list[int]) -> None:
+        seen = arrivals.stream()
+        ids = common_pb2.TokenIds(ids=prompt)
+        async for event in stubs[index % len(stubs)].Generate(
+            inference_pb2.GenerateRequest(token_ids=ids, sampling=sampling)
+        ):
+            if event.HasField("delta"):
+                seen.append((time.perf_counter(), len(event.delta.token_ids)))
 
-        await asyncio.gather(*(one(p) for p in prompts))
+    try:
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    finally:
+        await asyncio.gather(*(channel.close() for channel in channels))
     return arrivals
 
 
@@ -111,7 +121,36 @@ def stage_of(process: str) -> str:
     return stage if index.isdigit() else process
 
 
-def summarize(arrivals: Arrivals, cpu: dict[str, float], step_ms: float) -> dict:
+def carried_tokens(mesh: Mesh) -> dict[str, float]:
+    """Each gateway's streamed tokens so far (kvmesh_generation_tokens_total)."""
+    carried = {}
+    for gateway in mesh.gateways:
+        with urllib.request.urlopen(gateway.metrics_url or "", timeout=5) as page:
+            for line in page.read().decode().splitlines():
+                if line.startswith("kvmesh_generation_tokens_total "):
+                    carried[gateway.name] = float(line.split()[1])
+    return carried
+
+
+def stage_ceilings(cpu: dict[str, float], carried: dict[str, float], tokens: int) -> dict:
+    """Each process's tok/s on a core of its own (the tokens it carried over its CPU seconds;
+    a stage's processes that count none split the tokens evenly), and each stage's sum."""
+    by_process: dict[str, float] = {}
+    for name, seconds in cpu.items():
+        stage = stage_of(name)
+        peers = sum(1 for other in cpu if stage_of(other) == stage)
+        share = carried.get(name, tokens / peers)
+        if name != "client" and seconds > 0:
+            by_process[name] = share / seconds
+    by_stage: dict[str, float] = {}
+    for name, ceiling in by_process.items():
+        by_stage[stage_of(name)] = by_stage.get(stage_of(name), 0.0) + ceiling
+    return {"process": by_process, "stage": by_stage}
+
+
+def summarize(
+    arrivals: Arrivals, cpu: dict[str, float], carried: dict[str, float], step_ms: float
+) -> dict:
     ended = max(at for stream in arrivals.streams for at, _ in stream)
     tokens = sum(n for stream in arrivals.streams for _, n in stream)
     gaps = sorted(
@@ -121,7 +160,7 @@ def summarize(arrivals: Arrivals, cpu: dict[str, float], step_ms: float) -> dict
     )
     us_per_token = {name: seconds * 1e6 / tokens for name, seconds in cpu.items()}
     path = sum(us for name, us in us_per_token.items() if stage_of(name) in STAGES)
-    ceilings = {name: 1e6 / us for name, us in us_per_token.items() if name != "client" and us > 0}
+    ceilings = stage_ceilings(cpu, carried, tokens)
     return {
         "streamed_tokens": tokens,
         "streamed_tok_s": tokens / (ended - arrivals.started),
@@ -130,7 +169,9 @@ def summarize(arrivals: Arrivals, cpu: dict[str, float], step_ms: float) -> dict
         "itl_p50_ms": statistics.median(gaps),
         "itl_p99_ms": gaps[min(len(gaps) - 1, round(0.99 * (len(gaps) - 1)))],
         "itl_p99_over_step": gaps[round(0.99 * (len(gaps) - 1))] / step_ms if step_ms else None,
-        "ceiling_tok_s_per_core": ceilings,
+        "ceiling_tok_s_per_core": ceilings["process"],
+        "stage_ceiling_tok_s": ceilings["stage"],
+        "gateway_tokens": carried,
     }
 
 
@@ -140,22 +181,27 @@ Round = Callable[[Mesh, list[list[int]], int], Coroutine[None, None, Arrivals]]
 def measure(
     mesh: Mesh, run: Round, prompts: list[list[int]], output_len: int, step_ms: float
 ) -> dict:
-    before = services_cpu(mesh)
+    before, carried_before = services_cpu(mesh), carried_tokens(mesh)
     arrivals = asyncio.run(run(mesh, prompts, output_len))
-    after = services_cpu(mesh)
+    after, carried_after = services_cpu(mesh), carried_tokens(mesh)
     cpu = {name: after[name] - before[name] for name in after}
-    return summarize(arrivals, cpu, step_ms)
+    carried = {name: carried_after[name] - carried_before[name] for name in carried_after}
+    return summarize(arrivals, cpu, carried, step_ms)
 
 
 def report(row: dict) -> str:
     us = row["cpu_us_per_token"]
     stages = ", ".join(f"{n} {us[n]:.0f}" for n in sorted(us, key=lambda n: -us[n]))
-    least = min(row["ceiling_tok_s_per_core"].items(), key=lambda item: item[1])
+    ceilings = {n: c for n, c in row["stage_ceiling_tok_s"].items() if n in STAGES}
+    least = min(ceilings.items(), key=lambda item: item[1], default=("none", 0.0))
+    gateways = [c for n, c in row["ceiling_tok_s_per_core"].items() if stage_of(n) == "gateway"]
+    each = ", ".join(f"{c:.0f}" for c in gateways)
     return (
         f"{row['protocol']:>4} {row['streams']:>4} streams: {row['streamed_tok_s']:8.0f} tok/s; "
         f"gateway+tokenizer+scheduler {row['serving_path_us_per_token']:.0f} µs/token "
         f"(CPU µs per token: {stages}); ITL p50 {row['itl_p50_ms']:.2f} ms, p99 "
-        f"{row['itl_p99_ms']:.2f} ms; least ceiling: {least[0]} {least[1]:.0f} tok/s a core"
+        f"{row['itl_p99_ms']:.2f} ms; gateway stage ceiling {ceilings.get('gateway', 0):.0f} tok/s "
+        f"({each} a gateway); least stage: {least[0]} {least[1]:.0f} tok/s"
     )
 
 
@@ -168,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-ms", type=float, default=2.0, help="the simulated step")
     parser.add_argument("--stream-interval", type=int, default=1)
     parser.add_argument("--plan-ahead", default="on", choices=("on", "off"))
+    parser.add_argument("--gateways", type=int, default=1, help="gateway processes (shared ports)")
     parser.add_argument("--json", help="write every round here too")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.streams.split(",")]
@@ -177,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
             *("--max-num-seqs", str(max(counts)), "--plan-ahead", args.plan_ahead),
             *("--stream-interval", str(args.stream_interval)),
         ],
+        gateways=args.gateways,
+        tokenizers=default_tokenizers(args.gateways),
         tracing=False,
     )
     rows = []

@@ -29,6 +29,8 @@ class MeshConfig:
     redis_url: str | None = None  # None: start our own redis-server
     host: str = "127.0.0.1"
     gateway_port: int = 0  # 0: any free port
+    gateways: int = 1  # gateway processes sharing the gRPC and HTTP ports (gateways.py)
+    tokenizers: int = 1  # tokenizer processes; gateway i uses tokenizer i mod this
     http_port: int | None = 0  # the gateway's OpenAI HTTP front; 0: any free port; None: off
     worker_threads: int | None = None  # torch threads per engine-worker; None: cores / workers
     worker_args: list[str] = field(default_factory=list)  # e.g. ["--kv-memory", "256MiB"]

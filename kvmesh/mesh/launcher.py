@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 
+from kvmesh.mesh import gateways
 from kvmesh.mesh.config import MeshConfig, ModelPair
 from kvmesh.mesh.local_redis import redis_command, wait_for_redis
 from kvmesh.mesh.service_process import ServiceProcess, free_port
@@ -38,7 +39,7 @@ class Mesh:
         self.http_url = ""  # e.g. http://127.0.0.1:8000/v1, an OpenAI client's base_url
         self.scheduler_addresses: list[str] = []
         self.worker_addresses: list[str] = []
-        self.tokenizer_address = ""
+        self.tokenizer_addresses: list[str] = []
         self.collector_address = ""
         self.pairs: list[ModelPair] = []  # with `models`: every pair, by model version
         self.repository = ModelRepository(config.model_repo)
@@ -64,7 +65,7 @@ class Mesh:
         config = self.config
         if self.redis_url is None:
             self.redis_url = self._start_redis()
-        self.collector_address = self._spawn(
+        self.collector_address = self.spawn(
             "trace-collector", "services.trace_collector", config.collector_args
         )
         all_entries = [self.repository.resolve(spec) for spec in config.models]
@@ -75,7 +76,10 @@ class Mesh:
             model = ["--model", ",".join(specs)]
         else:
             model = ["--model", config.model] if config.model else []
-        self.tokenizer_address = self._spawn("tokenizer", "services.tokenizer", model)
+        self.tokenizer_addresses = [
+            self.spawn(name, "services.tokenizer", model)
+            for name in gateways.names("tokenizer", config.tokenizers)
+        ]
         num_workers = len(config.roles) * max(1, len(entries))
         threads = config.worker_threads or max(1, (os.cpu_count() or 1) // num_workers)
         for entry in entries:
@@ -90,7 +94,7 @@ class Mesh:
             name = os.path.basename(config.embedder.rstrip("/"))
             embedders.append(self.start_embedder(config.embedder, name))
         for index, role in enumerate([] if all_entries else config.roles):
-            worker = self._spawn(
+            worker = self.spawn(
                 f"engine-worker-{index}",
                 "services.engine_worker",
                 [*model, "--threads", str(threads), *self._kv_redis, *config.pair_worker_args],
@@ -99,7 +103,7 @@ class Mesh:
             )
             self.worker_addresses.append(worker)
             self.scheduler_addresses.append(
-                self._spawn(
+                self.spawn(
                     f"scheduler-{index}",
                     "services.scheduler",
                     [
@@ -108,11 +112,10 @@ class Mesh:
                     ],
                 )
             )
-        # The gateway starts once every scheduler and the tokenizer listen, beside the workers
-        # still loading: it watches each peer's health from its first connection (no reconnect
-        # backoff on a peer not yet listening) and is ready once they are.
+        # Gateways start once every scheduler and tokenizer listens, beside workers still
+        # loading: each watches its peers' health from its first connection, ready with them.
         deadline = time.monotonic() + config.ready_timeout_s
-        peers = {self.tokenizer_address, *self.scheduler_addresses}
+        peers = {*self.tokenizer_addresses, *self.scheduler_addresses}
         for service in self.services:
             if service.address in peers:
                 service.wait_ready(deadline, LIVENESS)
@@ -125,18 +128,21 @@ class Mesh:
             http = ["--http-port", str(http_port)]
             scheme = "https" if tls_config() is not None else "http"
             self.http_url = f"{scheme}://{config.host}:{http_port}/v1"
-        self.gateway_address = self._spawn(
-            "gateway",
-            "services.gateway",
-            [
-                *("--tokenizer", self.tokenizer_address, "--scheduler", ",".join(schedulers)),
-                *("--redis", self.redis_url, *default, *http, *config.gateway_args),
-            ],
-            port=config.gateway_port or None,
-        )
+        args = ["--scheduler", ",".join(schedulers), "--redis", self.redis_url or "", *default]
+        args += [*http, *config.gateway_args]
+        self.gateway_address = gateways.start(config, self.spawn, self.tokenizer_addresses, args)
         for service in self.services:
             if service.address is not None:
                 service.wait_ready(deadline)
+        gateways.wait_sharing(self.gateways, deadline)
+
+    @property
+    def gateways(self) -> list[ServiceProcess]:  # one, or gateway-0 ... gateway-{N-1}
+        return [s for s in self.services if gateways.is_stage(s.name, "gateway")]
+
+    @property
+    def tokenizer_address(self) -> str:  # the first one's: every tokenizer loads every model
+        return self.tokenizer_addresses[0] if self.tokenizer_addresses else ""
 
     @property
     def _kv_redis(self) -> list[str]:
@@ -160,7 +166,7 @@ class Mesh:
             index += 1
             suffix = f"{entry.name}-{entry.version}-{index}"
         worker_args = [*config.pair_worker_args, *serving_args(entry, WORKER)]
-        worker = self._spawn(
+        worker = self.spawn(
             f"engine-worker-{suffix}",
             "services.engine_worker",
             ["--model", entry.directory, "--threads", str(threads), *self._kv_redis, *worker_args],
@@ -172,7 +178,7 @@ class Mesh:
         scheduler_args = [*config.scheduler_args, *serving_args(entry, SCHEDULER)]
         if self.redis_url is None:
             raise RuntimeError("a scheduler needs the mesh's Redis, which is not started yet")
-        scheduler = self._spawn(
+        scheduler = self.spawn(
             f"scheduler-{suffix}",
             "services.scheduler",
             ["--worker", worker, "--redis", self.redis_url, "--role", role, *scheduler_args],
@@ -188,16 +194,11 @@ class Mesh:
         name = label.partition("@")[0]
         index = sum(1 for s in self.services if s.name.startswith("embedder-"))
         threads = self.config.worker_threads or 1
-        address = self._spawn(
+        address = self.spawn(
             f"embedder-{index}",
             "services.engine_worker",
             [
-                "--model",
-                model,
-                "--threads",
-                str(threads),
-                "--served-model-name",
-                name,
+                *("--model", model, "--threads", str(threads), "--served-model-name", name),
                 *self.config.embedder_args,
             ],
             threads=threads,
@@ -207,11 +208,9 @@ class Mesh:
     def remember_schedulers(self) -> None:
         """After a rollout: the gateway's start command names the pairs there are now, so a
         restarted gateway (`restart("gateway")`) routes to them, not to stopped ones."""
-        gateway = next((s for s in self.services if s.name == "gateway"), None)
-        if gateway is None or not self.pairs:
-            return
-        index = gateway.command.index("--scheduler") + 1
-        gateway.command[index] = ",".join(pair.gateway_spec for pair in self.pairs)
+        for gateway in self.gateways if self.pairs else []:
+            index = gateway.command.index("--scheduler") + 1
+            gateway.command[index] = ",".join(pair.gateway_spec for pair in self.pairs)
 
     def wait_ready(self, services: list[ServiceProcess]) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
@@ -234,7 +233,7 @@ class Mesh:
         wait_for_redis(host, port)
         return f"redis://{host}:{port}/0"
 
-    def _spawn(
+    def spawn(
         self,
         name: str,
         module: str,

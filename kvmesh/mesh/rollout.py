@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvmesh.mesh.every_gateway import EveryGateway, every_gateway
 from kvmesh.mesh.launcher import Mesh, ModelPair
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
@@ -92,14 +93,14 @@ class RolloutController:
         self._require_tokenizer(name)
         self._history.setdefault(name, self._running_versions(name))
         traffic = self._traffic.setdefault(name, self._even_split(name))
-        with sync_channel(self.mesh.gateway_address) as channel:
-            admin = model_admin_pb2_grpc.ModelAdminStub(channel)
-            gateway = inference_pb2_grpc.InferenceStub(channel)
+        own_addresses = [g.grpc_address for g in self.mesh.gateways]
+        stubs = model_admin_pb2_grpc.ModelAdminStub, inference_pb2_grpc.InferenceStub
+        with every_gateway(own_addresses, *stubs) as (admin, gateways):
             if traffic:
                 self._set_traffic(admin, name, traffic)
             pairs = self._pairs(name, version)
             if not pairs:
-                pairs = yield from self._start(entry, admin, gateway)
+                pairs = yield from self._start(entry, admin, gateways)
             split = self._new_split(traffic, version, canary_percent)
             self._set_traffic(admin, name, split)
             self._traffic[name] = split
@@ -129,8 +130,8 @@ class RolloutController:
     def _start(
         self,
         entry: ModelEntry,
-        admin: model_admin_pb2_grpc.ModelAdminStub,
-        gateway: inference_pb2_grpc.InferenceStub,
+        admin: EveryGateway,
+        gateways: EveryGateway,
     ) -> Generator[RolloutStep, None, list[ModelPair]]:
         replicas = max(
             [len(self._pairs(entry.name, v)) for v in self._running_versions(entry.name)] or [1]
@@ -150,8 +151,8 @@ class RolloutController:
                     timeout=10,
                     metadata=self._metadata,
                 )
-            self._wait_gateway_ready(gateway, entry, replicas)
-            self._answer_fixture(gateway, entry)
+            self._wait_gateway_ready(gateways, entry, replicas)
+            self._answer_fixture(entry)
             yield RolloutStep(f"{entry.label}: answered its fixture prompt through the gateway")
         except BaseException:
             for pair in pairs:
@@ -161,9 +162,7 @@ class RolloutController:
             raise
         return pairs
 
-    def _retire(
-        self, admin: model_admin_pb2_grpc.ModelAdminStub, name: str, version: str
-    ) -> Iterator[RolloutStep]:
+    def _retire(self, admin: EveryGateway, name: str, version: str) -> Iterator[RolloutStep]:
         for pair in self._pairs(name, version):
             address = pair.scheduler.grpc_address
             left = self._remove_backend(admin, address, DRAIN_TIMEOUT_S)
@@ -173,37 +172,35 @@ class RolloutController:
                 f"{pair.scheduler.name}"
             )
 
-    def _remove_backend(
-        self, admin: model_admin_pb2_grpc.ModelAdminStub, address: str, timeout_s: float
-    ) -> int:
-        reply = admin.RemoveBackend(
+    def _remove_backend(self, admin: EveryGateway, address: str, timeout_s: float) -> int:
+        replies = admin.RemoveBackend(
             model_admin_pb2.RemoveBackendRequest(address=address, drain_timeout_s=timeout_s),
             timeout=timeout_s + 10,
             metadata=self._metadata,
         )
-        return int(reply.streams_left)
+        return sum(int(reply.streams_left) for reply in replies)
 
-    def _set_traffic(
-        self, admin: model_admin_pb2_grpc.ModelAdminStub, name: str, split: dict[str, float]
-    ) -> None:
+    def _set_traffic(self, admin: EveryGateway, name: str, split: dict[str, float]) -> None:
         admin.SetTraffic(
             model_admin_pb2.SetTrafficRequest(model=name, percent=split),
             timeout=10,
             metadata=self._metadata,
         )
 
-    def _wait_gateway_ready(
-        self, gateway: inference_pb2_grpc.InferenceStub, entry: ModelEntry, replicas: int
-    ) -> None:
+    def _wait_gateway_ready(self, gateways: EveryGateway, entry: ModelEntry, replicas: int) -> None:
+        """Until every gateway sees the version's replicas ready."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
-            listed = gateway.ListModels(
+            every_listed = gateways.ListModels(
                 inference_pb2.ListModelsRequest(), timeout=10, metadata=self._metadata
             )
-            if any(
-                (status.name, status.version) == (entry.name, entry.version)
-                and status.ready_replicas >= replicas
-                for status in listed.versions
+            if all(
+                any(
+                    (status.name, status.version) == (entry.name, entry.version)
+                    and status.ready_replicas >= replicas
+                    for status in listed.versions
+                )
+                for listed in every_listed
             ):
                 return
             if time.monotonic() > deadline:
@@ -212,9 +209,9 @@ class RolloutController:
                 )
             time.sleep(0.05)
 
-    def _answer_fixture(self, gateway: inference_pb2_grpc.InferenceStub, entry: ModelEntry) -> None:
-        """One greedy request pinned to the new version, through the gateway: the whole path
-        works, and the output is the fixture's (when the entry has one)."""
+    def _answer_fixture(self, entry: ModelEntry) -> None:
+        """One greedy request pinned to the new version, through the gateway (the public
+        port): the whole path works, and the output is the fixture's (when it has one)."""
         fixture = entry.fixtures[0] if entry.fixtures else None
         prompt = list(fixture.prompt_ids) if fixture else [1, 2, 3, 4]
         max_tokens = len(fixture.expected_ids) if fixture else 4
@@ -227,7 +224,10 @@ class RolloutController:
         )
         output: list[int] = []
         try:
-            for event in gateway.Generate(request, timeout=60, metadata=self._metadata):
+            with sync_channel(self.mesh.gateway_address) as channel:
+                gateway = inference_pb2_grpc.InferenceStub(channel)
+                events = list(gateway.Generate(request, timeout=60, metadata=self._metadata))
+            for event in events:
                 if event.HasField("delta"):
                     output.extend(event.delta.token_ids)
                 elif event.HasField("failed"):

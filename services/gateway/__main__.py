@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from services.gateway.config import build_parser
+from services.gateway.config import SHARING_PORTS, build_parser
 from services.gateway.mesh.catalog import ModelCatalog
 from services.gateway.mesh.model_admin import ModelAdminService
 from services.gateway.mesh.registry import BackendRegistry
@@ -80,9 +80,15 @@ async def serve(args: argparse.Namespace) -> None:
     )
     await runtime.start()
     front = OpenAIFront(generate, catalog)
-    if args.http_port:
+    if args.http_port and not args.shared_port:
         await front.start(args.host, args.http_port)
     registry.start(runtime.set_ready)
+    if args.shared_port:  # the ports it shares with the host's other gateways, once ready
+        await runtime.ready_once.wait()
+        await runtime.serve_shared_port(f"{args.host}:{args.shared_port}")
+        if args.http_port:
+            await front.start(args.host, args.http_port, reuse_port=True)
+        log.info(SHARING_PORTS, extra={"grpc": args.shared_port, "http": args.http_port})
 
     async def close() -> None:
         await front.close()

@@ -16,6 +16,7 @@ from shared.runtime.settings import (
 )
 
 DEFAULT_PORT = 50051
+SHARING_PORTS = "serving the shared ports"  # logged once --shared-port is open: launchers wait
 _DESCRIPTION = "the public API: auth, admission, routing, and the OpenAI-compatible HTTP front"
 
 # services/gateway/mesh/router.py implements them.
@@ -48,6 +49,14 @@ MESH_SETTINGS = (
         "http-port",
         8000,
         "OpenAI-compatible HTTP front (/v1/chat/completions, ...); 0: off",
+        whole(0),
+    ),
+    Setting(
+        "shared-port",
+        0,
+        "a gRPC port this gateway serves beside --port, as the host's other gateways do "
+        "(SO_REUSEPORT: the kernel spreads connections among them), its HTTP port then shared "
+        "the same way; --port stays its own (health checks, one gateway's metrics); 0: none",
         whole(0),
     ),
 )

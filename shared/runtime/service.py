@@ -114,10 +114,14 @@ class ServiceRuntime:
         # Undecodable bytes are refused first; a KvmeshError raised by any servicer becomes the
         # rich status in one place (servicers raise, they never abort by hand).
         interceptors = [UndecodableRequests(), KvmeshErrors()]
-        options = PUBLIC_SERVER_OPTIONS if public else SERVER_OPTIONS
-        self.server = grpc.aio.server(options=options, interceptors=interceptors)
+        self._options = PUBLIC_SERVER_OPTIONS if public else SERVER_OPTIONS
+        self._interceptors = interceptors
+        self.server = grpc.aio.server(options=self._options, interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._servicers: list[tuple[Callable[[object, grpc.aio.Server], None], object]] = []
+        self._shared: grpc.aio.Server | None = None  # on a port other processes serve too
+        self.ready_once = asyncio.Event()  # set the first time it turns ready
         self.draining = False
         self._named_ready: dict[str, bool] = {}  # extra health service names, e.g. models
         self._inflight = 0
@@ -130,28 +134,46 @@ class ServiceRuntime:
         self, register: Callable[[object, grpc.aio.Server], None], servicer: object
     ) -> None:
         register(servicer, self.server)
+        self._servicers.append((register, servicer))
 
     async def start(self) -> None:
-        names = (self.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self.server)
-        tls = tls_config()
-        if tls is not None:
-            bound = self.server.add_secure_port(self.address, server_credentials(tls, self.public))
-        else:
-            bound = self.server.add_insecure_port(self.address)
-        if bound == 0:
-            raise OSError(f"cannot bind {self.address}")
+        self._serve_on(self.server, self.address)
         await self.server.start()
         self._lag_watch = asyncio.create_task(watch_loop_lag())
         watch_parent()  # started by a launcher: gone when it is
         await self.health.set(LIVENESS, _SERVING)
         await self.set_ready(False)
-        log.info("listening", extra={"address": self.address, "tls": tls is not None})
+        log.info("listening", extra={"address": self.address, "tls": tls_config() is not None})
+
+    def _serve_on(self, server: grpc.aio.Server, address: str) -> None:
+        names = (self.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        tls = tls_config()
+        if tls is not None:
+            bound = server.add_secure_port(address, server_credentials(tls, self.public))
+        else:
+            bound = server.add_insecure_port(address)
+        if bound == 0:
+            raise OSError(f"cannot bind {address}")
+
+    async def serve_shared_port(self, address: str) -> None:
+        """Serves on `address` too, a port the host's other instances serve (gRPC binds with
+        SO_REUSEPORT: the kernel spreads connections among them). Called once ready, so a
+        process still starting takes none of them; a drain closes it first."""
+        self._shared = grpc.aio.server(options=self._options, interceptors=self._interceptors)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._shared)
+        for register, servicer in self._servicers:
+            register(servicer, self._shared)
+        self._serve_on(self._shared, address)
+        await self._shared.start()
+        log.info("listening", extra={"address": address, "shared": True})
 
     async def set_ready(self, ready: bool, named: Mapping[str, bool] | None = None) -> None:
         """Readiness of the whole service, and of `named` health services (the gateway's
         models); a name left out of `named` that was there before turns NOT_SERVING."""
         status = _SERVING if ready and not self.draining else _NOT_SERVING
+        if status == _SERVING:
+            self.ready_once.set()
         for name in ("", self.service_name):
             await self.health.set(name, status)
         if named is not None:
@@ -197,12 +219,18 @@ class ServiceRuntime:
         log.info("draining", extra={"in_flight": self._inflight, "grace_s": grace_seconds})
         self.draining = True
         await self.set_ready(False)
+        # New connections on the shared port go to the other instances from now on.
+        shared = None
+        if self._shared is not None:
+            shared = asyncio.create_task(self._shared.stop(grace_seconds))
         try:
             await asyncio.wait_for(self._idle.wait(), grace_seconds)
         except asyncio.TimeoutError:
             log.warning("grace period over", extra={"in_flight": self._inflight})
         if on_drain is not None:
             await on_drain()
+        if shared is not None:
+            await shared
         await self.server.stop(grace=1.0)
         if self._lag_watch is not None:
             self._lag_watch.cancel()

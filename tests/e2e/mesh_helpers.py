@@ -173,12 +173,12 @@ async def assert_mesh_idle(mesh: Mesh, timeout: float = 30) -> None:
             assert time.monotonic() < deadline, f"{address} leaked: {load}"
             await asyncio.sleep(0.05)
             load = await settled_load(address, timeout)
-    gateway = mesh.service("gateway")
-    assert gateway.metrics_url is not None
-    deadline = time.monotonic() + timeout
-    while metric_value(gateway.metrics_url, "kvmesh_gateway_requests_in_flight"):
-        assert time.monotonic() < deadline, "the gateway still holds streams"
-        await asyncio.sleep(0.05)
+    for gateway in mesh.gateways:
+        assert gateway.metrics_url is not None
+        deadline = time.monotonic() + timeout
+        while metric_value(gateway.metrics_url, "kvmesh_gateway_requests_in_flight"):
+            assert time.monotonic() < deadline, f"{gateway.name} still holds streams"
+            await asyncio.sleep(0.05)
 
 
 async def model_name(client: openai.AsyncOpenAI) -> str:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
+from shared.errors import KvmeshError, Reason
+
 # asyncio's default high-water mark for a transport's buffer: past it, a write waits.
 WRITE_HIGH_WATER = 64 * 1024
-
-from shared.errors import KvmeshError, Reason
 
 
 class ClientStalled(Exception):

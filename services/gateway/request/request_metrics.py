@@ -17,6 +17,9 @@ REQUESTS = Counter(
     ["outcome", "reason"],
 )
 ADMITTED = Counter("kvmesh_admitted", "Requests a scheduler accepted")
+GENERATION_TOKENS = Counter(
+    "kvmesh_generation_tokens", "Tokens this gateway streamed to clients, counted as each ended"
+)
 EVENTS = Counter("kvmesh_request_events", "Things that happened to requests (fail_over)", ["event"])
 IN_FLIGHT = Gauge("kvmesh_gateway_requests_in_flight", "Generate streams open on this gateway")
 TTFT = Histogram(
@@ -94,6 +97,7 @@ class RequestMetrics:
     def ended(self, outcome: str, reason: str, output_tokens: int) -> None:
         REQUESTS.labels(outcome, reason).inc()
         IN_FLIGHT.dec()
+        GENERATION_TOKENS.inc(output_tokens)
         E2E.labels(self.model).observe(time.monotonic() - self.received, self._exemplar)
         if self.first_delta is None:
             return

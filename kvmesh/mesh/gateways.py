@@ -1,0 +1,75 @@
+"""How many gateways and tokenizers one host runs, their names and their ports.
+
+One gateway process carries 6,600-8,000 streamed tokens a second per core (`make
+bench-mesh-ceiling`), a GPU makes ten times that: a host runs several, as NGINX runs workers.
+They share the public gRPC port and the HTTP port (SO_REUSEPORT: the kernel spreads the
+connections among them), each with a gRPC port of its own beside it (the launcher's health
+checks, one gateway's Abort or metrics), and its own lanes to every scheduler and to one
+tokenizer (gateway i to tokenizer i mod M). What must be global already is: rate limits and
+concurrency leases live in Redis, generated request ids are random, load and prefix hits come
+from Redis. A single gateway (the default on two cores) keeps the one port it always had.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+
+from kvmesh.mesh.config import MeshConfig
+from kvmesh.mesh.service_process import ServiceProcess, free_port
+from services.gateway.config import SHARING_PORTS
+
+Spawn = Callable[..., str]  # Mesh.spawn: (name, module, args, port=) -> its own address
+
+CORES_PER_GATEWAY = 4  # the rest of the host's cores go to the schedulers and workers
+GATEWAYS_PER_TOKENIZER = 2  # a tokenizer costs a seventh of a gateway per token
+
+
+def default_gateways(cores: int | None = None) -> int:
+    """One gateway per four cores, one on a 2-core machine."""
+    return max(1, (cores or os.cpu_count() or 1) // CORES_PER_GATEWAY)
+
+
+def default_tokenizers(gateways: int) -> int:
+    return max(1, gateways // GATEWAYS_PER_TOKENIZER)
+
+
+def names(stage: str, count: int) -> list[str]:
+    """`gateway` alone, or `gateway-0` ... `gateway-{count-1}`."""
+    return [stage] if count == 1 else [f"{stage}-{i}" for i in range(count)]
+
+
+def is_stage(name: str, stage: str) -> bool:
+    """Whether a process's name is one of `stage`'s: `gateway` and `gateway-1` are gateways."""
+    head, _, index = name.rpartition("-")
+    return name == stage or (head == stage and index.isdigit())
+
+
+def start(config: MeshConfig, spawn: Spawn, tokenizers: list[str], args: list[str]) -> str:
+    """The mesh's gateways, each started with `args` (not waited for); the address clients
+    use: the shared port's, or the one gateway's."""
+    count = config.gateways
+    shared = config.gateway_port or free_port(config.host) if count > 1 else 0
+    address = ""
+    for index, name in enumerate(names("gateway", count)):
+        address = spawn(
+            name,
+            "services.gateway",
+            [
+                *("--tokenizer", tokenizers[index % len(tokenizers)], *args),
+                *(("--shared-port", str(shared)) if shared else ()),
+            ],
+            port=None if shared else config.gateway_port or None,
+        )
+    return f"{config.host}:{shared}" if shared else address
+
+
+def wait_sharing(gateways: Sequence[ServiceProcess], deadline: float) -> None:
+    """Until each of several gateways serves the shared ports: each opens them once ready, a
+    moment after its own port says SERVING."""
+    for gateway in gateways if len(gateways) > 1 else ():
+        while not gateway.has_logged(SHARING_PORTS):
+            if gateway.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{gateway.name} never opened the shared ports")
+            time.sleep(0.05)
