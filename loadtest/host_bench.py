@@ -61,6 +61,10 @@ class HostOnlyRunner:
     def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
         self.runner.copy_blocks(pairs)
 
+    @staticmethod
+    def take_prompt_scores() -> tuple[()]:
+        return ()  # no request asks for prompt logprobs here
+
     def step(
         self, scheduled: list[tuple[RequestState, int]], rng: torch.Generator
     ) -> tuple[tuple[RequestState, ...], list[SampledToken]]:

@@ -16,6 +16,7 @@ def test_every_way_prints_its_rows() -> None:
         env={**os.environ, "KVMESH_HOST_BENCH_KV": str(64 << 20)},
         check=True,
     )
+    assert "Traceback" not in done.stderr  # a worker whose every step raised prints rows too
     rows = [line.split() for line in done.stdout.splitlines()[1:]]
     ways = [" ".join(row[:-6]) for row in rows]
     assert ways == ["in process"] * 2 + ["link, lock-step"] * 2 + ["link, ahead"] * 2
