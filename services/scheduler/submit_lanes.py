@@ -2,7 +2,8 @@
 
 Each lane runs a request's events (the same iterator a Submit call streams) in a task of its
 own; what the lanes yield joins one outbox, and each reply carries all that joined while the
-last reply was written. The step loop queues a step's events in one pass, so a step leaves in
+last reply was written. Once accepted, a lane's tokens join the outbox from the step loop
+itself (`Tracked.deliver`): its task wakes only for its terminal event. The step loop queues a step's events in one pass, so a step leaves in
 one message: at batch 128 the gateway reads one message a step instead of 128.
 """
 
@@ -21,9 +22,11 @@ from shared.pb.kvmesh.v1 import scheduler_pb2
 
 log = logging.getLogger("kvmesh.scheduler.lanes")
 Metadata = Sequence[tuple[str, str | bytes]]
-# (request, deadline on the monotonic clock or None, trace metadata) -> its events.
+Deliver = Callable[[scheduler_pb2.SubmitEvent], None]
+# (request, deadline on the monotonic clock or None, trace metadata, where its tokens may go
+# directly once accepted) -> its events.
 Events = Callable[
-    [scheduler_pb2.SubmitRequest, float | None, Metadata],
+    [scheduler_pb2.SubmitRequest, float | None, Metadata, Deliver],
     AsyncGenerator[scheduler_pb2.SubmitEvent, None],
 ]
 
@@ -91,7 +94,7 @@ class LaneStream:
         metadata: Metadata,
     ) -> None:
         try:
-            events = self._events(request, deadline, metadata)
+            events = self._events(request, deadline, metadata, functools.partial(self._post, lane))
             async with contextlib.aclosing(events):
                 async for event in events:
                     self._post(lane, event)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import grpc
@@ -34,12 +34,14 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.metadata: dict[str, dict[str, str | bytes]] = {}
         self.refused: set[str] = set()
         self.replies: list[int] = []  # events in each reply, in order
+        self.deliveries: dict[str, Callable[[Event], None]] = {}  # each accepted lane's
 
     async def events(
         self,
         request: scheduler_pb2.SubmitRequest,
         deadline: float | None,
         metadata: Sequence[tuple[str, str | bytes]],
+        deliver: Callable[[Event], None],
     ) -> AsyncGenerator[Event, None]:
         name = request.request_id
         if name in self.refused:
@@ -48,6 +50,7 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         queue = self.queues[name] = asyncio.Queue()
         try:
             yield Event(accepted=scheduler_pb2.SubmitAccepted(queue_position=len(self.queues)))
+            self.deliveries[name] = deliver  # tokens from here on, as the step loop's go
             while True:
                 event = await queue.get()
                 yield event
@@ -59,11 +62,13 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             self.ended.setdefault(name, "closed")
             del self.queues[name]
+            self.deliveries.pop(name, None)
 
     def step(self, finish: bool = False) -> None:
         """One token for every open request, in one pass; `finish` ends them too."""
         for name, queue in self.queues.items():
-            queue.put_nowait(Event(tokens=scheduler_pb2.SubmitTokens(token_ids=[_token(name)])))
+            tokens = Event(tokens=scheduler_pb2.SubmitTokens(token_ids=[_token(name)]))
+            self.deliveries.get(name, queue.put_nowait)(tokens)
             if finish:
                 queue.put_nowait(Event(finished=scheduler_pb2.SubmitFinished()))
 
@@ -136,8 +141,9 @@ async def test_a_steps_events_cross_in_one_message_and_reach_their_own_request()
             assert (await call.read()).WhichOneof("event") == "finished"
         await until(lambda: len(service.ended) == 32)
         assert set(service.ended.values()) == {"finished"}
-        # Each step one message of 32 events (the last with the finishes: 64).
-        assert service.replies[before:] == [32, 32, 32, 64]
+        # Each step's tokens one message of 32 events, straight from the step; the finishes,
+        # which wake their lanes' tasks, one more.
+        assert service.replies[before:] == [32, 32, 32, 32, 32]
 
 
 async def test_a_cancelled_lane_aborts_its_request_and_no_other() -> None:
