@@ -163,6 +163,8 @@ def summarize(
     ceilings = stage_ceilings(cpu, carried, tokens)
     return {
         "streamed_tokens": tokens,
+        # Above 1 where a relay fell behind and its lane merged a step's tokens into the next.
+        "tokens_per_delta": tokens / sum(len(stream) for stream in arrivals.streams),
         "streamed_tok_s": tokens / (ended - arrivals.started),
         "cpu_us_per_token": us_per_token,
         "serving_path_us_per_token": path,
@@ -197,7 +199,8 @@ def report(row: dict) -> str:
     gateways = [c for n, c in row["ceiling_tok_s_per_core"].items() if stage_of(n) == "gateway"]
     each = ", ".join(f"{c:.0f}" for c in gateways)
     return (
-        f"{row['protocol']:>4} {row['streams']:>4} streams: {row['streamed_tok_s']:8.0f} tok/s; "
+        f"{row['protocol']:>4} {row['streams']:>4} streams: {row['streamed_tok_s']:8.0f} tok/s "
+        f"({row['tokens_per_delta']:.1f} a delta); "
         f"gateway+tokenizer+scheduler {row['serving_path_us_per_token']:.0f} µs/token "
         f"(CPU µs per token: {stages}); ITL p50 {row['itl_p50_ms']:.2f} ms, p99 "
         f"{row['itl_p99_ms']:.2f} ms; gateway stage ceiling {ceilings.get('gateway', 0):.0f} tok/s "

@@ -71,7 +71,8 @@ BATCHING_SETTINGS = (
         "stream-interval",
         SchedulerConfig.stream_interval,
         "send a request's tokens to its caller every N tokens (the first and the last at "
-        "once): fewer messages through the mesh per token, burstier streams",
+        "once): fewer messages through the mesh per token, burstier streams; at any N, tokens "
+        "a gateway has not relayed yet join the next delta",
         whole(1),
         **_BATCH,
     ),

@@ -146,6 +146,23 @@ async def test_a_steps_events_cross_in_one_message_and_reach_their_own_request()
         assert service.replies[before:] == [32, 32, 32, 32, 32]
 
 
+async def test_tokens_a_lane_has_not_read_yet_join_into_one_event() -> None:
+    port = free_port()
+    async with scheduler(port) as service, gateway_lanes(port) as lanes:
+        behind, keeping_up = submit(lanes, "r7"), submit(lanes, "r9")
+        await accepted([behind, keeping_up])
+        for _ in range(3):
+            before = len(service.replies)
+            service.step()
+            assert list((await keeping_up.read()).tokens.token_ids) == [9]  # one a step
+            await until(lambda: len(service.replies) > before)
+        service.step(finish=True)
+        assert list((await keeping_up.read()).tokens.token_ids) == [9]
+        assert (await keeping_up.read()).WhichOneof("event") == "finished"
+        assert list((await behind.read()).tokens.token_ids) == [7, 7, 7, 7]  # one event
+        assert (await behind.read()).WhichOneof("event") == "finished"
+
+
 async def test_a_cancelled_lane_aborts_its_request_and_no_other() -> None:
     port = free_port()
     async with scheduler(port) as service, gateway_lanes(port) as lanes:

@@ -3,7 +3,8 @@
 Each request is a lane (`LaneCall`), read and cancelled as its own Submit call would be. Opens
 and cancels that queue while a write is in flight go as one message (shared_stream.py). One
 reader hands each lane its events: the scheduler sends a step's events as one message, so at
-batch 128 the gateway reads one message a step instead of 128.
+batch 128 the gateway reads one message a step instead of 128. Tokens that reach a lane whose
+relay has not read the previous ones yet join them: one delta, not a backlog.
 
 The stream opens with the first request and again after a break: a break fails every lane on it
 with the stream's error, as each Submit call would have failed, and a request placed later goes
@@ -13,6 +14,7 @@ on a new stream.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import time
 from collections.abc import Sequence
@@ -37,7 +39,8 @@ class LaneCall:
         self._lanes = lanes
         self.number = number
         self.call = call
-        self.items: asyncio.Queue[Item] = asyncio.Queue()
+        self._items: collections.deque[Item] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None  # a read waiting for an item
         # Whether the scheduler still runs the lane: it ends it after a terminal event, unless
         # a prefill-only request holds its blocks for the handover until cancelled.
         self.open_upstream = True
@@ -49,22 +52,30 @@ class LaneCall:
 
     async def read(self) -> Event | EndOfStream:
         """The next event; raises the stream's error when it broke, or DEADLINE_EXCEEDED."""
-        item = await self.items.get()
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items[0]
         if isinstance(item, BaseException):
-            self.items.put_nowait(item)  # every later read fails the same way
-            raise item
-        return item
+            raise item  # left in place: every later read fails the same way
+        return self._items.popleft()
 
     def cancel(self) -> None:
         """Aborts the request upstream (or ends a prefill-only lane's hold); later reads see
         the stream's end."""
         self._stop_timer()
         self._lanes.cancel(self)
-        self.items.put_nowait(grpc.aio.EOF)
+        self._put(grpc.aio.EOF)
 
     def delivered(self, event: Event) -> None:
-        self.items.put_nowait(event)
         kind = event.WhichOneof("event")
+        if kind == "tokens" and self._items and _is_tokens(self._items[-1]):
+            _merge(self._items[-1].tokens, event.tokens)
+        else:
+            self._put(event)
         if kind == "failed" or (kind == "finished" and not event.finished.HasField("handover")):
             self.open_upstream = False
             self._stop_timer()
@@ -72,7 +83,12 @@ class LaneCall:
     def broken(self, item: Item) -> None:
         self.open_upstream = False
         self._stop_timer()
-        self.items.put_nowait(item)
+        self._put(item)
+
+    def _put(self, item: Item) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def _expired(self) -> None:
         """The scheduler fails a request shortly before its deadline; this is for one that
@@ -147,6 +163,19 @@ class SubmitLanes(SharedStream[scheduler_pb2.SubmitLane]):
         lanes, self._lanes = self._lanes, {}
         for lane in lanes.values():
             lane.broken(ended)
+
+
+def _is_tokens(item: Item) -> bool:
+    return isinstance(item, Event) and item.WhichOneof("event") == "tokens"
+
+
+def _merge(unread: scheduler_pb2.SubmitTokens, later: scheduler_pb2.SubmitTokens) -> None:
+    """A step's tokens join those its lane has not read yet: a relay that fell behind takes
+    them in one delta, as vLLM's output collector merges, instead of queueing a delta a token
+    (each costs the gateway ~100 µs, so a backlog would only grow)."""
+    unread.token_ids.extend(later.token_ids)
+    unread.logprobs.extend(later.logprobs)
+    unread.prompt_logprobs.extend(later.prompt_logprobs)
 
 
 def _message(lanes: list[scheduler_pb2.SubmitLane]) -> scheduler_pb2.SubmitLanesRequest:
