@@ -3,8 +3,9 @@
 Each lane runs a request's events (the same iterator a Submit call streams) in a task of its
 own; what the lanes yield joins one outbox, and each reply carries all that joined while the
 last reply was written. Once accepted, a lane's tokens join the outbox from the step loop
-itself (`Tracked.deliver`): its task wakes only for its terminal event. The step loop queues a step's events in one pass, so a step leaves in
-one message: at batch 128 the gateway reads one message a step instead of 128.
+itself (`Tracked.deliver`): its task wakes only for its terminal event, and a step's tokens
+for a lane already waiting there join those (token_events.py). A step leaves in one message:
+at batch 128 the gateway reads one message a step instead of 128.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import scheduler_pb2
+from shared.token_events import join_tokens
 
 log = logging.getLogger("kvmesh.scheduler.lanes")
 Metadata = Sequence[tuple[str, str | bytes]]
@@ -39,6 +41,7 @@ class LaneStream:
         self._events = events
         self._lanes: dict[int, asyncio.Task[None]] = {}
         self._outbox: list[scheduler_pb2.LaneEvent] = []
+        self._unsent_tokens: dict[int, scheduler_pb2.SubmitTokens] = {}  # in the outbox, by lane
         self._news = asyncio.Event()
 
     async def replies(
@@ -54,6 +57,7 @@ class LaneStream:
                 self._news.clear()
                 if self._outbox:
                     batch, self._outbox = self._outbox, []
+                    self._unsent_tokens.clear()
                     yield scheduler_pb2.SubmitLanesResponse(events=batch)
                 if reader.done() and not self._lanes and not self._outbox:
                     reader.result()  # a broken read ends the call with its error
@@ -94,7 +98,9 @@ class LaneStream:
         metadata: Metadata,
     ) -> None:
         try:
-            events = self._events(request, deadline, metadata, functools.partial(self._post, lane))
+            events = self._events(
+                request, deadline, metadata, functools.partial(self._deliver, lane)
+            )
             async with contextlib.aclosing(events):
                 async for event in events:
                     self._post(lane, event)
@@ -106,8 +112,19 @@ class LaneStream:
             self._post(lane, _failed(Reason.INTERNAL, "the scheduler failed this request"))
 
     def _post(self, lane: int, event: scheduler_pb2.SubmitEvent) -> None:
+        self._unsent_tokens.pop(lane, None)  # no later tokens join across this event
         self._outbox.append(scheduler_pb2.LaneEvent(lane=lane, event=event))
         self._news.set()
+
+    def _deliver(self, lane: int, event: scheduler_pb2.SubmitEvent) -> None:
+        """A step's tokens, from the step loop: they join the lane's tokens still waiting in
+        the outbox (the last reply is still being written), else wait there themselves."""
+        unsent = self._unsent_tokens.get(lane)
+        if unsent is not None:
+            join_tokens(unsent, event.tokens)
+            return
+        self._post(lane, event)
+        self._unsent_tokens[lane] = self._outbox[-1].event.tokens
 
     def _ended(self, lane: int, task: asyncio.Task[None]) -> None:
         if self._lanes.get(lane) is task:

@@ -5,6 +5,8 @@
   sample; a worker whose every request fails turns not ready (the breaker) and traffic moves;
 - a worker lost before the first token: the gateway places each of its requests once more on
   the other pair, and every one completes there with two attempts in its execution record.
+
+Two gateways share the mesh's ports (`--gateways 2`), as `kvmesh up` runs on a larger host.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 def pair_mesh(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     config = tiny_mesh_config(tiny_llama_dir, str(tmp_path_factory.mktemp("failover-logs")))
     config.workers = 2
+    config.gateways = 2  # sharing the ports: each places and fails over on its own
     config.worker_args = [
         *config.worker_args,
         "--inject-fault-token",
@@ -71,11 +74,15 @@ async def ready_replicas(inference) -> int:
     return sum(v.ready_replicas for v in reply.versions)
 
 
-async def until_ready_replicas(inference, count: int, timeout: float = 60) -> None:
+async def until_ready_replicas(mesh: Mesh, count: int, timeout: float = 60) -> None:
+    """Until every gateway, each at its own port, sees `count` ready replicas."""
     deadline = time.monotonic() + timeout
-    while await ready_replicas(inference) != count:
-        assert time.monotonic() < deadline, f"the gateway never saw {count} ready replicas"
-        await asyncio.sleep(0.05)
+    for gateway in mesh.gateways:
+        async with grpc.aio.insecure_channel(gateway.grpc_address) as channel:
+            inference = inference_pb2_grpc.InferenceStub(channel)
+            while await ready_replicas(inference) != count:
+                assert time.monotonic() < deadline, f"{gateway.name} never saw {count} ready"
+                await asyncio.sleep(0.05)
 
 
 async def test_a_worker_lost_before_the_first_token_fails_over_to_the_other_pair(
@@ -85,7 +92,7 @@ async def test_a_worker_lost_before_the_first_token_fails_over_to_the_other_pair
     prompts = [[7, 8, index, 9] for index in range(16)]
     # Only pair 0 takes requests, and its worker computes none of them yet.
     pair_mesh.service("scheduler-1").process.terminate()
-    await until_ready_replicas(inference, 1)
+    await until_ready_replicas(pair_mesh, 1)
     worker_0 = pair_mesh.service("engine-worker-0").process
     os.kill(worker_0.pid, signal.SIGSTOP)
     calls = [
@@ -96,7 +103,7 @@ async def test_a_worker_lost_before_the_first_token_fails_over_to_the_other_pair
         accepted = await call.read()
         assert accepted.accepted.routing.scheduler == scheduler_0
     pair_mesh.restart("scheduler-1")
-    await until_ready_replicas(inference, 2)
+    await until_ready_replicas(pair_mesh, 2)
     worker_0.kill()
 
     streams = await asyncio.gather(*(read_rest(call) for call in calls))
@@ -116,7 +123,7 @@ async def test_a_worker_lost_before_the_first_token_fails_over_to_the_other_pair
     assert output_ids(fresh) == output_ids([e for e in streams[5] if e.HasField("delta")])
     assert len(fresh[-1].completed.execution.attempts) == 1
     pair_mesh.restart("engine-worker-0")
-    await until_ready_replicas(inference, 2)
+    await until_ready_replicas(pair_mesh, 2)
     await assert_mesh_idle(pair_mesh)
 
 
@@ -156,7 +163,7 @@ async def test_a_failing_request_ends_alone_and_a_failing_worker_turns_not_ready
             assert events[-1].failed.error.reason == "EXECUTION_FAILED"
             failed_there += 1
         assert failed_there <= BREAKER_FAILURES + 1, "the broken worker's breaker never tripped"
-    await until_ready_replicas(inference, 1)
+    await until_ready_replicas(pair_mesh, 1)
     index = pair_mesh.scheduler_addresses.index(tripped)
     other = pair_mesh.scheduler_addresses[1 - index]
     await wait_health(tripped, serving=False)
@@ -166,5 +173,5 @@ async def test_a_failing_request_ends_alone_and_a_failing_worker_turns_not_ready
     assert {events[0].accepted.routing.scheduler for events in routed} == {other}
     pair_mesh.restart(f"engine-worker-{index}")
     await wait_health(tripped, serving=True)
-    await until_ready_replicas(inference, 2)
+    await until_ready_replicas(pair_mesh, 2)
     await assert_mesh_idle(pair_mesh)

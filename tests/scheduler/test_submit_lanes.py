@@ -146,6 +146,19 @@ async def test_a_steps_events_cross_in_one_message_and_reach_their_own_request()
         assert service.replies[before:] == [32, 32, 32, 32, 32]
 
 
+async def test_steps_before_the_reply_is_written_leave_as_one_event_a_lane() -> None:
+    port = free_port()
+    async with scheduler(port) as service, gateway_lanes(port) as lanes:
+        calls = [submit(lanes, f"r{i}") for i in range(8)]
+        await accepted(calls)
+        before = len(service.replies)
+        service.step()
+        service.step()  # before the outbox was written: the second step's tokens join
+        for i, call in enumerate(calls):
+            assert list((await call.read()).tokens.token_ids) == [i, i]
+        assert service.replies[before:] == [8]
+
+
 async def test_tokens_a_lane_has_not_read_yet_join_into_one_event() -> None:
     port = free_port()
     async with scheduler(port) as service, gateway_lanes(port) as lanes:
@@ -155,7 +168,7 @@ async def test_tokens_a_lane_has_not_read_yet_join_into_one_event() -> None:
             before = len(service.replies)
             service.step()
             assert list((await keeping_up.read()).tokens.token_ids) == [9]  # one a step
-            await until(lambda: len(service.replies) > before)
+            await until(lambda sent=before: len(service.replies) > sent)
         service.step(finish=True)
         assert list((await keeping_up.read()).tokens.token_ids) == [9]
         assert (await keeping_up.read()).WhichOneof("event") == "finished"

@@ -4,7 +4,8 @@ Each request is a lane (`LaneCall`), read and cancelled as its own Submit call w
 and cancels that queue while a write is in flight go as one message (shared_stream.py). One
 reader hands each lane its events: the scheduler sends a step's events as one message, so at
 batch 128 the gateway reads one message a step instead of 128. Tokens that reach a lane whose
-relay has not read the previous ones yet join them: one delta, not a backlog.
+relay has not read the previous ones yet join them (token_events.py): one delta, not a
+backlog of a delta a token, each ~100 µs of the gateway's.
 
 The stream opens with the first request and again after a break: a break fails every lane on it
 with the stream's error, as each Submit call would have failed, and a request placed later goes
@@ -25,6 +26,7 @@ import grpc
 from services.gateway.mesh.shared_stream import Call, SharedStream
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from shared.token_events import join_tokens
 
 Event = scheduler_pb2.SubmitEvent
 EndOfStream: TypeAlias = Any  # grpc.aio.EOF (grpcio ships no type for it)
@@ -73,7 +75,7 @@ class LaneCall:
     def delivered(self, event: Event) -> None:
         kind = event.WhichOneof("event")
         if kind == "tokens" and self._items and _is_tokens(self._items[-1]):
-            _merge(self._items[-1].tokens, event.tokens)
+            join_tokens(self._items[-1].tokens, event.tokens)
         else:
             self._put(event)
         if kind == "failed" or (kind == "finished" and not event.finished.HasField("handover")):
@@ -167,15 +169,6 @@ class SubmitLanes(SharedStream[scheduler_pb2.SubmitLane]):
 
 def _is_tokens(item: Item) -> bool:
     return isinstance(item, Event) and item.WhichOneof("event") == "tokens"
-
-
-def _merge(unread: scheduler_pb2.SubmitTokens, later: scheduler_pb2.SubmitTokens) -> None:
-    """A step's tokens join those its lane has not read yet: a relay that fell behind takes
-    them in one delta, as vLLM's output collector merges, instead of queueing a delta a token
-    (each costs the gateway ~100 µs, so a backlog would only grow)."""
-    unread.token_ids.extend(later.token_ids)
-    unread.logprobs.extend(later.logprobs)
-    unread.prompt_logprobs.extend(later.prompt_logprobs)
 
 
 def _message(lanes: list[scheduler_pb2.SubmitLane]) -> scheduler_pb2.SubmitLanesRequest:
