@@ -74,8 +74,9 @@ class LaneCall:
 
     def delivered(self, event: Event) -> None:
         kind = event.WhichOneof("event")
-        if kind == "tokens" and self._items and _is_tokens(self._items[-1]):
-            join_tokens(self._items[-1].tokens, event.tokens)
+        unread = self._items[-1] if self._items else None
+        if kind == "tokens" and isinstance(unread, Event) and unread.HasField("tokens"):
+            join_tokens(unread.tokens, event.tokens)
         else:
             self._put(event)
         if kind == "failed" or (kind == "finished" and not event.finished.HasField("handover")):
@@ -165,10 +166,6 @@ class SubmitLanes(SharedStream[scheduler_pb2.SubmitLane]):
         lanes, self._lanes = self._lanes, {}
         for lane in lanes.values():
             lane.broken(ended)
-
-
-def _is_tokens(item: Item) -> bool:
-    return isinstance(item, Event) and item.WhichOneof("event") == "tokens"
 
 
 def _message(lanes: list[scheduler_pb2.SubmitLane]) -> scheduler_pb2.SubmitLanesRequest:
