@@ -44,6 +44,8 @@ from shared.step import SampledToken
 
 PROMPT_TOKENS = 32
 WARM_STEPS = 8  # after the prefills: the first decode steps grow every list once
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # the default model's: layers, K and V, heads, dims, f32
+BLOCK_SLACK_TOKENS = 32  # each request's last block, partly filled, and one more step ahead
 
 
 class HostOnlyRunner:
@@ -75,15 +77,18 @@ class HostOnlyRunner:
         return states, [SampledToken(s.request_id, 100 + len(s.token_ids) % 1000) for s in states]
 
 
-def engine_config(max_batch: int) -> EngineConfig:
-    """Room for `max_batch` requests of PROMPT_TOKENS plus every decode step of the run."""
+def engine_config(max_batch: int, steps: int) -> EngineConfig:
+    """Room for `max_batch` requests of PROMPT_TOKENS plus every decode step of the run: a
+    pool that ran out would preempt, and the figures would not be of a steady batch."""
     scheduler = SchedulerConfig(max_num_batched_tokens=max(2048, max_batch), max_num_seqs=max_batch)
+    tokens = PROMPT_TOKENS + 2 * WARM_STEPS + steps + BLOCK_SLACK_TOKENS
+    room = max_batch * tokens * KV_BYTES_PER_TOKEN
     return EngineConfig(
         weights="float32",
         compile="off",
         prepared="off",
         num_threads=1,
-        cache=CacheConfig(kv_memory_bytes=int(os.environ.get("KVMESH_HOST_BENCH_KV", 3 << 30))),
+        cache=CacheConfig(kv_memory_bytes=int(os.environ.get("KVMESH_HOST_BENCH_KV", room))),
         scheduler=scheduler,
     )
 
@@ -115,6 +120,7 @@ class Row:
     step_us: float
     scheduler_us: float
     worker_us: float
+    preempted: int = 0  # in the timed steps: above 0, the batch was not steady
 
     @property
     def idle_us(self) -> float:
@@ -157,7 +163,9 @@ def in_process(worker: Worker, config: EngineConfig, batch: int, steps: int) -> 
 
     while not _prefilled(scheduler):
         run_step()
+    before = scheduler.num_preemptions
     row = Row("in process", batch, *_steady(run_step, steps))
+    row.preempted = scheduler.num_preemptions - before
     for request_id in list(scheduler.requests):
         scheduler.abort(request_id)
     worker.execute(scheduler.schedule())  # the worker forgets them
@@ -209,6 +217,7 @@ async def over_link(address: str, config: EngineConfig, batch: int, steps: int, 
     for _ in range(WARM_STEPS):
         await run_step()
     spent.update(scheduler=0.0, worker=0.0)
+    preempted = scheduler.num_preemptions
     started = time.perf_counter()
     for _ in range(steps):
         await run_step()
@@ -217,10 +226,12 @@ async def over_link(address: str, config: EngineConfig, batch: int, steps: int, 
         await pipeline.settle_oldest()
     await link.close()
     mode = "link, ahead" if ahead else "link, lock-step"
-    return Row(mode, batch, *(seconds / steps * 1e6 for seconds in (wall, *spent.values())))
+    row = Row(mode, batch, *(seconds / steps * 1e6 for seconds in (wall, *spent.values())))
+    row.preempted = scheduler.num_preemptions - preempted
+    return row
 
 
-def serve_worker(port: int, max_batch: int) -> None:
+def serve_worker(port: int, max_batch: int, steps: int) -> None:
     """The child: the real engine-worker server, its model replaced by the host-only one."""
     from services.engine_worker.server import EngineWorkerService
     from shared.pb.kvmesh.v1 import engine_worker_pb2_grpc
@@ -228,7 +239,7 @@ def serve_worker(port: int, max_batch: int) -> None:
 
     async def serve() -> None:
         runtime = ServiceRuntime("kvmesh.v1.EngineWorker", "127.0.0.1", port)
-        service = EngineWorkerService(runtime, engine_config(max_batch))
+        service = EngineWorkerService(runtime, engine_config(max_batch, steps))
         runtime.add_servicer(engine_worker_pb2_grpc.add_EngineWorkerServicer_to_server, service)
         await runtime.start()
         service.worker = host_only_worker(service.config)
@@ -249,12 +260,13 @@ def _free_port() -> int:
 def print_table(rows: list[Row]) -> None:
     print(
         f"{'mode':<16} {'batch':>5} {'step µs':>8} {'scheduler µs':>12} {'worker µs':>9} "
-        f"{'added µs':>8} {'added µs/request':>16}"
+        f"{'added µs':>8} {'added µs/request':>16} {'preempted':>9}"
     )
     for row in rows:
         print(
             f"{row.mode:<16} {row.batch:>5} {row.step_us:>8.0f} {row.scheduler_us:>12.0f} "
-            f"{row.worker_us:>9.0f} {row.idle_us:>8.0f} {row.idle_us / row.batch:>16.2f}"
+            f"{row.worker_us:>9.0f} {row.idle_us:>8.0f} {row.idle_us / row.batch:>16.2f} "
+            f"{row.preempted:>9}"
         )
 
 
@@ -269,9 +281,9 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     if args.serve_worker:
-        serve_worker(args.serve_worker, max(batches))
+        serve_worker(args.serve_worker, max(batches), args.steps)
         return
-    config = engine_config(max(batches))
+    config = engine_config(max(batches), args.steps)
     modes = args.modes.split(",")
     rows: list[Row] = []
     if "inprocess" in modes:
@@ -280,7 +292,7 @@ def main() -> None:
     if "link" in modes:
         port = _free_port()
         command = [sys.executable, "-m", "loadtest.host_bench", "--serve-worker", str(port)]
-        child = subprocess.Popen([*command, "--batches", args.batches])
+        child = subprocess.Popen([*command, "--batches", args.batches, "--steps", str(args.steps)])
         try:
             for ahead in (False, True):
                 for batch in batches:
