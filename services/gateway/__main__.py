@@ -95,7 +95,9 @@ async def serve(args: argparse.Namespace) -> None:
         await registry.close()
         await policy.rate_limiter.close()
 
-    await runtime.serve_until_signalled(args.drain_seconds, on_drain=close)
+    # Sharing its ports, a draining gateway takes no new HTTP connection: the others do.
+    stop_listening = front.stop_listening if args.shared_port else None
+    await runtime.serve_until_signalled(args.drain_seconds, close, stop_listening)
     if link is not None:
         await link.close()
 

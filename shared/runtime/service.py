@@ -210,8 +210,14 @@ class ServiceRuntime:
                 self._idle.set()
 
     async def serve_until_signalled(
-        self, grace_seconds: float, on_drain: Callable[[], Awaitable[None]] | None = None
+        self,
+        grace_seconds: float,
+        on_drain: Callable[[], Awaitable[None]] | None = None,
+        stop_listening: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """Serves until SIGTERM or SIGINT, then drains: not ready, the shared port and
+        `stop_listening`'s (an HTTP front's) closed at once, open streams given
+        `grace_seconds`, then `on_drain`."""
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._stopped.set)
@@ -223,6 +229,8 @@ class ServiceRuntime:
         shared = None
         if self._shared is not None:
             shared = asyncio.create_task(self._shared.stop(grace_seconds))
+        if stop_listening is not None:
+            await stop_listening()
         try:
             await asyncio.wait_for(self._idle.wait(), grace_seconds)
         except asyncio.TimeoutError:

@@ -25,6 +25,7 @@ from tests.e2e.mesh_helpers import (
     assert_mesh_idle,
     assert_one_terminal,
     output_ids,
+    read_rest,
     rich_error,
     text_request,
     wait_health,
@@ -180,6 +181,34 @@ async def test_each_request_is_one_trace(mesh: Mesh) -> None:
                 assert time.monotonic() < deadline, f"no whole trace of {request.request_id}"
                 await asyncio.sleep(0.1)
             assert trace.trace_id == trace_id and len(roots) == 1
+
+
+async def test_a_draining_gateway_takes_no_new_connection_and_ends_its_streams(
+    mesh: Mesh,
+) -> None:
+    draining = mesh.gateways[0]
+    held = text_request("A long story.", max_tokens=1000, ignore_eos=True)  # 2 s of steps
+    async with grpc.aio.insecure_channel(draining.grpc_address) as channel:
+        call = inference_pb2_grpc.InferenceStub(channel).Generate(held, metadata=ACME)
+        assert (await call.read()).HasField("accepted")
+        pid = draining.process.pid
+        os.kill(pid, signal.SIGTERM)  # drains (2 s), exits; the supervisor starts it again
+        while not draining.has_logged("draining"):
+            await asyncio.sleep(0.02)
+        request = text_request("Meanwhile?", max_tokens=3, ignore_eos=True)
+        runs = await asyncio.gather(*(generate(mesh.gateway_address, request) for _ in range(8)))
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            streamed = await asyncio.gather(*(sse_tokens(mesh, session) for _ in range(8)))
+        rest = await read_rest(call)
+    assert {assert_one_terminal(events) for events in runs} == {"completed"}
+    assert set(streamed) == {(9, True)}  # none refused by the draining gateway
+    assert rest[-1].WhichOneof("event") in ("completed", "failed")  # its stream ended once
+    deadline = time.monotonic() + 30
+    while draining.process.pid == pid or draining.process.poll() is not None:
+        assert time.monotonic() < deadline, "the drained gateway was not started again"
+        await asyncio.sleep(0.05)
+    await wait_health(draining.grpc_address, serving=True)
 
 
 async def test_a_killed_gateway_is_restarted_while_the_other_serves(mesh: Mesh) -> None:

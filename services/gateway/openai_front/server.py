@@ -68,6 +68,7 @@ class OpenAIFront:
         self.catalog = catalog
         self.started = int(time.time())
         self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
 
     def app(self) -> web.Application:
         policy = self.generate.policy
@@ -101,10 +102,19 @@ class OpenAIFront:
         await self._runner.setup()
         tls = tls_config()
         context = http_ssl_context(tls) if tls is not None else None
-        site = web.TCPSite(self._runner, host, port, ssl_context=context, reuse_port=reuse_port)
-        await site.start()
+        self._site = web.TCPSite(
+            self._runner, host, port, ssl_context=context, reuse_port=reuse_port
+        )
+        await self._site.start()
         scheme = "https" if tls is not None else "http"
         log.info("openai http", extra={"address": f"{scheme}://{host}:{port}/v1"})
+
+    async def stop_listening(self) -> None:
+        """No new connection from now on; the open ones go on (a shared port's new ones go to
+        the host's other gateways)."""
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
 
     async def close(self) -> None:
         if self._runner is not None:
