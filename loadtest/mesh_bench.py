@@ -24,6 +24,7 @@ import time
 import grpc
 
 from kvmesh.engine import Engine
+from kvmesh.mesh.gateways import default_tokenizers
 from kvmesh.mesh.launcher import Mesh, MeshConfig
 from loadtest.engine_bench import make_prompts
 from shared.config import CacheConfig, EngineConfig, parse_bytes
@@ -119,20 +120,37 @@ async def idle_ttfts_mesh(mesh: Mesh, prompts: list[list[int]]) -> list[tuple[fl
     return samples
 
 
-async def run_mesh(address: str, prompts: list[list[int]], output_len: int) -> dict:
+CHANNELS_PER_GATEWAY = 8
+
+
+def client_channels(address: str, gateways: int) -> list[grpc.aio.Channel]:
+    """One channel for one gateway (its streams multiplexed on one connection); with several,
+    8 a gateway, each its own connection (a channel is one, to the one gateway the kernel
+    picked), as a pool of client processes would spread."""
+    if gateways == 1:
+        return [grpc.aio.insecure_channel(address)]
+    own = [("grpc.use_local_subchannel_pool", 1)]  # else the channels share one connection
+    count = CHANNELS_PER_GATEWAY * gateways
+    return [grpc.aio.insecure_channel(address, options=own) for _ in range(count)]
+
+
+async def run_mesh(
+    address: str, prompts: list[list[int]], output_len: int, gateways: int = 1
+) -> dict:
     sampling = common_pb2.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
+    channels = client_channels(address, gateways)
+    stubs = [inference_pb2_grpc.InferenceStub(channel) for channel in channels]
+    try:
         started = time.perf_counter()
 
         arrivals: list[tuple[float, int]] = []
 
-        async def one(prompt: list[int]) -> float:
+        async def one(index: int, prompt: list[int]) -> float:
             request = inference_pb2.GenerateRequest(
                 token_ids=common_pb2.TokenIds(ids=prompt), sampling=sampling
             )
             ttft = 0.0
-            async for event in stub.Generate(request):
+            async for event in stubs[index % len(stubs)].Generate(request):
                 if event.WhichOneof("event") == "delta":
                     at = time.perf_counter() - started
                     arrivals.append((at, len(event.delta.token_ids)))
@@ -142,8 +160,10 @@ async def run_mesh(address: str, prompts: list[list[int]], output_len: int) -> d
                     raise RuntimeError(event.failed.error.message)
             return ttft
 
-        ttfts = await asyncio.gather(*(one(p) for p in prompts))
+        ttfts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         elapsed = time.perf_counter() - started
+    finally:
+        await asyncio.gather(*(channel.close() for channel in channels))
     return summarize(list(ttfts), arrivals, elapsed)
 
 
@@ -164,6 +184,9 @@ def main() -> None:
     parser.add_argument(
         "--plan-ahead", default="auto", choices=("auto", "on", "off"), help="the scheduler's"
     )
+    parser.add_argument(
+        "--gateways", type=int, default=1, help="gateway processes sharing the mesh's ports"
+    )
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
@@ -180,6 +203,8 @@ def main() -> None:
     worker_args = ["--kv-memory", args.kv_memory, "--backend", args.backend]
     config = MeshConfig(
         worker_threads=args.threads,
+        gateways=args.gateways,
+        tokenizers=default_tokenizers(args.gateways),
         worker_args=worker_args,
         scheduler_args=[
             "--stream-interval",
@@ -199,7 +224,7 @@ def main() -> None:
             mesh_idle += [ttft for ttft, _ in samples]
             before = services_cpu(mesh)
             mesh_rounds.append(
-                asyncio.run(run_mesh(mesh.gateway_address, prompts, args.output_len))
+                asyncio.run(run_mesh(mesh.gateway_address, prompts, args.output_len, args.gateways))
             )
             after = services_cpu(mesh)
             per_k = 1e3 / mesh_rounds[-1]["output_tokens"]

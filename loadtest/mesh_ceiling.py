@@ -25,17 +25,15 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
 import aiohttp
-import grpc
 
 from kvmesh.mesh.gateways import default_tokenizers
 from kvmesh.mesh.launcher import Mesh, MeshConfig
 from loadtest.engine_bench import make_prompts
-from loadtest.mesh_bench import services_cpu
+from loadtest.mesh_bench import client_channels, services_cpu
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 STAGES = ("gateway", "tokenizer", "scheduler")  # the serving path's per-token stages
 VOCAB = 49152  # the default model's: prompts of random ids below it
-CHANNELS_PER_GATEWAY = 8
 
 
 @dataclass
@@ -53,11 +51,7 @@ class Arrivals:
 async def grpc_round(mesh: Mesh, prompts: list[list[int]], output_len: int) -> Arrivals:
     sampling = common_pb2.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     arrivals = Arrivals()
-    # A connection goes to one gateway: with several, streams go over several connections, as
-    # a client's worker pool would send them; with one, over one (HTTP/2 multiplexed).
-    count = 1 if len(mesh.gateways) == 1 else CHANNELS_PER_GATEWAY * len(mesh.gateways)
-    own = [("grpc.use_local_subchannel_pool", 1)]  # else channels share one connection
-    channels = [grpc.aio.insecure_channel(mesh.gateway_address, options=own) for _ in range(count)]
+    channels = client_channels(mesh.gateway_address, len(mesh.gateways))
     stubs = [inference_pb2_grpc.InferenceStub(channel) for channel in channels]
 
     async def one(index: int, prompt: list[int]) -> None:

@@ -11,8 +11,9 @@
 #            pool); not in the default parts, which must fit one 9-minute call
 #   host     make bench-host: a steady decode step's host work (scheduler, batch building,
 #            step protocol, lock-step and planned ahead) with the model taken out
-#   meshbench  make bench-mesh on the cupy backend at batch 128 (MESHBENCH_ARGS): the mesh's
-#            tok/s against the in-process engine's; not in the default parts either
+#   meshbench  make bench-mesh on the cupy backend at batch 128 (MESHBENCH_ARGS), four
+#            gateways sharing the ports: the mesh's tok/s against the in-process engine's
+#            (target 0.9x); not in the default parts either
 #   kernels  make bench-kernels: each launch of a step, decode attention's bandwidth
 #   bench    make bench-gpu: kvmesh cupy against llama.cpp CUDA F16 and Q4_1, GPU and host
 #            ms per step; then the same on a random-weight F16 file in Llama-3.1-8B's shapes
@@ -118,7 +119,7 @@ if has host; then
 fi
 
 if has meshbench; then
-  read -r -a mesh_args <<< "${MESHBENCH_ARGS:---requests 128 --output-len 64 --kv-memory 8GiB}"
+  read -r -a mesh_args <<< "${MESHBENCH_ARGS:---requests 128 --output-len 64 --kv-memory 8GiB --gateways 4}"
   timed meshbench 240 $PYTHON -m loadtest.mesh_bench --backend cupy --rounds 1 \
     --idle-requests 0 --threads 4 "${mesh_args[@]}"
 fi
