@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kvmesh.mesh.service_process import free_port
 from services.engine_worker.step_inputs import RequestState, flatten, unique_states
 from services.engine_worker.torch_backend.graph_batch import GraphBatch
 from services.engine_worker.worker import Worker
@@ -63,9 +64,8 @@ class HostOnlyRunner:
     def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
         self.runner.copy_blocks(pairs)
 
-    @staticmethod
-    def take_prompt_scores() -> tuple[()]:
-        return ()  # no request asks for prompt logprobs here
+    def take_prompt_scores(self) -> tuple[()]:  # no request asks for prompt logprobs here
+        return ()
 
     def step(
         self, scheduled: list[tuple[RequestState, int]], rng: torch.Generator
@@ -249,14 +249,6 @@ def serve_worker(port: int, max_batch: int, steps: int) -> None:
     asyncio.run(serve())
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def print_table(rows: list[Row]) -> None:
     print(
         f"{'mode':<16} {'batch':>5} {'step µs':>8} {'scheduler µs':>12} {'worker µs':>9} "
@@ -290,7 +282,7 @@ def main() -> None:
         worker = host_only_worker(config)
         rows += [in_process(worker, config, batch, args.steps) for batch in batches]
     if "link" in modes:
-        port = _free_port()
+        port = free_port()
         command = [sys.executable, "-m", "loadtest.host_bench", "--serve-worker", str(port)]
         child = subprocess.Popen([*command, "--batches", args.batches, "--steps", str(args.steps)])
         try:
