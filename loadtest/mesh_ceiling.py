@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvmesh.mesh.gateways import default_tokenizers
+from kvmesh.mesh.gateways import default_tokenizers, stage_of
 from kvmesh.mesh.launcher import Mesh, MeshConfig
 from loadtest.engine_bench import make_prompts
 from loadtest.mesh_bench import client_channels, services_cpu
@@ -107,12 +107,6 @@ def _spread(seen: list[tuple[float, int]], tokens: int) -> None:
         return
     each, extra = divmod(tokens, len(seen))
     seen[:] = [(at, each + (i < extra)) for i, (at, _) in enumerate(seen)]
-
-
-def stage_of(process: str) -> str:
-    """A process's stage: `scheduler-0` is a scheduler."""
-    stage, _, index = process.rpartition("-")
-    return stage if index.isdigit() else process
 
 
 def carried_tokens(mesh: Mesh) -> dict[str, float]:

@@ -23,9 +23,9 @@ def test_counts_follow_the_cores_and_the_flags() -> None:
 def test_names_and_stages() -> None:
     assert gateways.names("gateway", 1) == ["gateway"]
     assert gateways.names("tokenizer", 3) == ["tokenizer-0", "tokenizer-1", "tokenizer-2"]
-    assert gateways.is_stage("gateway", "gateway") and gateways.is_stage("gateway-12", "gateway")
-    assert not gateways.is_stage("gateway-x", "gateway")
-    assert not gateways.is_stage("embedder-0", "gateway")
+    assert gateways.stage_of("gateway") == gateways.stage_of("gateway-12") == "gateway"
+    assert gateways.stage_of("gateway-x") != "gateway"
+    assert gateways.stage_of("embedder-0") != "gateway"
 
 
 def test_several_gateways_share_a_port_and_spread_over_the_tokenizers() -> None:

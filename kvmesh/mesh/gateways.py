@@ -40,10 +40,10 @@ def names(stage: str, count: int) -> list[str]:
     return [stage] if count == 1 else [f"{stage}-{i}" for i in range(count)]
 
 
-def is_stage(name: str, stage: str) -> bool:
-    """Whether a process's name is one of `stage`'s: `gateway` and `gateway-1` are gateways."""
-    head, _, index = name.rpartition("-")
-    return name == stage or (head == stage and index.isdigit())
+def stage_of(process: str) -> str:
+    """A process's stage: `gateway` and `gateway-1` are gateways, `scheduler-0` a scheduler."""
+    stage, _, index = process.rpartition("-")
+    return stage if index.isdigit() else process
 
 
 def start(config: MeshConfig, spawn: Spawn, tokenizers: list[str], args: list[str]) -> str:

@@ -138,7 +138,7 @@ class Mesh:
 
     @property
     def gateways(self) -> list[ServiceProcess]:  # one, or gateway-0 ... gateway-{N-1}
-        return [s for s in self.services if gateways.is_stage(s.name, "gateway")]
+        return [s for s in self.services if gateways.stage_of(s.name) == "gateway"]
 
     @property
     def tokenizer_address(self) -> str:  # the first one's: every tokenizer loads every model

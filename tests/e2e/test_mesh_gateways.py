@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import aiohttp
@@ -24,6 +23,7 @@ from shared.pb.kvmesh.v1 import inference_pb2, inference_pb2_grpc, traces_pb2, t
 from tests.e2e.mesh_helpers import (
     assert_mesh_idle,
     assert_one_terminal,
+    metric_value,
     output_ids,
     read_rest,
     rich_error,
@@ -65,14 +65,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 def admitted(mesh: Mesh) -> dict[str, float]:
     """Each gateway's kvmesh_admitted_total, from its own metrics port."""
-    counts = {}
-    for gateway in mesh.gateways:
-        with urllib.request.urlopen(gateway.metrics_url or "", timeout=5) as page:
-            lines = page.read().decode().splitlines()
-        counts[gateway.name] = next(
-            float(line.split()[1]) for line in lines if line.startswith("kvmesh_admitted_total ")
-        )
-    return counts
+    return {
+        g.name: metric_value(g.metrics_url or "", "kvmesh_admitted_total") for g in mesh.gateways
+    }
 
 
 async def generate(

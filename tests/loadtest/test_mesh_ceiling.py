@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loadtest.mesh_ceiling import STAGES, main, stage_of
+from kvmesh.mesh.gateways import stage_of
+from loadtest.mesh_ceiling import STAGES, main
 
 
 def test_both_protocols_count_every_token_and_price_each_stage(tmp_path: Path, capsys) -> None:
