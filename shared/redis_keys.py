@@ -40,3 +40,8 @@ def tenant_tokens_bucket(tenant: str) -> str:
 def tenant_in_flight(tenant: str) -> str:
     """Sorted set: request id -> lease expiry (ms); expired leases no longer count."""
     return f"{PREFIX}:tenant:{tenant}:in-flight"
+
+
+def tenant_request_ids(tenant: str) -> str:
+    """Sorted set: a client-chosen request id open on some gateway -> lease expiry (ms)."""
+    return f"{PREFIX}:tenant:{tenant}:request-ids"

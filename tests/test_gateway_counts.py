@@ -1,5 +1,5 @@
 """How many gateways and tokenizers `kvmesh up` starts: from the host's cores unless told, and
-each gateway's name, tokenizer and ports."""
+each gateway's name, tokenizer, ports and peers."""
 
 from __future__ import annotations
 
@@ -44,7 +44,13 @@ def test_several_gateways_share_a_port_and_spread_over_the_tokenizers() -> None:
         "t1:1",
         "t0:1",
     ]
-    assert all(args[-2:] == ["--shared-port", "9100"] and port is None for _, args, port in started)
+    ports = [port for _, _, port in started]
+    assert len(set(ports)) == 3 and 9100 not in ports  # each its own, beside the shared one
+    for _, args, _ in started:
+        assert args[args.index("--shared-port") + 1] == "9100"
+        peers = args[args.index("--peers") + 1].split(",")
+        assert peers == [f"127.0.0.1:{port}" for port in ports]  # Abort asks the others
+        assert args[-2:] == ["--redis", "r"]
     started.clear()
     one = gateways.start(MeshConfig(gateway_port=9100), spawn, ["t0:1"], [])
     assert (

@@ -50,19 +50,17 @@ def start(config: MeshConfig, spawn: Spawn, tokenizers: list[str], args: list[st
     """The mesh's gateways, each started with `args` (not waited for); the address clients
     use: the shared port's, or the one gateway's."""
     count = config.gateways
-    shared = config.gateway_port or free_port(config.host) if count > 1 else 0
-    address = ""
+    if count == 1:
+        own = config.gateway_port or None
+        return spawn("gateway", "services.gateway", ["--tokenizer", tokenizers[0], *args], port=own)
+    shared = config.gateway_port or free_port(config.host)
+    ports = [free_port(config.host) for _ in range(count)]
+    peers = ",".join(f"{config.host}:{port}" for port in ports)  # each skips its own
     for index, name in enumerate(names("gateway", count)):
-        address = spawn(
-            name,
-            "services.gateway",
-            [
-                *("--tokenizer", tokenizers[index % len(tokenizers)], *args),
-                *(("--shared-port", str(shared)) if shared else ()),
-            ],
-            port=None if shared else config.gateway_port or None,
-        )
-    return f"{config.host}:{shared}" if shared else address
+        tokenizer = tokenizers[index % len(tokenizers)]
+        gateway_args = ["--tokenizer", tokenizer, "--shared-port", str(shared), "--peers", peers]
+        spawn(name, "services.gateway", [*gateway_args, *args], port=ports[index])
+    return f"{config.host}:{shared}"
 
 
 def wait_sharing(gateways: Sequence[ServiceProcess], deadline: float) -> None:

@@ -9,6 +9,7 @@ import logging
 from services.gateway.config import SHARING_PORTS, build_parser
 from services.gateway.mesh.catalog import ModelCatalog
 from services.gateway.mesh.model_admin import ModelAdminService
+from services.gateway.mesh.peers import PeerGateways
 from services.gateway.mesh.registry import BackendRegistry
 from services.gateway.mesh.router import Router, Watermarks
 from services.gateway.mesh.tokenizer_link import TokenizerLink
@@ -17,6 +18,7 @@ from services.gateway.policy.engine_failures import TenantFailures
 from services.gateway.policy.limits import RequestLimits
 from services.gateway.policy.policy import GatewayPolicy
 from services.gateway.policy.rate_limits import RateLimiter
+from services.gateway.policy.request_ids import RequestIds
 from services.gateway.server import InferenceService
 from shared.pb.kvmesh.v1 import inference_pb2_grpc, model_admin_pb2_grpc
 from shared.redis_link import RedisLink
@@ -49,6 +51,7 @@ def gateway_policy(args: argparse.Namespace, link: RedisLink | None) -> GatewayP
         api_keys=keys,
         router=Router(link, args.routing, watermarks),
         rate_limiter=RateLimiter(link),
+        request_ids=RequestIds(link),
         max_in_flight=args.max_in_flight,
         limits=RequestLimits(args.max_request_bytes, args.max_prompt_tokens, args.max_total_tokens),
         tenant_failures=TenantFailures(args.tenant_failures_per_minute),
@@ -71,7 +74,8 @@ async def serve(args: argparse.Namespace) -> None:
     if link is None:
         log.warning("no --redis: routing and admission use this gateway's local view only")
     policy = gateway_policy(args, link)
-    service = InferenceService(runtime, catalog, tokenizer, policy)
+    peers = PeerGateways(args.peers, runtime.address) if args.peers else None
+    service = InferenceService(runtime, catalog, tokenizer, policy, peers)
     generate = service.generate  # one handler for gRPC and HTTP: one admission, one in-flight
     runtime.add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server, service)
     runtime.add_servicer(
@@ -94,6 +98,9 @@ async def serve(args: argparse.Namespace) -> None:
         await front.close()
         await registry.close()
         await policy.rate_limiter.close()
+        await policy.request_ids.close()
+        if peers is not None:
+            await peers.close()
 
     # Sharing its ports, a draining gateway takes no new HTTP connection: the others do.
     stop_listening = front.stop_listening if args.shared_port else None

@@ -59,6 +59,13 @@ MESH_SETTINGS = (
         "the same way; --port stays its own (health checks, one gateway's metrics); 0: none",
         whole(0),
     ),
+    Setting(
+        "peers",
+        "",
+        "the mesh's other gateways at their own ports (HOST:PORT, comma-separated, or "
+        "dns:///HOST:PORT for a headless Service): an Abort for a request this gateway does "
+        "not hold is asked of them",
+    ),
 )
 
 _POLICY: dict[str, Any] = dict(group="routing, admission and tenants", takers=(GATEWAY,))

@@ -11,6 +11,7 @@ import contextlib
 import grpc
 
 from services.gateway.mesh.catalog import ModelCatalog
+from services.gateway.mesh.peers import PeerGateways, forwarded
 from services.gateway.mesh.tokenizer_link import TokenizerLink
 from services.gateway.policy.policy import GatewayPolicy
 from services.gateway.policy.stall import ClientStalled, stalled_error, write_or_stall
@@ -33,11 +34,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         catalog: ModelCatalog,
         tokenizer: TokenizerLink,
         policy: GatewayPolicy | None = None,
+        peers: PeerGateways | None = None,
     ) -> None:
         self.runtime = runtime
         self.catalog = catalog
         self.tokenizer = tokenizer
         self.policy = policy or GatewayPolicy()
+        self.peers = peers  # asked for an Abort of a request this gateway does not hold
         self.generate = GenerateHandler(runtime, catalog, tokenizer, self.policy)
 
     async def Generate(
@@ -59,11 +62,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Abort(
         self, request: inference_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.AbortResponse:
-        tenant = self.policy.api_keys.authenticate(context.invocation_metadata())
+        metadata = context.invocation_metadata()
+        tenant = self.policy.api_keys.authenticate(metadata)
         # Another tenant's request is as unknown as one that never existed.
         placements = self.generate.active.get((tenant.name, request.request_id))
         if placements is None:
-            return inference_pb2.AbortResponse(found=False)
+            if self.peers is None or forwarded(metadata):
+                return inference_pb2.AbortResponse(found=False)
+            return inference_pb2.AbortResponse(found=await self.peers.abort(request, metadata))
         found = False
         for active in list(placements):  # every completion of it
             try:

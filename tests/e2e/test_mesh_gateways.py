@@ -1,8 +1,8 @@
 """Two gateways sharing the public gRPC and HTTP ports (`kvmesh up --gateways 2`), on the sim
 backend: connections spread over both, and each case the mesh suite holds for one gateway
 holds for the pair: streams, n > 1, cancel and deadlines (nothing left held), a tenant's rate
-limit across both, one trace a request, and a gateway killed outright restarted by the
-supervisor while the other serves."""
+limit and its request ids across both, an Abort through either, one trace a request, and a
+gateway killed outright restarted by the supervisor while the other serves."""
 
 from __future__ import annotations
 
@@ -152,6 +152,40 @@ async def test_a_tenants_rate_limit_holds_across_both_gateways(mesh: Mesh) -> No
         await generate(second, request, LIMITED)  # the other gateway: the same Redis bucket
     error = rich_error(refused.value)
     assert (error.reason, error.retryable) == ("RATE_LIMITED", True)
+
+
+async def test_an_abort_reaches_the_stream_through_either_gateway_and_its_id_is_held_by_both(
+    mesh: Mesh,
+) -> None:
+    first, second = (g.grpc_address for g in mesh.gateways)
+    long = text_request("Tell me a long story.", max_tokens=2000, ignore_eos=True)
+    long.request_id = f"gateways-abort-{time.monotonic_ns()}"
+    abort = inference_pb2.AbortRequest(request_id=long.request_id)
+    async with grpc.aio.insecure_channel(first) as channel:
+        call = inference_pb2_grpc.InferenceStub(channel).Generate(long, metadata=ACME)
+        while not (await call.read()).HasField("delta"):
+            pass
+        with pytest.raises(grpc.aio.AioRpcError) as reused:
+            await generate(second, long)  # open on the first gateway: claimed for the tenant
+        assert rich_error(reused.value).reason == "INVALID_ARGUMENT"
+        # Refused by the second gateway's claim in Redis, not left to the scheduler
+        assert reused.value.details() == f"request id {long.request_id!r} is in use"
+        async with grpc.aio.insecure_channel(second) as other:
+            stub = inference_pb2_grpc.InferenceStub(other)
+            assert not (await stub.Abort(abort, metadata=LIMITED)).found  # not that tenant's
+            assert (await stub.Abort(abort, metadata=ACME)).found  # asked of its peer
+        rest = await read_rest(call)
+    assert rest[-1].cancelled.reason == "abort"
+    long.sampling.max_tokens = 2
+    deadline = time.monotonic() + 5
+    while True:  # the id is free again once the first gateway's cleanup ran
+        try:
+            assert assert_one_terminal(await generate(second, long)) == "completed"
+            break
+        except grpc.aio.AioRpcError:
+            assert time.monotonic() < deadline, "the id stayed claimed"
+            await asyncio.sleep(0.05)
+    await assert_mesh_idle(mesh)
 
 
 async def test_each_request_is_one_trace(mesh: Mesh) -> None:

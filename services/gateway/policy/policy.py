@@ -8,6 +8,7 @@ from services.gateway.mesh.router import Router
 from services.gateway.policy.engine_failures import TenantFailures
 from services.gateway.policy.limits import RequestLimits
 from services.gateway.policy.rate_limits import RateLimiter
+from services.gateway.policy.request_ids import RequestIds
 from shared.tenants import ApiKeys
 
 
@@ -16,6 +17,7 @@ class GatewayPolicy:
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     router: Router = field(default_factory=lambda: Router(None))
     rate_limiter: RateLimiter = field(default_factory=lambda: RateLimiter(None))
+    request_ids: RequestIds = field(default_factory=lambda: RequestIds(None))
     max_in_flight: int = 4096  # this gateway's own bound on open streams
     limits: RequestLimits = field(default_factory=RequestLimits)
     # Refuses a tenant whose requests keep failing in the engine (the breaker does not count them).

@@ -11,21 +11,16 @@ tenant may then get up to the limit from each gateway, never an error caused by 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import functools
 import math
 import time
 from dataclasses import dataclass
 
-import redis.asyncio as redis
-
+from services.gateway.policy.leases import LEASE_MS, Leases
 from shared import redis_keys
 from shared.errors import KvmeshError, Reason
 from shared.redis_link import RedisLink
 from shared.tenants import Tenant
 
-LEASE_MS = 30_000
 CONCURRENCY_RETRY_MS = 250
 
 # KEYS: requests bucket, tokens bucket, in-flight set
@@ -81,16 +76,6 @@ if rate > 0 and refund > 0 and redis.call('EXISTS', KEYS[1]) == 1 then
   local value = tonumber(redis.call('HGET', KEYS[1], 'level'))
   redis.call('HSET', KEYS[1], 'level', math.min(rate * 60000, value + refund))
 end
-return 0
-"""
-
-# KEYS: in-flight set. ARGV: lease ms, request ids still running. Redis's clock, as in admit.
-RENEW_LUA = """
-local now_parts = redis.call('TIME')
-local now = now_parts[1] * 1000 + math.floor(now_parts[2] / 1000)
-local lease = tonumber(ARGV[1])
-for index = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now + lease, ARGV[index]) end
-redis.call('PEXPIRE', KEYS[1], lease)
 return 0
 """
 
@@ -159,12 +144,10 @@ class RateLimiter:
     def __init__(self, link: RedisLink | None) -> None:
         self.link = link
         self._local: dict[str, LocalLimits] = {}
-        self._leases: dict[str, Grant] = {}  # shared grants with a concurrency lease
-        self._renewer: asyncio.Task[None] | None = None
+        self._leases = Leases(link) if link is not None else None  # concurrency leases
         if link is not None:  # EVALSHA; reloaded by redis-py after a Redis restart
             self._admit_script = link.client.register_script(ADMIT_LUA)
             self._release_script = link.client.register_script(RELEASE_LUA)
-            self._renew_script = link.client.register_script(RENEW_LUA)
 
     async def admit(self, tenant: Tenant, request_id: str, token_cost: int) -> Grant | None:
         """Charge the tenant or raise RATE_LIMITED; None for a tenant without limits."""
@@ -184,9 +167,8 @@ class RateLimiter:
             )
         charged = min(token_cost, int(tenant.limits.tokens_per_minute)) or token_cost
         grant = Grant(tenant, request_id, charged, shared)
-        if shared and tenant.limits.max_concurrent:
-            self._leases[request_id] = grant
-            self._start_renewer()
+        if shared and tenant.limits.max_concurrent and self._leases is not None:
+            self._leases.hold(redis_keys.tenant_in_flight(tenant.name), request_id)
         return grant
 
     async def release(self, grant: Grant | None, tokens_used: int) -> None:
@@ -196,10 +178,10 @@ class RateLimiter:
         if not grant.shared:
             self._local_limits(grant.tenant).release(refund)
             return
-        self._leases.pop(grant.request_id, None)
-        if self.link is None:
-            return
         tenant = grant.tenant
+        if self._leases is None or self.link is None:
+            return
+        self._leases.drop(redis_keys.tenant_in_flight(tenant.name), grant.request_id)
         keys = [
             redis_keys.tenant_tokens_bucket(tenant.name),
             redis_keys.tenant_in_flight(tenant.name),
@@ -240,29 +222,6 @@ class RateLimiter:
             local = self._local[tenant.name] = LocalLimits(tenant)
         return local
 
-    def _start_renewer(self) -> None:
-        if self._renewer is None or self._renewer.done():
-            self._renewer = asyncio.create_task(self._renew_leases())
-
-    async def _renew_leases(self) -> None:
-        """Extend the leases of requests still running, while there are any."""
-        while self._leases and self.link is not None:
-            await asyncio.sleep(LEASE_MS / 3e3)
-            by_tenant: dict[str, list[str]] = {}
-            for grant in self._leases.values():
-                by_tenant.setdefault(grant.tenant.name, []).append(grant.request_id)
-
-            await self.link.run(functools.partial(self._renew, by_tenant=by_tenant))
-
-    async def _renew(self, client: redis.Redis, by_tenant: dict[str, list[str]]) -> None:
-        pipe = client.pipeline(transaction=False)
-        for tenant, request_ids in by_tenant.items():
-            keys = [redis_keys.tenant_in_flight(tenant)]
-            await self._renew_script(keys=keys, args=[LEASE_MS, *request_ids], client=pipe)
-        await pipe.execute()
-
     async def close(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewer
+        if self._leases is not None:
+            await self._leases.close()

@@ -17,6 +17,7 @@ from services.gateway.mesh.router import Routed, RouteDecision
 from services.gateway.mesh.tokenizer_link import TokenizerLink
 from services.gateway.policy.policy import GatewayPolicy
 from services.gateway.policy.rate_limits import Grant
+from services.gateway.policy.request_ids import in_use
 from services.gateway.request.call_context import time_remaining
 from services.gateway.request.generate_call import Checked, GenerateCall
 from services.gateway.request.handover import (
@@ -65,6 +66,9 @@ class Admission:
             checked = self._check(call)
         self._num_admitting += 1
         try:
+            if call.request.request_id:  # a generated one is unique already
+                claims = self.policy.request_ids
+                call.claim = await claims.claim(checked.tenant.name, call.request_id)
             return await self._place(call, checked)
         finally:
             self._num_admitting -= 1
@@ -77,7 +81,7 @@ class Admission:
         self.policy.tenant_failures.check(tenant.name)
         self.policy.limits.check_size(request.ByteSize())
         if (tenant.name, call.request_id) in self.active:
-            raise KvmeshError(Reason.INVALID_ARGUMENT, f"request id {call.request_id!r} is in use")
+            raise in_use(call.request_id)
         if len(self.active) + self._num_admitting >= self.policy.max_in_flight:
             raise KvmeshError(
                 Reason.OVERLOADED,

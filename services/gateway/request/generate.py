@@ -96,9 +96,11 @@ class GenerateHandler:
             if request.n > 1:  # the other completions, on the same scheduler
                 members = await self.admission.admit_siblings(call, admitted)
         except KvmeshError as error:
+            self.policy.request_ids.release(call.claim)
             telemetry.rejected(error)
             raise  # before the first event: the front turns it into a status
         except BaseException:
+            self.policy.request_ids.release(call.claim)
             telemetry.ended("cancelled", "client_disconnected", 0, 0)
             raise
         self._log_accepted(call, admitted)
@@ -150,6 +152,7 @@ class GenerateHandler:
                     completion.text.cancel()
                     completion.admitted.routed.ended()
                 self.active.pop(active_key, None)
+                self.policy.request_ids.release(call.claim)
                 prompt_tokens = len(admitted.token_ids)
                 output_tokens = sum(c.progress.completion_tokens for c in completions)
                 self.admission.release(admitted.grant, prompt_tokens + output_tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.gateway.mesh.connections import SchedulerBackend
+from services.gateway.policy.request_ids import Claim
 from services.gateway.request.call_context import CallContext
 from services.gateway.request.request_telemetry import RequestTelemetry
 from services.gateway.request.tools import ToolUse
@@ -23,6 +24,7 @@ class GenerateCall:
     received: float  # time.monotonic() at arrival
     telemetry: RequestTelemetry
     tools: ToolUse | None = None  # the chat's tools and tool choice, once checked
+    claim: Claim | None = None  # on the client's own request id, across gateways
 
 
 @dataclass(frozen=True)
