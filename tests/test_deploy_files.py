@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,3 +73,15 @@ def test_the_split_override_adds_a_prefill_pair_the_gateway_and_decode_pair_know
     assert prefill["KVMESH_WORKER"] == prefill["KVMESH_WORKER_ADVERTISE"]
     schedulers = split["gateway"]["environment"]["KVMESH_SCHEDULER"].split(",")
     assert sorted(schedulers) == ["scheduler-prefill:50071", "scheduler:50071"]
+
+
+def test_the_gateway_and_tokenizer_counts_come_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.gateway.config import build_parser
+
+    services = compose()["services"]
+    assert services["gateway"]["environment"]["KVMESH_PROCESSES"] == "${KVMESH_GATEWAYS:-1}"
+    assert services["tokenizer"]["deploy"]["replicas"] == "${KVMESH_TOKENIZERS:-1}"
+    monkeypatch.setenv("KVMESH_PROCESSES", "4")  # what the container's gateway then reads
+    assert build_parser().parse_args([]).processes == 4

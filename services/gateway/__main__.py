@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
+from services.gateway import processes
 from services.gateway.config import SHARING_PORTS, build_parser
 from services.gateway.mesh.catalog import ModelCatalog
 from services.gateway.mesh.model_admin import ModelAdminService
@@ -112,6 +114,8 @@ async def serve(args: argparse.Namespace) -> None:
 def main() -> None:
     args = parse_args_or_exit(build_parser())
     configure_logging("gateway", args.log_level)
+    if args.processes > 1:  # a parent of gateways, serving nothing itself
+        raise SystemExit(processes.run(args, sys.argv[1:]))
     start_observability("gateway", args)
     asyncio.run(serve(args))
 

@@ -60,6 +60,13 @@ MESH_SETTINGS = (
         whole(0),
     ),
     Setting(
+        "processes",
+        1,
+        "gateway processes to run (a container's count): they share --port and --http-port, "
+        "each also on --port + 1 + i of its own and on --metrics-port + i",
+        whole(1),
+    ),
+    Setting(
         "peers",
         "",
         "the mesh's other gateways at their own ports (HOST:PORT, comma-separated, or "
