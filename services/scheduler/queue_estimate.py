@@ -33,8 +33,11 @@ MAX_RELEASES = 64  # published per scheduler; later releases come at the drain r
 class QueueTimeEstimator:
     def __init__(self, window_s: float = WINDOW_S) -> None:
         self.window_s = window_s
-        # (end time, full seconds, finishes) of each interval that started full
+        # (end time, full seconds, finishes) of each interval that started full, and their
+        # sums: a turn every 2 ms keeps 5,000 in the window, too many to add up each turn.
         self._intervals: collections.deque[tuple[float, float, int]] = collections.deque()
+        self._full_s = 0.0
+        self._finished = 0
         self._last: tuple[float, bool, int] | None = None  # (time, full, finished total)
         self.drain_per_s = PRIOR_DRAIN_PER_S
         self.step_s: float | None = None  # one turn of the step loop while requests decode
@@ -52,14 +55,20 @@ class QueueTimeEstimator:
         if self._last is not None:
             then, was_full, finished_then = self._last
             if was_full and now > then:
-                self._intervals.append((now, now - then, num_finished - finished_then))
+                interval = (now, now - then, num_finished - finished_then)
+                self._intervals.append(interval)
+                self._full_s += interval[1]
+                self._finished += interval[2]
         self._last = (now, full, num_finished)
         while self._intervals and self._intervals[0][0] < now - self.window_s:
-            self._intervals.popleft()
-        finished = sum(interval[2] for interval in self._intervals)
-        if finished >= MIN_FINISHES:  # fewer say little (long requests finish rarely)
-            full_s = sum(interval[1] for interval in self._intervals)
-            self.drain_per_s = finished / full_s
+            _, full_s, finished = self._intervals.popleft()
+            self._full_s -= full_s
+            self._finished -= finished
+        if not self._intervals:
+            self._full_s, self._finished = 0.0, 0  # no drift from the float sums
+        # Fewer finishes say little (long requests finish rarely).
+        if self._finished >= MIN_FINISHES and self._full_s > 0:
+            self.drain_per_s = self._finished / self._full_s
 
     def finished(self, output_tokens: int) -> None:
         previous = self.typical_output

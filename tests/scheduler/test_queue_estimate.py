@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -50,3 +51,25 @@ def test_an_idle_gap_is_not_a_step() -> None:
     estimator.observe(60.0, False, 0, running=True)  # a minute idle, then work again
     estimator.observe(60.1, False, 0, running=True)
     assert estimator.step_s == pytest.approx(0.1)
+
+
+def test_the_drain_rate_is_the_windows_finishes_over_its_full_seconds_at_any_length() -> None:
+    # Turns every 2 ms for 30 s, full except for a spell, a finish every 7th turn: the window
+    # (10 s, 5,000 turns) is kept as running sums; they must equal the sums recounted.
+    estimator = QueueTimeEstimator(window_s=10.0)
+    turns: list[tuple[float, bool, int]] = []
+    finished = 0
+    for turn in range(15_000):
+        now = turn * 0.002
+        full = not 12.0 <= now < 14.0
+        finished += turn % 7 == 0
+        estimator.observe(now, full, finished)
+        turns.append((now, full, finished))
+    window = [
+        (later[0] - earlier[0], later[2] - earlier[2])
+        for earlier, later in itertools.pairwise(turns)
+        if earlier[1] and later[0] >= turns[-1][0] - 10.0
+    ]
+    expected = sum(f for _, f in window) / sum(s for s, _ in window)
+    assert estimator.drain_per_s == pytest.approx(expected, rel=1e-6)
+    assert 60 < expected < 80  # a finish per 14 ms
