@@ -55,3 +55,18 @@ async def test_a_failed_lookup_keeps_what_is_known() -> None:
 async def test_localhost_resolves_to_loopback() -> None:
     assert "127.0.0.1:4242" in await resolve("localhost", 4242)
     assert is_dns_spec("m@2=dns:///worker:1") and not is_dns_spec("m@2=10.0.0.1:1")
+
+
+def test_a_dns_target_is_host_and_port_and_a_bad_peers_spec_fails_at_start() -> None:
+    from services.gateway.mesh.discovery import dns_target
+    from services.gateway.mesh.peers import PeerGateways
+
+    assert dns_target("dns:///gateway-peers.kvmesh.svc:50051") == (
+        "gateway-peers.kvmesh.svc",
+        50051,
+    )
+    for bad in ("gateway:50051", "dns:///gateway", "dns:///:50051"):
+        with pytest.raises(ValueError):
+            dns_target(bad)
+    with pytest.raises(ValueError):
+        PeerGateways("dns:///gateway-peers", "127.0.0.1:1")

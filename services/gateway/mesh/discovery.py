@@ -33,6 +33,14 @@ def is_dns_spec(spec: str) -> bool:
     return spec.rpartition("=")[2].startswith(DNS_PREFIX)
 
 
+def dns_target(target: str) -> tuple[str, int]:
+    """`dns:///HOST:PORT` as (HOST, PORT); ValueError for anything else."""
+    host, _, port = target.removeprefix(DNS_PREFIX).rpartition(":")
+    if not target.startswith(DNS_PREFIX) or not host or not port.isdigit():
+        raise ValueError(f"{target!r}: expected dns:///HOST:PORT")
+    return host, int(port)
+
+
 async def resolve(host: str, port: int) -> set[str]:
     infos = await asyncio.get_running_loop().getaddrinfo(
         host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
@@ -54,10 +62,10 @@ class DnsDiscovery:
     ) -> None:
         model, _, target = spec.rpartition("=")
         self.name, _, self.version = model.partition("@")
-        host, _, port = target.removeprefix(DNS_PREFIX).rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"{spec!r}: expected [NAME[@VERSION]=]dns:///HOST:PORT")
-        self.host, self.port = host, int(port)
+        try:
+            self.host, self.port = dns_target(target)
+        except ValueError:
+            raise ValueError(f"{spec!r}: expected [NAME[@VERSION]=]dns:///HOST:PORT") from None
         self.backends = backends
         self.interval_s = interval_s
         self.resolver = resolver

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from services.gateway.mesh.discovery import DNS_PREFIX, resolve
+from services.gateway.mesh.discovery import DNS_PREFIX, dns_target, resolve
 from shared.pb.kvmesh.v1 import inference_pb2, inference_pb2_grpc
 from shared.runtime.service import CHANNEL_OPTIONS
 from shared.runtime.tls import aio_channel
@@ -36,14 +36,15 @@ class PeerGateways:
     def __init__(self, spec: str, own_address: str) -> None:
         self.spec = spec
         self.own_address = own_address
+        # A headless Service's name, checked at start; else the addresses themselves.
+        self.dns = dns_target(spec) if spec.startswith(DNS_PREFIX) else None
         self._stubs: dict[str, inference_pb2_grpc.InferenceStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 
     async def addresses(self) -> list[str]:
-        if self.spec.startswith(DNS_PREFIX):
-            host, _, port = self.spec.removeprefix(DNS_PREFIX).rpartition(":")
+        if self.dns is not None:
             try:
-                found = sorted(await resolve(host, int(port)))
+                found = sorted(await resolve(*self.dns))
             except OSError as error:
                 log.warning("peer lookup failed", extra={"peers": self.spec, "error": str(error)})
                 return []
