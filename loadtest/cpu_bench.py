@@ -24,6 +24,7 @@ import torch
 
 from kvmesh.convert import gguf_to_f32
 from kvmesh.engine import Engine
+from kvmesh.mesh.compiled_steps import CompiledStepWatch
 from kvmesh.mesh.launcher import Mesh, MeshConfig
 from loadtest import llama_cpp
 from loadtest.driver import LoadShape, run_load
@@ -114,6 +115,7 @@ async def serving_level(args: argparse.Namespace, f32_path: str) -> list[dict]:
         log_dir=str(args.out / "logs"),
     )
     with Mesh(config) as mesh:
+        CompiledStepWatch(mesh.services).wait()  # a first start serves eagerly meanwhile
         async with GrpcTarget(mesh.gateway_address) as target:
             result = await run_load(target, specs, shape)
     summaries.append(summarize(f"kvmesh mesh ({args.serving_weights})", result, slo))

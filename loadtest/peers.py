@@ -31,6 +31,7 @@ import numpy
 
 from kvmesh.convert import gguf_to_f32
 from kvmesh.engine import Engine
+from kvmesh.mesh.compiled_steps import CompiledStepWatch
 from kvmesh.mesh.launcher import Mesh, MeshConfig
 from loadtest import llama_cpp
 from loadtest.bench import BenchResult, write_report
@@ -109,6 +110,7 @@ async def peer_target(peer: str, args: argparse.Namespace, f32_path: str) -> Asy
             log_dir=str(args.out / "logs"),
         )
         with Mesh(config) as mesh:
+            CompiledStepWatch(mesh.services).wait()  # a first start serves eagerly meanwhile
             async with GrpcTarget(mesh.gateway_address) as target:
                 yield target
     elif peer == "kvmesh-engine":

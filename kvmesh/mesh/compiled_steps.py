@@ -5,6 +5,7 @@ worker's reason) and the eager step serves on. Read from the workers' logs."""
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterable
 
 from kvmesh.mesh.service_process import ServiceProcess
@@ -33,6 +34,20 @@ class CompiledStepWatch:
             else:
                 continue
             self.pending.remove(service)
+
+    def wait(self, timeout_s: float = 1800.0) -> None:
+        """Blocks until each pending worker's compiled step serves or failed: a benchmark that
+        ran meanwhile would measure the eager step on the cores the compilers share (0.3x the
+        compiled step's serving throughput on a 2-core VM)."""
+        if self.pending:
+            names = ", ".join(s.name for s in self.pending)
+            print(f"kvmesh: waiting for the compiled step of {names}", file=sys.stderr)
+        deadline = time.monotonic() + timeout_s
+        while self.pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the compiled step never served after {timeout_s:.0f}s")
+            time.sleep(1.0)
+            self.report()
 
 
 def failure_line(name: str, failure: dict[str, object], log_path: str) -> str:
