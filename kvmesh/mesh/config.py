@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmesh.mesh.service_process import ServiceProcess
-from kvmesh.mesh.supervisor import BackOff
+from shared.runtime.restarts import BackOff
 from shared.step_limits import step_limit_args_of
 
 

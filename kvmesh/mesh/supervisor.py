@@ -2,11 +2,11 @@
 
 What Kubernetes' `restartPolicy: Always` does for a pod: every mesh process (redis-server,
 trace-collector, tokenizer, engine-workers, schedulers, gateway) that exits is restarted after
-a back-off that starts at 1 s and doubles to 30 s, and starts over once the service has stayed
-up for a minute. Each restart is a line on the launcher's stderr and a count in
-`kvmesh_service_restarts_total{service}`. A service stopped on purpose (a drain, a rollout,
-Ctrl-C) is never restarted. Its peers find it again as they would after any restart: the
-scheduler reattaches its worker, the gateway watches health.
+a back-off (shared/runtime/restarts.py) that starts at 1 s and doubles to 30 s, and starts over
+once the service has stayed up for a minute. Each restart is a line on the launcher's stderr
+and a count in `kvmesh_service_restarts_total{service}`. A service stopped on purpose (a
+drain, a rollout, Ctrl-C) is never restarted. Its peers find it again as they would after any
+restart: the scheduler reattaches its worker, the gateway watches health.
 """
 
 from __future__ import annotations
@@ -15,30 +15,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from prometheus_client import Counter
 
 from kvmesh.mesh.service_process import ServiceProcess
+from shared.runtime.restarts import BackOff, RestartClock
 
 RESTARTS = Counter(
     "kvmesh_service_restarts", "Mesh services restarted after they exited", ["service"]
 )
 POLL_S = 0.2
-
-
-@dataclass
-class BackOff:
-    first_s: float = 1.0
-    max_s: float = 30.0
-    steady_s: float = 60.0  # up this long: the next exit waits first_s again
-
-
-@dataclass
-class _Exits:
-    delay_s: float
-    restart_at: float | None = None  # set when the exit was seen
-    started_at: float = 0.0
 
 
 class Supervisor:
@@ -47,7 +33,7 @@ class Supervisor:
     ) -> None:
         self.services = services  # the mesh's, now: a rollout adds and removes some
         self.back_off = back_off or BackOff()
-        self._exits: dict[str, _Exits] = {}
+        self._clocks: dict[str, RestartClock] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -56,26 +42,23 @@ class Supervisor:
         now = time.monotonic() if now is None else now
         restarted = []
         for service in list(self.services()):
-            exits = self._exits.setdefault(service.name, _Exits(self.back_off.first_s, None, now))
+            clock = self._clocks.setdefault(service.name, RestartClock(self.back_off, now))
             if service.stopping or service.process.poll() is None:
                 continue
-            if exits.restart_at is None:
-                if now - exits.started_at >= self.back_off.steady_s:
-                    exits.delay_s = self.back_off.first_s  # it had settled: a fresh failure
-                exits.restart_at = now + exits.delay_s
+            if clock.restart_at is None:
+                delay_s = clock.exited(now)
                 code = service.process.returncode
                 print(
-                    f"kvmesh: {service.name} exited ({code}); restarting in {exits.delay_s:.0f}s"
+                    f"kvmesh: {service.name} exited ({code}); restarting in {delay_s:.0f}s"
                     f" (log: {service.log_path})",
                     file=sys.stderr,
                     flush=True,
                 )
-            if now < exits.restart_at or not service.revive():
+            if not clock.due(now) or not service.revive():
                 continue
             RESTARTS.labels(service.name).inc()
             restarted.append(service.name)
-            exits.restart_at, exits.started_at = None, now
-            exits.delay_s = min(exits.delay_s * 2, self.back_off.max_s)
+            clock.restarted(now)
         return restarted
 
     def started(self) -> Supervisor:

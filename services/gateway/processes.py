@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from types import FrameType
 
 from shared.runtime.parent_watch import PARENT_ENV
+from shared.runtime.restarts import BackOff, RestartClock
 
 log = logging.getLogger("kvmesh.gateway.processes")
-FIRST_DELAY_S, MAX_DELAY_S, STEADY_S = 1.0, 30.0, 60.0
 POLL_S = 0.2
 
 
@@ -49,9 +49,7 @@ def commands(args: argparse.Namespace, argv: Sequence[str]) -> list[list[str]]:
 class Child:
     command: list[str]
     process: subprocess.Popen[bytes]
-    started_at: float
-    delay_s: float = FIRST_DELAY_S
-    restart_at: float | None = None  # set once its exit was seen
+    clock: RestartClock
 
 
 def start(command: list[str]) -> subprocess.Popen[bytes]:
@@ -61,7 +59,7 @@ def start(command: list[str]) -> subprocess.Popen[bytes]:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     now = time.monotonic()
-    children = [Child(c, start(c), now) for c in commands(args, argv)]
+    children = [Child(c, start(c), RestartClock(BackOff(), now)) for c in commands(args, argv)]
     log.info("gateway processes started", extra={"count": len(children), "port": args.port})
     stopping: list[int] = []
 
@@ -84,15 +82,16 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def restart_exited(children: list[Child], now: float) -> None:
     for index, child in enumerate(children):
         if child.process.poll() is None:
-            if now - child.started_at > STEADY_S:
-                child.delay_s = FIRST_DELAY_S
-        elif child.restart_at is None:
-            child.restart_at = now + child.delay_s
+            continue
+        if child.clock.restart_at is None:
             log.warning(
                 "gateway process exited; restarting",
-                extra={"index": index, "status": child.process.returncode, "in_s": child.delay_s},
+                extra={
+                    "index": index,
+                    "status": child.process.returncode,
+                    "in_s": child.clock.exited(now),
+                },
             )
-            child.delay_s = min(MAX_DELAY_S, child.delay_s * 2)
-        elif now >= child.restart_at:
+        elif child.clock.due(now):
             child.process = start(child.command)
-            child.started_at, child.restart_at = now, None
+            child.clock.restarted(now)

@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from kvmesh.mesh.launcher import Mesh, MeshConfig
-from kvmesh.mesh.supervisor import BackOff
 from shared.pb.kvmesh.v1 import inference_pb2, inference_pb2_grpc, traces_pb2, traces_pb2_grpc
+from shared.runtime.restarts import BackOff
 from tests.e2e.mesh_helpers import (
     assert_mesh_idle,
     assert_one_terminal,
