@@ -16,7 +16,7 @@ from kvmesh.mesh.compiled_steps import CompiledStepWatch
 from kvmesh.mesh.control_server import serve_control
 from kvmesh.mesh.launcher import Mesh, MeshConfig
 from kvmesh.mesh.rollout import RolloutController
-from kvmesh.mesh.service_process import PROGRESS_EVERY_S, free_port
+from kvmesh.mesh.service_process import free_port
 from kvmesh.mesh.settings import UP_SETTINGS, refused, service_args
 from kvmesh.remote_cli import stream_to_terminal
 from shared.errors import KvmeshError, Reason
@@ -184,13 +184,7 @@ def _wait_for_compiled_steps(watch: CompiledStepWatch) -> None:
         file=sys.stderr,
     )
     started = time.perf_counter()
-    next_note = started + PROGRESS_EVERY_S
-    while any(s.process.poll() is None for s in watch.pending):
-        time.sleep(1.0)
-        watch.report()
-        if watch.pending and time.perf_counter() >= next_note:
-            print(f"kvmesh: still compiling ({next_note - started:.0f}s)", file=sys.stderr)
-            next_note += PROGRESS_EVERY_S
+    watch.wait()
     took = f"{time.perf_counter() - started:.0f}s"
     if watch.failed or watch.pending:
         names = ", ".join([*watch.failed, *(s.name for s in watch.pending)])

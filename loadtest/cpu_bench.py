@@ -115,7 +115,7 @@ async def serving_level(args: argparse.Namespace, f32_path: str) -> list[dict]:
         log_dir=str(args.out / "logs"),
     )
     with Mesh(config) as mesh:
-        CompiledStepWatch(mesh.services).wait()  # a first start serves eagerly meanwhile
+        CompiledStepWatch(mesh.services).wait(timeout_s=1800)
         async with GrpcTarget(mesh.gateway_address) as target:
             result = await run_load(target, specs, shape)
     summaries.append(summarize(f"kvmesh mesh ({args.serving_weights})", result, slo))

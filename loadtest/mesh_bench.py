@@ -217,7 +217,7 @@ def main() -> None:
     for round_index in range(args.rounds):
         # One side at a time: two torch pools on the same cores would slow both.
         with Mesh(config) as mesh:
-            CompiledStepWatch(mesh.services).wait()  # a first start serves eagerly meanwhile
+            CompiledStepWatch(mesh.services).wait(timeout_s=1800)
             asyncio.run(run_mesh(mesh.gateway_address, warmup, 4))
             idle = make_prompts(args.idle_requests, 64, 64, vocab, seed=100 + round_index)
             samples = asyncio.run(idle_ttfts_mesh(mesh, idle))

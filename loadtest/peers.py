@@ -110,7 +110,7 @@ async def peer_target(peer: str, args: argparse.Namespace, f32_path: str) -> Asy
             log_dir=str(args.out / "logs"),
         )
         with Mesh(config) as mesh:
-            CompiledStepWatch(mesh.services).wait()  # a first start serves eagerly meanwhile
+            CompiledStepWatch(mesh.services).wait(timeout_s=1800)
             async with GrpcTarget(mesh.gateway_address) as target:
                 yield target
     elif peer == "kvmesh-engine":

@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Iterable
 
-from kvmesh.mesh.service_process import ServiceProcess
+from kvmesh.mesh.service_process import PROGRESS_EVERY_S, ServiceProcess
 from services.engine_worker.preparation_underway import (
     COMPILED_SERVING,
     EAGER_WHILE_COMPILING,
@@ -35,19 +35,20 @@ class CompiledStepWatch:
                 continue
             self.pending.remove(service)
 
-    def wait(self, timeout_s: float = 1800.0) -> None:
-        """Blocks until each pending worker's compiled step serves or failed: a benchmark that
-        ran meanwhile would measure the eager step on the cores the compilers share (0.3x the
-        compiled step's serving throughput on a 2-core VM)."""
-        if self.pending:
-            names = ", ".join(s.name for s in self.pending)
-            print(f"kvmesh: waiting for the compiled step of {names}", file=sys.stderr)
-        deadline = time.monotonic() + timeout_s
-        while self.pending:
-            if time.monotonic() > deadline:
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Blocks while a pending worker still runs and its compiled step has neither served nor
+        failed, with a line every PROGRESS_EVERY_S. Benchmarks wait so: meanwhile the eager
+        step serves on the cores the compilers share (docs/benchmarks/cpu-engine.md)."""
+        started = time.monotonic()
+        next_note = started + PROGRESS_EVERY_S
+        while any(s.process.poll() is None for s in self.pending):
+            if timeout_s is not None and time.monotonic() - started > timeout_s:
                 raise TimeoutError(f"the compiled step never served after {timeout_s:.0f}s")
             time.sleep(1.0)
             self.report()
+            if self.pending and time.monotonic() >= next_note:
+                print(f"kvmesh: still compiling ({next_note - started:.0f}s)", file=sys.stderr)
+                next_note += PROGRESS_EVERY_S
 
 
 def failure_line(name: str, failure: dict[str, object], log_path: str) -> str:

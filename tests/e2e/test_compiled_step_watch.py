@@ -53,6 +53,13 @@ def test_wait_gives_up_after_its_timeout(worker):
         CompiledStepWatch([worker]).wait(timeout_s=1.5)
 
 
+def test_wait_ends_when_the_compiling_worker_exits(worker):
+    worker.process.kill()
+    started = time.monotonic()
+    CompiledStepWatch([worker]).wait(timeout_s=30)
+    assert time.monotonic() - started < 2.0  # not its timeout: nothing left to wait for
+
+
 def test_a_worker_that_loaded_its_compiled_step_is_not_waited_for(worker):
     Path(worker.log_path).write_text(_line("prepared model loaded"))
     started = time.monotonic()
