@@ -56,6 +56,27 @@ class DetokenizeLanes(SharedStream[tokenizer_pb2.DetokenizeLane]):
         finally:
             self._waiting.pop(entry.lane, None)
 
+    async def exchange_all(
+        self, entries: list[tokenizer_pb2.DetokenizeLane], call: Call
+    ) -> list[tokenizer_pb2.DetokenizedLane]:
+        """The answers to several lanes' entries, sent together on `call`."""
+        if call is not self._call:
+            raise tokenizer_lost("the tokenizer service restarted during this request")
+        loop = asyncio.get_running_loop()
+        answers = [loop.create_future() for _ in entries]
+        for entry, answer in zip(entries, answers, strict=True):
+            self._waiting[entry.lane] = answer
+            self._send(entry)
+        try:
+            return [await answer for answer in answers]
+        finally:
+            for entry, answer in zip(entries, answers, strict=True):
+                self._waiting.pop(entry.lane, None)
+                if answer.done() and not answer.cancelled():
+                    answer.exception()  # a break fails them all; the first one is raised
+                else:
+                    answer.cancel()
+
     def close(self, lane: int, call: Call) -> None:
         """Forget a lane whose request ended before its finish (no reply comes)."""
         if call is self._call:

@@ -19,7 +19,7 @@ import collections
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import grpc
 
@@ -34,6 +34,15 @@ EndOfStream: TypeAlias = Any  # grpc.aio.EOF (grpcio ships no type for it)
 Item: TypeAlias = Event | EndOfStream | BaseException
 
 
+class Divert(Protocol):
+    """Takes a lane's tokens instead of its reader (a parked relay: parked_relays.py)."""
+
+    def tokens(self, tokens: scheduler_pb2.SubmitTokens) -> None: ...
+
+    def interrupt(self) -> None:
+        """Anything else reached the lane: its reader must read it."""
+
+
 class LaneCall:
     """One request on a `SubmitLanes` stream: `read()` and `cancel()` as on a Submit call."""
 
@@ -43,6 +52,7 @@ class LaneCall:
         self.call = call
         self._items: collections.deque[Item] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None  # a read waiting for an item
+        self.divert: Divert | None = None  # takes the tokens while nothing else is unread
         # Whether the scheduler still runs the lane: it ends it after a terminal event, unless
         # a prefill-only request holds its blocks for the handover until cancelled.
         self.open_upstream = True
@@ -65,6 +75,16 @@ class LaneCall:
             raise item  # left in place: every later read fails the same way
         return self._items.popleft()
 
+    @property
+    def unread(self) -> bool:
+        return bool(self._items)
+
+    def undivert(self, left: scheduler_pb2.SubmitTokens | None = None) -> None:
+        """The reader takes the tokens again, first the diverted ones not yet relayed."""
+        self.divert = None
+        if left is not None:
+            self._items.appendleft(Event(tokens=left))
+
     def cancel(self) -> None:
         """Aborts the request upstream (or ends a prefill-only lane's hold); later reads see
         the stream's end."""
@@ -75,7 +95,9 @@ class LaneCall:
     def delivered(self, event: Event) -> None:
         kind = event.WhichOneof("event")
         unread = self._items[-1] if self._items else None
-        if kind == "tokens" and isinstance(unread, Event) and unread.HasField("tokens"):
+        if kind == "tokens" and self.divert is not None and unread is None:
+            self.divert.tokens(event.tokens)
+        elif kind == "tokens" and isinstance(unread, Event) and unread.HasField("tokens"):
             join_tokens(unread.tokens, event.tokens)
         else:
             self._put(event)
@@ -90,6 +112,8 @@ class LaneCall:
 
     def _put(self, item: Item) -> None:
         self._items.append(item)
+        if self.divert is not None:
+            self.divert.interrupt()
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 

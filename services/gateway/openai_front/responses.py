@@ -98,30 +98,30 @@ class ResponseBuilder:
         self.prompt_tokens = event.prompt_tokens
 
     def delta_sse(self, delta: inference_pb2.Delta, index: int = 0) -> bytes | None:
-        """The event for one delta; None when it has nothing to show. A started choice's
-        text alone (the common chunk) is encoded from its template."""
-        choice = self.choice(index)
-        if not self._text_only(choice, delta):
+        """The event for one delta; None when it has nothing to show."""
+        encoded = None if delta.tool_calls else self.text_sse(index, delta.text)
+        if encoded is None:
             chunk = self.delta_chunk(delta, index)
             return None if chunk is None else sse(chunk)
         self.streamed_tokens += len(delta.token_ids)
-        if not delta.text:
-            return None  # text held back
-        return self.text_chunks.encode(
-            index, delta.text, lambda text: self._chunk(self._choice(choice, text, None))
-        )
+        return encoded or None  # text held back
 
-    def _text_only(self, choice: Choice, delta: inference_pb2.Delta) -> bool:
-        """Whether this delta's chunk differs from the choice's others in its text alone."""
+    def text_sse(self, index: int, text: str) -> bytes | None:
+        """The event for a delta of text alone (b"" for none: nothing to send), encoded from
+        its choice's template; None where the chunk carries more than its text."""
+        choice = self.choices.get(index)
+        if choice is None or not self._text_only(choice):
+            return None
+        if not text:
+            return b""
+        chunk = lambda text: self._chunk(self._choice(choice, text, None))  # noqa: E731
+        return self.text_chunks.encode(index, text, chunk)
+
+    def _text_only(self, choice: Choice) -> bool:
+        """Whether this choice's chunks now differ in their text alone."""
         request = self.request
-        return (
-            choice.started
-            and not delta.tool_calls
-            and not request.logprobs
-            and not request.continuous_usage
-            and not request.echo_only
-            and (choice.echoed or not request.echo)
-        )
+        plain = not (request.logprobs or request.continuous_usage or request.echo_only)
+        return choice.started and plain and (choice.echoed or not request.echo)
 
     def delta_chunk(self, delta: inference_pb2.Delta, index: int = 0) -> dict[str, Any] | None:
         """The chunk for one delta; None when it has nothing to show (text held back)."""

@@ -17,6 +17,7 @@ scheduler's stream, which frees the KV blocks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -44,7 +45,12 @@ from services.gateway.openai_front.protocol import (
 from services.gateway.openai_front.responses import ResponseBuilder
 from services.gateway.openai_front.sse import DONE, sse
 from services.gateway.openai_front.tokenize import detokenize, tokenize
-from services.gateway.policy.stall import ClientStalled, write_or_stall, writes_at_once
+from services.gateway.policy.stall import (
+    ClientStalled,
+    write_at_once,
+    write_or_stall,
+    writes_at_once,
+)
 from services.gateway.request.call_context import HttpCall
 from services.gateway.request.embed import embed
 from services.gateway.request.generate import GenerateHandler
@@ -151,17 +157,20 @@ class OpenAIFront:
 
     async def _serve(self, request: web.Request, parsed: OpenAIRequest) -> web.StreamResponse:
         parsed.generate.request_id = request.headers.get("X-Request-Id", "")
+        call = self._call(request)
         if len(parsed.batch) > 1:
-            events = batch_events(self.generate, parsed.batch, self._call(request))
+            events = batch_events(self.generate, parsed.batch, call)
         else:
-            events = self.generate(parsed.generate, self._call(request))
+            events = self.generate(parsed.generate, call)
         async with contextlib.aclosing(events):  # closing cancels the request upstream
             first = await events.__anext__()  # a refusal raises here, before any byte is sent
             builder = ResponseBuilder(parsed)
             builder.accepted(first.accepted)
             headers = {"X-Request-Id": first.accepted.request_id}
             if parsed.stream:
-                return await self._stream(request, events, builder, headers)
+                # A batch's events are renumbered on their way: each goes through its task.
+                sinks = None if len(parsed.batch) > 1 else call
+                return await self._stream(request, events, builder, headers, sinks)
             response = await self._whole(events, builder)
             response.headers.update(headers)
             return response
@@ -172,9 +181,12 @@ class OpenAIFront:
         events: AsyncGenerator[Event, None],
         builder: ResponseBuilder,
         headers: dict[str, str],
+        sinks: HttpCall | None,
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
         await response.prepare(request)
+        if sinks is not None:
+            sinks.text_sink = functools.partial(_text_at_once, request, response, builder)
         try:
             await self._write_events(request, response, events, builder)
         except ConnectionResetError:  # the client left between two chunks: nothing to send
@@ -259,3 +271,22 @@ class OpenAIFront:
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _text_at_once(
+    request: web.Request,
+    response: web.StreamResponse,
+    builder: ResponseBuilder,
+    index: int,
+    text: str,
+    num_tokens: int,
+) -> bool:
+    """A parked relay's delta (parked_relays.py): its chunk written now, from the step pass,
+    when it is plain text and the socket takes it without waiting; else False."""
+    payload = builder.text_sse(index, text)
+    if payload is None or (payload and not writes_at_once(request.transport, len(payload))):
+        return False
+    if payload and not write_at_once(response.write(payload)):
+        return False
+    builder.streamed_tokens += num_tokens
+    return True

@@ -7,8 +7,12 @@ shape, so both fronts share one admission, auth, tracing and relay path.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
+
+# Writes choice `index`'s delta of text now when its client can take it, counting its
+# tokens; False when it cannot (the delta then goes as an event, through the request's task).
+TextSink = Callable[[int, str, int], bool]
 
 
 class CallContext(Protocol):
@@ -24,6 +28,7 @@ class HttpCall:
     def __init__(self, headers: Sequence[tuple[str, str]], timeout_s: float | None = None):
         self._metadata = tuple((name.lower(), value) for name, value in headers)
         self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.text_sink: TextSink | None = None  # set by a stream whose chunks can be plain text
 
     def invocation_metadata(self) -> Sequence[tuple[str, str | bytes]]:
         return self._metadata
@@ -32,6 +37,11 @@ class HttpCall:
         if self._deadline is None:
             return None
         return max(0.0, self._deadline - time.monotonic())
+
+
+def text_sink(context: CallContext) -> TextSink | None:
+    """The caller's sink for plain text deltas; a gRPC call has none."""
+    return getattr(context, "text_sink", None)
 
 
 def time_remaining(context: CallContext, timeout_ms: int) -> float | None:

@@ -20,10 +20,11 @@ from services.gateway.mesh.tokenizer_link import TokenizerLink
 from services.gateway.policy.policy import GatewayPolicy
 from services.gateway.policy.stall import ClientStalled
 from services.gateway.request.admission import Admission
-from services.gateway.request.call_context import CallContext
+from services.gateway.request.call_context import CallContext, text_sink
 from services.gateway.request.completions import Completion, merged
 from services.gateway.request.generate_call import GenerateCall
-from services.gateway.request.relay import FailOver, Relay
+from services.gateway.request.parked_relays import StepPass
+from services.gateway.request.relay import FailOver, Park, Relay
 from services.gateway.request.request_record import (
     ActiveRequest,
     Admitted,
@@ -58,6 +59,7 @@ class GenerateHandler:
         self.tokenizer = tokenizer
         self.policy = policy or GatewayPolicy()
         self.admission = Admission(runtime, catalog, tokenizer, self.policy)
+        self.step_pass = StepPass()
 
     @property
     def active(self) -> dict[tuple[str, str], list[ActiveRequest]]:
@@ -175,9 +177,11 @@ class GenerateHandler:
                 active[completion.index] = ActiveRequest(moved.backend, moved.upstream_id)
             return moved
 
+        park = self._park(call, completion.index)
         while True:
             admitted = placed[-1]
-            relay = Relay(list(call.request.stop), admitted, text, progress, call.tools, hand_over)
+            stops = list(call.request.stop)
+            relay = Relay(stops, admitted, text, progress, call.tools, hand_over, park)
             relay.may_fail_over = len(admitted.attempts) < MAX_ATTEMPTS
             try:
                 async for event in relay.events():
@@ -197,6 +201,22 @@ class GenerateHandler:
             if active := self.active.get(active_key):
                 active[completion.index] = ActiveRequest(moved.backend, moved.upstream_id)
             self._log_fail_over(call, admitted, moved, error)
+
+    def _park(self, call: GenerateCall, index: int) -> Park | None:
+        """Where the caller takes plain text deltas at once, a relay parks past its first
+        delta and the step pass relays its tokens (parked_relays.py)."""
+        sink = text_sink(call.context)
+        if sink is None:
+            return None
+        telemetry = call.telemetry
+
+        def deliver(text: str, num_tokens: int) -> bool:
+            if not sink(index, text, num_tokens):
+                return False
+            telemetry.delta(text, num_tokens)
+            return True
+
+        return self.step_pass.park(deliver)
 
     @staticmethod
     def _log_fail_over(

@@ -36,6 +36,8 @@ log = logging.getLogger("kvmesh.gateway.relay")
 # Places a prefilled request on a decode pair: (prefilled, ticket, its first tokens) -> that.
 HandOver = Callable[[Admitted, scheduler_pb2.HandoverTicket, list[int]], Awaitable[Admitted]]
 Event = inference_pb2.GenerateEvent
+# Waits while the step pass relays the tokens (parked_relays.py); the events it could not.
+Park = Callable[["Relay"], Awaitable[list[Event]]]
 # Failures another scheduler may not have: its worker or it died, or it is draining.
 FAILOVER_REASONS = (Reason.WORKER_LOST, Reason.MODEL_NOT_READY, Reason.UNREACHABLE)
 
@@ -57,6 +59,7 @@ class Relay:
         progress: Progress,
         tools: ToolUse | None = None,
         hand_over: HandOver | None = None,
+        park: Park | None = None,
     ) -> None:
         self.admitted = admitted
         self.hand_over = hand_over
@@ -69,10 +72,18 @@ class Relay:
         self.output: list[str] | None = [] if admitted.sampling.response_format else None
         self.ended = False
         self.may_fail_over = False  # set by the handler while another attempt is allowed
+        sampling = admitted.sampling
+        plain = self.tool_calls is None and self.output is None and sampling.logprobs is None
+        plain = plain and sampling.prompt_logprobs is None and not admitted.prefill_only
+        self.park = park if plain else None
 
     async def events(self) -> AsyncIterator[Event]:
         try:
             while not self.ended:
+                if (park := self._parking()) is not None:
+                    for out in await park(self):
+                        yield out
+                    continue
                 event = await self.admitted.submit.read()
                 kind = "eof" if event is grpc.aio.EOF else event.WhichOneof("event")
                 if kind == "finished" and event.finished.HasField("handover") and self.hand_over:
@@ -107,6 +118,12 @@ class Relay:
             prefilled.submit.cancel()
             prefilled.routed.ended()
 
+    def _parking(self) -> Park | None:
+        """A plain stream past its first delta parks while nothing but tokens comes."""
+        if self.progress.first_token_at is None or self.admitted.submit.unread:
+            return None
+        return self.park
+
     def _fail_over_if_allowed(self, error: KvmeshError) -> None:
         """Never after the first token: the client would see tokens twice, or other ones."""
         if (
@@ -119,7 +136,31 @@ class Relay:
             raise FailOver(error)
 
     async def on_tokens(self, tokens: scheduler_pb2.SubmitTokens) -> AsyncIterator[Event]:
-        ids, progress = list(tokens.token_ids), self.progress
+        ids = list(tokens.token_ids)
+        prompt_scores = self._counted(tokens, ids)
+        entries = [*prompt_scores, *tokens.logprobs]  # their bytes from the same round trip
+        released = self.stops.push(await self.text.push(ids, logprobs=entries))
+        for event in self._delta_events(tokens, ids, prompt_scores, released):
+            yield event
+
+    def on_text(
+        self, tokens: scheduler_pb2.SubmitTokens, text: str, deliver: Callable[[str, int], bool]
+    ) -> list[Event]:
+        """A parked relay's tokens with their text: handed to `deliver` (a plain delta the
+        client can take at once), else the events to relay."""
+        ids = list(tokens.token_ids)
+        self._counted(tokens, ids, plain=True)
+        released = self.stops.push(text)
+        if self.stops.matched is None and deliver(released, len(ids)):
+            return []
+        return self._delta_events(tokens, ids, [], released)
+
+    def _counted(
+        self, tokens: scheduler_pb2.SubmitTokens, ids: list[int], plain: bool = False
+    ) -> list[common_pb2.TokenLogprobs]:
+        """The tokens counted in the progress; the prompt's logprobs if they came (none for a
+        `plain` stream's)."""
+        progress = self.progress
         progress.completion_tokens += len(ids)
         if self.admitted.prefill_only:
             self.first_ids += ids
@@ -127,9 +168,16 @@ class Relay:
             progress.first_timings = tokens.first
             progress.cached_tokens = tokens.first.cached_tokens
         self.admitted.routed.started()
-        prompt_scores = self._prompt_scores(tokens)
-        entries = [*prompt_scores, *tokens.logprobs]  # their bytes from the same round trip
-        released = self.stops.push(await self.text.push(ids, logprobs=entries))
+        return [] if plain else self._prompt_scores(tokens)
+
+    def _delta_events(
+        self,
+        tokens: scheduler_pb2.SubmitTokens,
+        ids: list[int],
+        prompt_scores: list[common_pb2.TokenLogprobs],
+        released: str,
+    ) -> list[Event]:
+        progress = self.progress
         if self.output is not None:
             self.output.append(released)
         first = progress.first_token_at is None
@@ -140,12 +188,15 @@ class Relay:
             delta.logprobs.extend(tokens.logprobs)
             delta.tool_calls.extend(calls)
             delta.prompt_logprobs.extend(prompt_scores)
-        yield Event(delta=delta)
+        events = [Event(delta=delta)]
         if self.stops.matched is not None:
             self.ended = True
             self.admitted.submit.cancel()  # aborts upstream: blocks free within a step
-            yield Event(usage=progress.usage())
-            yield self._completed(common_pb2.FINISH_REASON_STOP_STRING, self.stops.matched, None)
+            events.append(Event(usage=progress.usage()))
+            events.append(
+                self._completed(common_pb2.FINISH_REASON_STOP_STRING, self.stops.matched, None)
+            )
+        return events
 
     async def on_finished(self, finished: scheduler_pb2.SubmitFinished) -> AsyncIterator[Event]:
         self.ended = True

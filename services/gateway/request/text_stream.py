@@ -34,31 +34,49 @@ class TextStream:
         piece_ids = [
             i for entry in logprobs for i in (entry.token_id, *(t.token_id for t in entry.top))
         ]
-        entry = tokenizer_pb2.DetokenizeLane(
-            lane=self._lane,
-            request=tokenizer_pb2.DetokenizeRequest(
-                token_ids=token_ids, finish=finish, piece_ids=piece_ids
-            ),
-        )
+        entry = self.entry(token_ids, finish=finish, piece_ids=piece_ids)
+        try:
+            answered = await self._lanes.exchange(entry, self._lanes.stream(self._call))
+        finally:
+            self.wait_s += time.monotonic() - started
+        text = self.take(answered, finish=finish)
+        pieces = iter(answered.response.pieces)
+        for logprob in logprobs:
+            logprob.token_bytes = next(pieces, b"")
+            for top in logprob.top:
+                top.token_bytes = next(pieces, b"")
+        return text
+
+    @property
+    def lanes(self) -> DetokenizeLanes:
+        return self._lanes
+
+    def entry(
+        self, token_ids: list[int], *, finish: bool = False, piece_ids: Sequence[int] = ()
+    ) -> tokenizer_pb2.DetokenizeLane:
+        """The lane's next message; raises TOKENIZER_LOST when its stream broke since."""
+        entry = tokenizer_pb2.DetokenizeLane(lane=self._lane)
+        request = entry.request  # filled in place: half the cost of building it and copying
+        request.SetInParent()
+        request.token_ids.extend(token_ids)
+        if finish:
+            request.finish = True
+        if piece_ids:
+            request.piece_ids.extend(piece_ids)
         if self._call is None:
             entry.request.model = self._model
             entry.traceparent = self._traceparent
         # The lane's stream is known before the wait: a request cancelled during its first
         # push still closes the lane it opened.
         self._call = self._lanes.stream(self._call)
-        try:
-            answered = await self._lanes.exchange(entry, self._call)
-        finally:
-            self.wait_s += time.monotonic() - started
+        return entry
+
+    def take(self, answered: tokenizer_pb2.DetokenizedLane, *, finish: bool = False) -> str:
+        """The text of the tokenizer's answer to `entry`; raises the error it answered."""
         if answered.HasField("error"):
             self._ended = True  # the tokenizer closed the lane
             raise grpc_errors.from_pb(answered.error)
         self._ended = finish
-        pieces = iter(answered.response.pieces)
-        for logprob in logprobs:
-            logprob.token_bytes = next(pieces, b"")
-            for top in logprob.top:
-                top.token_bytes = next(pieces, b"")
         return answered.response.text
 
     def cancel(self) -> None:
