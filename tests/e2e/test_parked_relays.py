@@ -1,13 +1,15 @@
 """Plain HTTP streams relayed by the gateway's step pass (parked_relays.py), on the sim mesh:
 the same text as the request's own task relays (a gRPC stream never parks), a stop string
-matched from the pass ends the stream there, and a client that stops reading is cancelled
-after the stall timeout with its blocks freed."""
+matched from the pass ends the stream there, a client that stops reading is cancelled after
+the stall timeout, and a lost tokenizer fails the parked streams; each frees its blocks."""
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import socket
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -124,4 +126,38 @@ async def test_an_http_client_that_stops_reading_is_cancelled(sim_mesh: Mesh, cl
         assert metric_value(sim_mesh.gateways[0].metrics_url, STALLED) == 1  # not finished
     finally:
         reader.close()
+    await assert_mesh_idle(sim_mesh)
+
+
+def sse_events(url: urllib.parse.SplitResult, body: dict, started: threading.Event) -> list[dict]:
+    """Every `data:` event of a completions stream, read with a plain HTTP client; `started`
+    is set once the first two came (the stream is past its first delta)."""
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps(body).encode())
+    response = connection.getresponse()
+    events = []
+    for line in response:
+        if line.startswith(b"data: {"):
+            events.append(json.loads(line[6:]))
+            if len(events) == 2:
+                started.set()
+    connection.close()
+    return events
+
+
+async def test_a_lost_tokenizer_fails_the_parked_streams_and_frees_them(sim_mesh: Mesh, client):
+    url = urllib.parse.urlsplit(sim_mesh.http_url)
+    body = {"model": await model_name(client), "prompt": PROMPT, "max_tokens": 8000}
+    body |= {"stream": True, "ignore_eos": True}
+    started = [threading.Event() for _ in range(4)]
+    streams = [asyncio.to_thread(sse_events, url, body, flag) for flag in started]
+    running = asyncio.gather(*streams)
+    for flag in started:
+        assert await asyncio.to_thread(flag.wait, 30)
+    sim_mesh.service("tokenizer").process.kill()
+    for events in await running:
+        assert events[-1]["error"]["code"] == "TOKENIZER_LOST", events[-1]
+        assert events[-1]["error"]["retryable"] is False  # tokens went out: not resendable
+        assert sum(bool(e.get("choices")) for e in events) < 4000  # failed, not finished
+    sim_mesh.restart("tokenizer")
     await assert_mesh_idle(sim_mesh)

@@ -72,16 +72,14 @@ class ResponseBuilder:
 
     @property
     def object(self) -> str:
-        chat = self.request.chat
-        if self.request.stream:
-            return "chat.completion.chunk" if chat else "text_completion"
-        return "chat.completion" if chat else "text_completion"
+        if not self.request.chat:
+            return "text_completion"
+        return "chat.completion.chunk" if self.request.stream else "chat.completion"
 
     @property
     def finished(self) -> bool:
         """Every completion has sent its terminal event."""
-        done = sum(choice.finish is not None for choice in self.choices.values())
-        return done == self.num_choices
+        return sum(c.finish is not None for c in self.choices.values()) == self.num_choices
 
     @property
     def num_choices(self) -> int:
@@ -117,11 +115,14 @@ class ResponseBuilder:
         chunk = lambda text: self._chunk(self._choice(choice, text, None))  # noqa: E731
         return self.text_chunks.encode(index, text, chunk)
 
-    def _text_only(self, choice: Choice) -> bool:
-        """Whether this choice's chunks now differ in their text alone."""
+    @property
+    def plain(self) -> bool:
+        """Whether the stream's chunks, once started, may differ in their text alone."""
         request = self.request
-        plain = not (request.logprobs or request.continuous_usage or request.echo_only)
-        return choice.started and plain and (choice.echoed or not request.echo)
+        return not (request.logprobs or request.continuous_usage or request.echo_only)
+
+    def _text_only(self, choice: Choice) -> bool:  # its chunks now differ in their text alone
+        return choice.started and self.plain and (choice.echoed or not self.request.echo)
 
     def delta_chunk(self, delta: inference_pb2.Delta, index: int = 0) -> dict[str, Any] | None:
         """The chunk for one delta; None when it has nothing to show (text held back)."""

@@ -169,7 +169,7 @@ class OpenAIFront:
             headers = {"X-Request-Id": first.accepted.request_id}
             if parsed.stream:
                 # A batch's events are renumbered on their way: each goes through its task.
-                sinks = None if len(parsed.batch) > 1 else call
+                sinks = call if builder.plain and len(parsed.batch) <= 1 else None
                 return await self._stream(request, events, builder, headers, sinks)
             response = await self._whole(events, builder)
             response.headers.update(headers)
