@@ -6,7 +6,11 @@ policies give what they say."""
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -243,3 +247,43 @@ async def test_a_handover_whose_blocks_never_arrive_follows_the_policy(
         assert event.finished.loaded_tokens == 0  # all of it recomputed
         assert tokens == [token for token, _ in mixed_answers["long"][1:]]
     await assert_mesh_idle(mesh)
+
+
+async def test_a_handed_over_http_stream_parks_on_its_decode_pair(recomputing: Mesh) -> None:
+    """Past its handover, a plain HTTP stream is relayed by the gateway's step pass
+    (parked_relays.py), with the text its gRPC twin streams from its task."""
+    mesh = recomputing
+    prompt = [(11 * i + 5) % 250 + 1 for i in range(170)]  # no other test's: not cached
+    gateway_metrics = mesh.gateways[0].metrics_url or ""
+    worker_metrics = mesh.service("engine-worker-1").metrics_url or ""
+    pulled = 'kvmesh_kv_handover_bytes_total{direction="received"}'
+    before = [
+        metric_value(gateway_metrics, "kvmesh_gateway_step_pass_deltas_total"),
+        metric_value(worker_metrics, pulled),
+    ]
+    body = {"prompt": prompt, "max_tokens": 40, "temperature": 0.0}
+    body |= {"stream": True, "ignore_eos": True}
+    chunks = await asyncio.to_thread(sse_chunks, mesh.http_url, body)
+    after = [
+        metric_value(gateway_metrics, "kvmesh_gateway_step_pass_deltas_total"),
+        metric_value(worker_metrics, pulled),
+    ]
+    assert after[0] > before[0] and after[1] > before[1]  # handed over, then parked
+    request = ids_request(prompt, max_tokens=40, ignore_eos=True, temperature=0.0)
+    async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
+        events = await collect(inference_pb2_grpc.InferenceStub(channel), request)
+    want = "".join(e.delta.text for e in events if e.HasField("delta"))
+    assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == want
+    await assert_mesh_idle(mesh)
+
+
+def sse_chunks(base_url: str, body: dict) -> list[dict]:
+    url = urllib.parse.urlsplit(base_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    models = json.loads(urllib.request.urlopen(f"{base_url}/models", timeout=10).read())
+    connection.request(
+        "POST", "/v1/completions", json.dumps(body | {"model": models["data"][0]["id"]})
+    )
+    lines = connection.getresponse().read().split(b"\n\n")
+    connection.close()
+    return [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]

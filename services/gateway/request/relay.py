@@ -74,8 +74,7 @@ class Relay:
         self.may_fail_over = False  # set by the handler while another attempt is allowed
         sampling = admitted.sampling
         plain = self.tool_calls is None and self.output is None and sampling.logprobs is None
-        plain = plain and sampling.prompt_logprobs is None and not admitted.prefill_only
-        self.park = park if plain else None
+        self.park = park if plain and sampling.prompt_logprobs is None else None
 
     async def events(self) -> AsyncIterator[Event]:
         try:
@@ -119,10 +118,12 @@ class Relay:
             prefilled.routed.ended()
 
     def _parking(self) -> Park | None:
-        """A plain stream past its first delta parks while nothing but tokens comes."""
-        if self.progress.first_token_at is None or self.admitted.submit.unread:
+        """A plain stream past its first delta parks while nothing but tokens comes; on a
+        prefill pair it waits for its handover (a decode pair's stream parks)."""
+        admitted = self.admitted
+        if self.progress.first_token_at is None or admitted.submit.unread:
             return None
-        return self.park
+        return None if admitted.prefill_only else self.park
 
     def _fail_over_if_allowed(self, error: KvmeshError) -> None:
         """Never after the first token: the client would see tokens twice, or other ones."""
