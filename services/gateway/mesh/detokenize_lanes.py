@@ -44,17 +44,8 @@ class DetokenizeLanes(SharedStream[tokenizer_pb2.DetokenizeLane]):
         self, entry: tokenizer_pb2.DetokenizeLane, call: Call
     ) -> tokenizer_pb2.DetokenizedLane:
         """The tokenizer's answer to `entry`, sent on `call`, the lane's stream (`stream`)."""
-        if call is not self._call:
-            raise tokenizer_lost("the tokenizer service restarted during this request")
-        answer: asyncio.Future[tokenizer_pb2.DetokenizedLane] = (
-            asyncio.get_running_loop().create_future()
-        )
-        self._waiting[entry.lane] = answer
-        self._send(entry)
-        try:
-            return await answer
-        finally:
-            self._waiting.pop(entry.lane, None)
+        (answered,) = await self.exchange_all([entry], call)
+        return answered
 
     async def exchange_all(
         self, entries: list[tokenizer_pb2.DetokenizeLane], call: Call

@@ -284,9 +284,11 @@ def _text_at_once(
     """A parked relay's delta (parked_relays.py): its chunk written now, from the step pass,
     when it is plain text and the socket takes it without waiting; else False."""
     payload = builder.text_sse(index, text)
-    if payload is None or (payload and not writes_at_once(request.transport, len(payload))):
+    if payload is None:
         return False
-    if payload and not write_at_once(response.write(payload)):
-        return False
+    if payload:  # else held back: nothing to send
+        at_once = writes_at_once(request.transport, len(payload))
+        if not at_once or not write_at_once(response.write(payload)):
+            return False
     builder.streamed_tokens += num_tokens
     return True

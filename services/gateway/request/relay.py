@@ -138,7 +138,8 @@ class Relay:
 
     async def on_tokens(self, tokens: scheduler_pb2.SubmitTokens) -> AsyncIterator[Event]:
         ids = list(tokens.token_ids)
-        prompt_scores = self._counted(tokens, ids)
+        self._counted(tokens, ids)
+        prompt_scores = self._prompt_scores(tokens)
         entries = [*prompt_scores, *tokens.logprobs]  # their bytes from the same round trip
         released = self.stops.push(await self.text.push(ids, logprobs=entries))
         for event in self._delta_events(tokens, ids, prompt_scores, released):
@@ -150,17 +151,14 @@ class Relay:
         """A parked relay's tokens with their text: handed to `deliver` (a plain delta the
         client can take at once), else the events to relay."""
         ids = list(tokens.token_ids)
-        self._counted(tokens, ids, plain=True)
+        self._counted(tokens, ids)  # a plain stream asked for no prompt logprobs
         released = self.stops.push(text)
         if self.stops.matched is None and deliver(released, len(ids)):
             return []
         return self._delta_events(tokens, ids, [], released)
 
-    def _counted(
-        self, tokens: scheduler_pb2.SubmitTokens, ids: list[int], plain: bool = False
-    ) -> list[common_pb2.TokenLogprobs]:
-        """The tokens counted in the progress; the prompt's logprobs if they came (none for a
-        `plain` stream's)."""
+    def _counted(self, tokens: scheduler_pb2.SubmitTokens, ids: list[int]) -> None:
+        """The tokens counted in the progress."""
         progress = self.progress
         progress.completion_tokens += len(ids)
         if self.admitted.prefill_only:
@@ -169,7 +167,6 @@ class Relay:
             progress.first_timings = tokens.first
             progress.cached_tokens = tokens.first.cached_tokens
         self.admitted.routed.started()
-        return [] if plain else self._prompt_scores(tokens)
 
     def _delta_events(
         self,
