@@ -36,6 +36,7 @@ from shared.pb.kvmesh.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from shared.runtime.heap import frozen_heap
 from shared.sampling import SamplingParams
 
 
@@ -225,9 +226,12 @@ def main() -> None:
             hop_ms += [(ttft - compute) * 1e3 for ttft, compute in samples]
             mesh_idle += [ttft for ttft, _ in samples]
             before = services_cpu(mesh)
-            mesh_rounds.append(
-                asyncio.run(run_mesh(mesh.gateway_address, prompts, args.output_len, args.gateways))
-            )
+            with frozen_heap():  # the client's collections out of the mesh's figures
+                mesh_rounds.append(
+                    asyncio.run(
+                        run_mesh(mesh.gateway_address, prompts, args.output_len, args.gateways)
+                    )
+                )
             after = services_cpu(mesh)
             per_k = 1e3 / mesh_rounds[-1]["output_tokens"]
             mesh_rounds[-1]["cpu_ms_per_token"] = {
@@ -238,7 +242,8 @@ def main() -> None:
         run_in_process(engine, warmup, 4)
         idle = make_prompts(args.idle_requests, 64, 64, vocab, seed=200 + round_index)
         engine_idle += idle_ttfts_in_process(engine, idle)
-        engine_rounds.append(run_in_process(engine, prompts, args.output_len))
+        with frozen_heap():  # as the worker service runs, its start-up heap frozen
+            engine_rounds.append(run_in_process(engine, prompts, args.output_len))
         del engine
         gc.collect()
         print(

@@ -31,6 +31,7 @@ from kvmesh.mesh.launcher import Mesh, MeshConfig
 from loadtest.engine_bench import make_prompts
 from loadtest.mesh_bench import client_channels, services_cpu
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from shared.runtime.heap import frozen_heap
 
 STAGES = ("gateway", "tokenizer", "scheduler")  # the serving path's per-token stages
 VOCAB = 49152  # the default model's: prompts of random ids below it
@@ -172,7 +173,8 @@ def measure(
     mesh: Mesh, run: Round, prompts: list[list[int]], output_len: int, step_ms: float
 ) -> dict:
     before, carried_before = services_cpu(mesh), carried_tokens(mesh)
-    arrivals = asyncio.run(run(mesh, prompts, output_len))
+    with frozen_heap():  # no full collection of the client's heap mid-round
+        arrivals = asyncio.run(run(mesh, prompts, output_len))
     after, carried_after = services_cpu(mesh), carried_tokens(mesh)
     cpu = {name: after[name] - before[name] for name in after}
     carried = {name: carried_after[name] - carried_before[name] for name in carried_after}

@@ -31,7 +31,6 @@ from shared.codec import (
 from shared.config import EngineConfig
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, engine_worker_pb2_grpc
-from shared.runtime.heap import freeze_startup_heap
 from shared.runtime.metrics import TOKEN_SECONDS
 from shared.runtime.service import ServiceRuntime
 
@@ -123,7 +122,6 @@ class EngineWorkerService(engine_worker_pb2_grpc.EngineWorkerServicer):
             raise
         await report_preparation(self.worker, self.runtime)
         log.info("ready", extra={"manifest": self.worker.manifest.to_dict()})
-        freeze_startup_heap()
         await self.runtime.set_ready(True)
         if self.worker.pending_preparation is not None:
             self._preparing = asyncio.create_task(

@@ -35,7 +35,6 @@ from shared.config import CacheConfig, SchedulerConfig
 from shared.errors import KvmeshError, Reason
 from shared.outputs import FinishReason, RequestOutput
 from shared.pb.kvmesh.v1 import common_pb2, engine_worker_pb2, scheduler_pb2
-from shared.runtime.heap import freeze_startup_heap
 from shared.sliding_window import window_pool_of
 from shared.step import FailedRequest, StepPlan
 
@@ -98,7 +97,6 @@ class StepLoop:
                 self.link.tiers,
                 window_pool_of(self.model),
             )
-            freeze_startup_heap()
             await self.set_ready(True)
             try:
                 await self._step_until_lost(self.scheduler)

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from shared.errors import KvmeshError, Reason
 from shared.runtime.error_boundary import KvmeshErrors
+from shared.runtime.heap import freeze_startup_heap
 from shared.runtime.loop_lag import watch_loop_lag
 from shared.runtime.metrics import serve_metrics
 from shared.runtime.parent_watch import watch_parent
@@ -122,6 +123,7 @@ class ServiceRuntime:
         self._servicers: list[tuple[Callable[[object, grpc.aio.Server], None], object]] = []
         self._shared: grpc.aio.Server | None = None  # on a port other processes serve too
         self.ready_once = asyncio.Event()  # set the first time it turns ready
+        self._serving = False
         self.draining = False
         self._named_ready: dict[str, bool] = {}  # extra health service names, e.g. models
         self._inflight = 0
@@ -172,8 +174,10 @@ class ServiceRuntime:
         """Readiness of the whole service, and of `named` health services (the gateway's
         models); a name left out of `named` that was there before turns NOT_SERVING."""
         status = _SERVING if ready and not self.draining else _NOT_SERVING
-        if status == _SERVING:
+        if status == _SERVING and not self._serving:
+            freeze_startup_heap()  # what it built to be ready lives as long as it serves
             self.ready_once.set()
+        self._serving = status == _SERVING
         for name in ("", self.service_name):
             await self.health.set(name, status)
         if named is not None:
