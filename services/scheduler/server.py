@@ -19,7 +19,7 @@ from services.scheduler.handover import Handover
 from services.scheduler.load_report import LoadReporter
 from services.scheduler.request_trace import CANCEL_TO_FREED, RequestTrace
 from services.scheduler.step_loop import StepLoop
-from services.scheduler.submit_lanes import Deliver, LaneStream
+from services.scheduler.submit_lanes import LaneStream, LaneTokens
 from services.scheduler.tracked import Tracked
 from shared.block_hash import hash_full_blocks
 from shared.codec import sampling_from_pb
@@ -154,12 +154,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         request: scheduler_pb2.SubmitRequest,
         deadline: float | None,
         metadata: Sequence[tuple[str, str | bytes]] | None,
-        deliver: Deliver | None = None,
+        lane_tokens: LaneTokens | None = None,
     ) -> AsyncGenerator[scheduler_pb2.SubmitEvent, None]:
         """One request's events, whether its stream is a Submit call or a lane: accepted, its
         tokens, one terminal. A refusal raises KvmeshError before `accepted`; closing the
         iterator early aborts the request. `deadline` is on the monotonic clock. With
-        `deliver` (a lane's), tokens after `accepted` go there instead of being yielded."""
+        `lane_tokens` (a lane's), tokens after `accepted` are written there instead of being
+        yielded."""
         bind_request(request.request_id)
 
         def remaining() -> float | None:
@@ -175,7 +176,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             try:
                 yield scheduler_pb2.SubmitEvent(accepted=accepted)
                 # Resumed right after the lane posted `accepted`, with no step in between.
-                tracked.deliver = deliver
+                tracked.lane_tokens = lane_tokens
                 while True:
                     event = await tracked.events.get()
                     kind = event.WhichOneof("event")

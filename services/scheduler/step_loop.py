@@ -1,11 +1,10 @@
 """The scheduler's step loop: one StepPlan to the engine-worker per step, tokens out per request.
 
 Each step: `Scheduler.schedule()` -> one StepPlan message to the worker -> its StepResult ->
-`Scheduler.update()` -> one SubmitEvent per request that gained tokens (with
-`--stream-interval N`, once it holds N), put on that request's queue. Aborts and deadline
-expiries free KV blocks at once, between steps; the worker forgets those requests with the next
-plan. No servicer lives here: server.py admits requests into this loop and streams each
-request's queue back to its caller.
+`Scheduler.update()` -> each request's new tokens (with `--stream-interval N`, once it holds N)
+written into its lane's outbox, or its queue on a Submit call. Aborts and deadline expiries free
+KV blocks at once, between steps; the worker forgets them with the next plan. No servicer lives
+here: server.py admits requests into this loop and streams their events back.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ from shared.sliding_window import window_pool_of
 from shared.step import FailedRequest, StepPlan
 
 log = logging.getLogger("kvmesh.scheduler")
-RECENT_FREES = 1024
 IDLE_POLL_S = 0.05  # nothing fits now: an abort or expiry will free room
 FAILURE_MESSAGES = {  # what a client is told of a request the worker could not compute
     Reason.KV_HANDOVER_FAILED: "its prefilled blocks did not load whole (--kv-load-failure fail)",
@@ -67,9 +65,7 @@ class StepLoop:
         self.tracked: dict[str, Tracked] = {}
         self.counters = Counters()
         self.queue_estimate = QueueTimeEstimator()
-        self.recent_frees: collections.deque[tuple[str, int]] = collections.deque(
-            maxlen=RECENT_FREES
-        )
+        self.recent_frees: collections.deque[tuple[str, int]] = collections.deque(maxlen=1024)
         self._wake = asyncio.Event()
 
     @property
@@ -161,21 +157,26 @@ class StepLoop:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
+        interval = self.config.stream_interval
         for output in outputs:
             tracked = self.tracked.get(output.request_id)
             if tracked is None:
                 continue
             if output.new_token_ids:
                 tracked.output_tokens += len(output.new_token_ids)
-                tokens = scheduler_pb2.SubmitTokens(
-                    token_ids=output.new_token_ids,
-                    logprobs=[logprobs_to_pb(lp) for lp in output.logprobs],
-                    prompt_logprobs=[logprobs_to_pb(lp) for lp in output.prompt_logprobs],
-                )
-                if tracked.trace.first_token_at is None:
-                    tracked.trace.first_token(now)
-                    tokens.first.CopyFrom(self._first_token_timings(tracked, output, now))
-                tracked.hold(tokens, self.config.stream_interval)
+                plain = not output.logprobs and not output.prompt_logprobs
+                if plain and tracked.trace.first_token_at is not None:
+                    tracked.hold_plain(output.new_token_ids, interval)
+                else:
+                    tokens = scheduler_pb2.SubmitTokens(
+                        token_ids=output.new_token_ids,
+                        logprobs=[logprobs_to_pb(lp) for lp in output.logprobs],
+                        prompt_logprobs=[logprobs_to_pb(lp) for lp in output.prompt_logprobs],
+                    )
+                    if tracked.trace.first_token_at is None:
+                        tracked.trace.first_token(now)
+                        tokens.first.CopyFrom(self._first_token_timings(tracked, output, now))
+                    tracked.hold(tokens, interval)
             if output.finish_reason is not None:
                 self.finish(tracked, output.finish_reason, output.num_cached_tokens, now, output)
             elif output.failure is not None:

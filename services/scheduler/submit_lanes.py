@@ -2,10 +2,11 @@
 
 Each lane runs a request's events (the same iterator a Submit call streams) in a task of its
 own; what the lanes yield joins one outbox, and each reply carries all that joined while the
-last reply was written. Once accepted, a lane's tokens join the outbox from the step loop
-itself (`Tracked.deliver`): its task wakes only for its terminal event, and a step's tokens
-for a lane already waiting there join those (token_events.py). A step leaves in one message:
-at batch 128 the gateway reads one message a step instead of 128.
+last reply was written. Once accepted, a lane's tokens go into the outbox from the step loop
+itself (`Tracked.lane_tokens`), written in place into the reply being built: its task wakes
+only for its terminal event, and a step's tokens for a lane already waiting there join those
+(token_events.py). A step leaves in one message: at batch 128 the gateway reads one message a
+step instead of 128.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import scheduler_pb2
-from shared.token_events import join_tokens
 
 log = logging.getLogger("kvmesh.scheduler.lanes")
 Metadata = Sequence[tuple[str, str | bytes]]
-Deliver = Callable[[scheduler_pb2.SubmitEvent], None]
+# Where a lane's next tokens are written: the reply being built, joining any still unsent.
+LaneTokens = Callable[[], scheduler_pb2.SubmitTokens]
 # (request, deadline on the monotonic clock or None, trace metadata, where its tokens may go
 # directly once accepted) -> its events.
 Events = Callable[
-    [scheduler_pb2.SubmitRequest, float | None, Metadata, Deliver],
+    [scheduler_pb2.SubmitRequest, float | None, Metadata, LaneTokens],
     AsyncGenerator[scheduler_pb2.SubmitEvent, None],
 ]
 
@@ -40,7 +41,9 @@ class LaneStream:
     def __init__(self, events: Events) -> None:
         self._events = events
         self._lanes: dict[int, asyncio.Task[None]] = {}
-        self._outbox: list[scheduler_pb2.LaneEvent] = []
+        # The outbox is the next reply itself: an event written into it is not copied again
+        # (a token's message built and copied three times was 3.7 µs of 0.9 at batch 256).
+        self._outbox = scheduler_pb2.SubmitLanesResponse()
         self._unsent_tokens: dict[int, scheduler_pb2.SubmitTokens] = {}  # in the outbox, by lane
         self._news = asyncio.Event()
 
@@ -55,11 +58,11 @@ class LaneStream:
             while True:
                 await self._news.wait()
                 self._news.clear()
-                if self._outbox:
-                    batch, self._outbox = self._outbox, []
+                if self._outbox.events:
+                    reply, self._outbox = self._outbox, scheduler_pb2.SubmitLanesResponse()
                     self._unsent_tokens.clear()
-                    yield scheduler_pb2.SubmitLanesResponse(events=batch)
-                if reader.done() and not self._lanes and not self._outbox:
+                    yield reply
+                if reader.done() and not self._lanes and not self._outbox.events:
                     reader.result()  # a broken read ends the call with its error
                     return
         finally:
@@ -98,9 +101,8 @@ class LaneStream:
         metadata: Metadata,
     ) -> None:
         try:
-            events = self._events(
-                request, deadline, metadata, functools.partial(self._deliver, lane)
-            )
+            lane_tokens = functools.partial(self._tokens, lane)
+            events = self._events(request, deadline, metadata, lane_tokens)
             async with contextlib.aclosing(events):
                 async for event in events:
                     self._post(lane, event)
@@ -113,18 +115,20 @@ class LaneStream:
 
     def _post(self, lane: int, event: scheduler_pb2.SubmitEvent) -> None:
         self._unsent_tokens.pop(lane, None)  # no later tokens join across this event
-        self._outbox.append(scheduler_pb2.LaneEvent(lane=lane, event=event))
+        self._outbox.events.add(lane=lane, event=event)
         self._news.set()
 
-    def _deliver(self, lane: int, event: scheduler_pb2.SubmitEvent) -> None:
-        """A step's tokens, from the step loop: they join the lane's tokens still waiting in
-        the outbox (the last reply is still being written), else wait there themselves."""
+    def _tokens(self, lane: int) -> scheduler_pb2.SubmitTokens:
+        """Where the step loop writes a step's tokens for `lane`: its tokens still waiting in
+        the outbox (the last reply is still being written), which they join, else a new
+        entry (empty: the caller fills it at once)."""
         unsent = self._unsent_tokens.get(lane)
-        if unsent is not None:
-            join_tokens(unsent, event.tokens)
-            return
-        self._post(lane, event)
-        self._unsent_tokens[lane] = self._outbox[-1].event.tokens
+        if unsent is None:
+            unsent = self._outbox.events.add(lane=lane).event.tokens
+            unsent.SetInParent()
+            self._unsent_tokens[lane] = unsent
+            self._news.set()
+        return unsent
 
     def _ended(self, lane: int, task: asyncio.Task[None]) -> None:
         if self._lanes.get(lane) is task:

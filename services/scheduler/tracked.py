@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.request_trace import RequestTrace
 from shared.pb.kvmesh.v1 import scheduler_pb2
+from shared.token_events import join_tokens
 
 
 @dataclass
@@ -21,10 +22,10 @@ class Tracked:
     timer: asyncio.TimerHandle | None = None
     # Tokens sampled but not yet sent (--stream-interval above 1); sent before any terminal.
     held: scheduler_pb2.SubmitTokens | None = None
-    # Set once `accepted` is out on a lane: its tokens go straight to the lane's outbox, with
-    # no queue and no task woken a token (at batch 256, 256 fewer wakes a step). Terminal
-    # events still take the queue, after every token.
-    deliver: Callable[[scheduler_pb2.SubmitEvent], None] | None = None
+    # Set once `accepted` is out on a lane: its tokens are written straight into the lane's
+    # outbox, with no queue and no task woken a token (at batch 256, 256 fewer wakes a step).
+    # Terminal events still take the queue, after every token.
+    lane_tokens: Callable[[], scheduler_pb2.SubmitTokens] | None = None
 
     def hold(self, tokens: scheduler_pb2.SubmitTokens, interval: int) -> None:
         """Queues the tokens once `interval` of them are held (always the first ones)."""
@@ -36,14 +37,31 @@ class Tracked:
         if len(self.held.token_ids) >= interval or self.held.HasField("first"):
             self.send_held()
 
+    def hold_plain(self, token_ids: list[int], interval: int) -> None:
+        """`hold` for a step's tokens past the first with no logprobs: no message built for
+        them alone; on a lane at stream interval 1, written straight into its outbox."""
+        if interval == 1 and self.held is None and self.lane_tokens is not None:
+            self.lane_tokens().token_ids.extend(token_ids)
+            return
+        if self.held is None:
+            self.held = scheduler_pb2.SubmitTokens(token_ids=token_ids)
+        else:
+            self.held.token_ids.extend(token_ids)
+        if len(self.held.token_ids) >= interval:
+            self.send_held()
+
     def send_held(self) -> None:
-        if self.held is not None:
-            event = scheduler_pb2.SubmitEvent(tokens=self.held)
-            self.held = None
-            if self.deliver is not None:
-                self.deliver(event)
-            else:
-                self.events.put_nowait(event)
+        held, self.held = self.held, None
+        if held is None:
+            return
+        if self.lane_tokens is None:
+            self.events.put_nowait(scheduler_pb2.SubmitEvent(tokens=held))
+            return
+        unsent = self.lane_tokens()
+        if unsent.token_ids:
+            join_tokens(unsent, held)
+        else:
+            unsent.CopyFrom(held)  # its first-token timings too
 
 
 @dataclass

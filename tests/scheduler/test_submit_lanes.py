@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import grpc
@@ -16,7 +16,7 @@ import pytest
 from kvmesh.mesh.service_process import free_port
 from services.gateway.mesh.submit_lanes import LaneCall, SubmitLanes
 from services.gateway.request.request_record import upstream_failure
-from services.scheduler.submit_lanes import LaneStream
+from services.scheduler.submit_lanes import LaneStream, LaneTokens
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -34,14 +34,14 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.metadata: dict[str, dict[str, str | bytes]] = {}
         self.refused: set[str] = set()
         self.replies: list[int] = []  # events in each reply, in order
-        self.deliveries: dict[str, Callable[[Event], None]] = {}  # each accepted lane's
+        self.lane_tokens: dict[str, LaneTokens] = {}  # each accepted lane's
 
     async def events(
         self,
         request: scheduler_pb2.SubmitRequest,
         deadline: float | None,
         metadata: Sequence[tuple[str, str | bytes]],
-        deliver: Callable[[Event], None],
+        lane_tokens: LaneTokens,
     ) -> AsyncGenerator[Event, None]:
         name = request.request_id
         if name in self.refused:
@@ -50,7 +50,7 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         queue = self.queues[name] = asyncio.Queue()
         try:
             yield Event(accepted=scheduler_pb2.SubmitAccepted(queue_position=len(self.queues)))
-            self.deliveries[name] = deliver  # tokens from here on, as the step loop's go
+            self.lane_tokens[name] = lane_tokens  # tokens from here on, as the step loop's go
             while True:
                 event = await queue.get()
                 yield event
@@ -62,13 +62,15 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             self.ended.setdefault(name, "closed")
             del self.queues[name]
-            self.deliveries.pop(name, None)
+            self.lane_tokens.pop(name, None)
 
     def step(self, finish: bool = False) -> None:
         """One token for every open request, in one pass; `finish` ends them too."""
         for name, queue in self.queues.items():
-            tokens = Event(tokens=scheduler_pb2.SubmitTokens(token_ids=[_token(name)]))
-            self.deliveries.get(name, queue.put_nowait)(tokens)
+            if name in self.lane_tokens:
+                self.lane_tokens[name]().token_ids.append(_token(name))
+            else:
+                queue.put_nowait(Event(tokens=scheduler_pb2.SubmitTokens(token_ids=[_token(name)])))
             if finish:
                 queue.put_nowait(Event(finished=scheduler_pb2.SubmitFinished()))
 
