@@ -4,25 +4,27 @@ that computes nothing, in steady decode.
 Every request decodes for the whole run (ignore_eos, no max); the model is replaced by one that
 builds the step's batch as the default CPU path does and then "samples" a fixed token per
 request without computing anything. What is left is the Python every step pays in series with
-the forward pass. Three ways:
+the forward pass (the worker: host_only_worker.py). Four ways:
 
 - in process: `Scheduler.schedule()` -> `Worker.execute()` -> `Scheduler.update()`, as the
   in-process Engine runs them; scheduler and worker µs apart;
 - over the link, lock-step: the same scheduler in this process, the worker in a child process
   behind the real engine-worker gRPC server on loopback, in the step loop's order of things
   (StepPipeline): each plan encoded, sent, decoded, and the result back;
-- over the link, ahead: the same, the next plan sent while the worker runs the current one.
+- over the link, ahead: the same, the next plan sent while the worker runs the current one;
+- the service, ahead: the scheduler service's whole step loop, tokens into its lanes' replies
+  too (step_loop_bench.py); its "scheduler µs" is the process's CPU a step.
 
 "added" is a step's wall time less the worker's own: what the host adds to every step.
 
-    python -m loadtest.host_bench [--batches 1,32,128,256] [--steps 200] [--modes inprocess,link]
+    python -m loadtest.host_bench [--batches 1,32,128,256] [--steps 200]
+        [--modes inprocess,link,service]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import subprocess
 import sys
@@ -31,73 +33,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from kvmesh.mesh.service_process import free_port
-from services.engine_worker.step_inputs import RequestState, flatten, unique_states
-from services.engine_worker.torch_backend.graph_batch import GraphBatch
+from loadtest.host_only_worker import (
+    PROMPT_TOKENS,
+    WARM_STEPS,
+    engine_config,
+    host_only_worker,
+    serve_worker,
+)
+from loadtest.step_loop_bench import through_service
 from services.engine_worker.worker import Worker
 from services.scheduler.scheduler import Scheduler
-from shared.config import CacheConfig, EngineConfig, SchedulerConfig
-from shared.runtime.heap import freeze_startup_heap
+from shared.config import EngineConfig
 from shared.sampling import SamplingParams
-from shared.step import SampledToken
-
-PROMPT_TOKENS = 32
-WARM_STEPS = 8  # after the prefills: the first decode steps grow every list once
-KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # the default model's: layers, K and V, heads, dims, f32
-BLOCK_SLACK_TOKENS = 32  # each request's last block, partly filled, and one more step ahead
-
-
-class HostOnlyRunner:
-    """The worker's runner with the model taken out: the batch is built (flatten and the
-    compiled step's tensors, the default CPU path) and each request samples a fixed token."""
-
-    def __init__(self, runner) -> None:
-        self.runner = runner
-        self.block_size = runner.kv_cache.shape.block_size
-
-    @property
-    def kv_pool(self):
-        return self.runner.kv_pool
-
-    def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
-        self.runner.copy_blocks(pairs)
-
-    def take_prompt_scores(self) -> tuple[()]:  # no request asks for prompt logprobs here
-        return ()
-
-    def step(
-        self, scheduled: list[tuple[RequestState, int]], rng: torch.Generator
-    ) -> tuple[tuple[RequestState, ...], list[SampledToken]]:
-        tables = self.runner.block_tables
-        flat = flatten(scheduled, self.block_size, None if tables is None else tables.table)
-        GraphBatch.of(flat)
-        states = unique_states(flat.sampling_states)
-        return states, [SampledToken(s.request_id, 100 + len(s.token_ids) % 1000) for s in states]
-
-
-def engine_config(max_batch: int, steps: int) -> EngineConfig:
-    """Room for `max_batch` requests of PROMPT_TOKENS plus every decode step of the run: a
-    pool that ran out would preempt, and the figures would not be of a steady batch."""
-    scheduler = SchedulerConfig(max_num_batched_tokens=max(2048, max_batch), max_num_seqs=max_batch)
-    tokens = PROMPT_TOKENS + 2 * WARM_STEPS + steps + BLOCK_SLACK_TOKENS
-    room = max_batch * tokens * KV_BYTES_PER_TOKEN
-    return EngineConfig(
-        weights="float32",
-        compile="off",
-        prepared="off",
-        num_threads=1,
-        cache=CacheConfig(kv_memory_bytes=int(os.environ.get("KVMESH_HOST_BENCH_KV", room))),
-        scheduler=scheduler,
-    )
-
-
-def host_only_worker(config: EngineConfig) -> Worker:
-    worker = Worker(config)
-    worker.runner = HostOnlyRunner(worker.runner)
-    freeze_startup_heap()  # as the worker service and the Engine do once ready
-    return worker
 
 
 def fill(scheduler: Scheduler, batch: int, vocab: int) -> None:
@@ -231,24 +179,6 @@ async def over_link(address: str, config: EngineConfig, batch: int, steps: int, 
     return row
 
 
-def serve_worker(port: int, max_batch: int, steps: int) -> None:
-    """The child: the real engine-worker server, its model replaced by the host-only one."""
-    from services.engine_worker.server import EngineWorkerService
-    from shared.pb.kvmesh.v1 import engine_worker_pb2_grpc
-    from shared.runtime.service import ServiceRuntime
-
-    async def serve() -> None:
-        runtime = ServiceRuntime("kvmesh.v1.EngineWorker", "127.0.0.1", port)
-        service = EngineWorkerService(runtime, engine_config(max_batch, steps))
-        runtime.add_servicer(engine_worker_pb2_grpc.add_EngineWorkerServicer_to_server, service)
-        await runtime.start()
-        service.worker = host_only_worker(service.config)
-        await runtime.set_ready(True)
-        await runtime.serve_until_signalled(0)
-
-    asyncio.run(serve())
-
-
 def print_table(rows: list[Row]) -> None:
     print(
         f"{'mode':<16} {'batch':>5} {'step µs':>8} {'scheduler µs':>12} {'worker µs':>9} "
@@ -268,7 +198,7 @@ def main() -> None:
     )
     parser.add_argument("--batches", default="1,32,128,256")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--modes", default="inprocess,link")
+    parser.add_argument("--modes", default="inprocess,link,service")
     parser.add_argument("--serve-worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -281,15 +211,18 @@ def main() -> None:
     if "inprocess" in modes:
         worker = host_only_worker(config)
         rows += [in_process(worker, config, batch, args.steps) for batch in batches]
-    if "link" in modes:
+    if "link" in modes or "service" in modes:
         port = free_port()
+        address = f"127.0.0.1:{port}"
         command = [sys.executable, "-m", "loadtest.host_bench", "--serve-worker", str(port)]
         child = subprocess.Popen([*command, "--batches", args.batches, "--steps", str(args.steps)])
         try:
-            for ahead in (False, True):
+            for ahead in (False, True) if "link" in modes else ():
                 for batch in batches:
-                    link = over_link(f"127.0.0.1:{port}", config, batch, args.steps, ahead)
-                    rows.append(asyncio.run(link))
+                    rows.append(asyncio.run(over_link(address, config, batch, args.steps, ahead)))
+            for batch in batches if "service" in modes else ():
+                timed = asyncio.run(through_service(address, config, batch, args.steps))
+                rows.append(Row("service, ahead", batch, *timed))
         finally:
             child.terminate()
             child.wait(30)

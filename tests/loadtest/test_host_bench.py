@@ -17,7 +17,8 @@ def test_every_way_prints_its_rows() -> None:
     assert "Traceback" not in done.stderr  # a worker whose every step raised prints rows too
     rows = [line.split() for line in done.stdout.splitlines()[1:]]
     ways = [" ".join(row[:-7]) for row in rows]
-    assert ways == ["in process"] * 2 + ["link, lock-step"] * 2 + ["link, ahead"] * 2
+    ways_run = ["in process", "link, lock-step", "link, ahead", "service, ahead"]
+    assert ways == [way for way in ways_run for _ in range(2)]
     for row in rows:
         step_us, scheduler_us, worker_us = (float(cell) for cell in row[-6:-3])
         assert step_us > 0 and scheduler_us > 0 and worker_us > 0
