@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.scheduler.request_trace import RequestTrace
@@ -37,7 +37,7 @@ class Tracked:
         if len(self.held.token_ids) >= interval or self.held.HasField("first"):
             self.send_held()
 
-    def hold_plain(self, token_ids: list[int], interval: int) -> None:
+    def hold_plain(self, token_ids: Sequence[int], interval: int) -> None:
         """`hold` for a step's tokens past the first with no logprobs: no message built for
         them alone; on a lane at stream interval 1, written straight into its outbox."""
         if interval == 1 and self.held is None and self.lane_tokens is not None:
