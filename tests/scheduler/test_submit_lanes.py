@@ -178,6 +178,45 @@ async def test_tokens_a_lane_has_not_read_yet_join_into_one_event() -> None:
         assert (await behind.read()).WhichOneof("event") == "finished"
 
 
+class Diverted:
+    """A parked relay's part of a lane: the tokens it was handed, and whether it was told to
+    give the lane back to its reader."""
+
+    def __init__(self) -> None:
+        self.handed: list[list[int]] = []
+        self.interrupted = False
+
+    def tokens(self, tokens: scheduler_pb2.SubmitTokens) -> None:
+        self.handed.append(list(tokens.token_ids))
+
+    def interrupt(self) -> None:
+        self.interrupted = True
+
+
+async def test_a_lane_behind_is_diverted_with_its_unread_tokens_first() -> None:
+    port = free_port()
+    async with scheduler(port) as service, gateway_lanes(port) as lanes:
+        behind = submit(lanes, "r5")
+        await accepted([behind])
+        for _ in range(2):
+            before = len(service.replies)
+            service.step()
+            await until(lambda sent=before: len(service.replies) > sent)
+        assert behind.only_tokens_unread  # two steps' tokens, joined, wait for its reader
+        diverted = Diverted()
+        behind.divert_to(diverted)
+        assert diverted.handed == [[5, 5]]
+        service.step()
+        await until(lambda: len(diverted.handed) == 2)
+        assert diverted.handed[1] == [5] and not diverted.interrupted
+        service.step(finish=True)  # a token, then the terminal event: the reader's again
+        await until(lambda: diverted.interrupted)
+        assert diverted.handed[2] == [5] and not behind.only_tokens_unread
+        behind.undivert()
+        # Nothing it was handed is read again: the reader's next event is the terminal one.
+        assert (await behind.read()).WhichOneof("event") == "finished"
+
+
 async def test_a_cancelled_lane_aborts_its_request_and_no_other() -> None:
     port = free_port()
     async with scheduler(port) as service, gateway_lanes(port) as lanes:

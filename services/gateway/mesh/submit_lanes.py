@@ -76,8 +76,18 @@ class LaneCall:
         return self._items.popleft()
 
     @property
-    def unread(self) -> bool:
-        return bool(self._items)
+    def only_tokens_unread(self) -> bool:
+        """Nothing unread, or tokens alone: what a diverted reader can take on."""
+        items = self._items
+        return not items or (
+            len(items) == 1 and isinstance(items[0], Event) and items[0].HasField("tokens")
+        )
+
+    def divert_to(self, divert: Divert) -> None:
+        """`divert` takes the tokens from here on, first those unread (only_tokens_unread)."""
+        self.divert = divert
+        if self._items:
+            divert.tokens(self._items.popleft().tokens)  # type: ignore[union-attr]
 
     def undivert(self, left: scheduler_pb2.SubmitTokens | None = None) -> None:
         """The reader takes the tokens again, first the diverted ones not yet relayed."""

@@ -90,8 +90,8 @@ class StepPass:
 
         def parked(relay: Relay) -> asyncio.Future[list[Event]]:
             waiting = ParkedRelay(self, relay, deliver)
-            waiting.lane.divert = waiting
             waiting.woken.add_done_callback(lambda _: _left(waiting))
+            waiting.lane.divert_to(waiting)
             return waiting.woken
 
         return parked

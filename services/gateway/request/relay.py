@@ -118,10 +118,11 @@ class Relay:
             prefilled.routed.ended()
 
     def _parking(self) -> Park | None:
-        """A plain stream past its first delta parks while nothing but tokens comes; on a
-        prefill pair it waits for its handover (a decode pair's stream parks)."""
+        """A plain stream past its first delta parks while nothing but tokens comes (those
+        unread go with it: a relay behind would else never park); on a prefill pair it waits
+        for its handover (a decode pair's stream parks)."""
         admitted = self.admitted
-        if self.progress.first_token_at is None or admitted.submit.unread:
+        if self.progress.first_token_at is None or not admitted.submit.only_tokens_unread:
             return None
         return None if admitted.prefill_only else self.park
 
