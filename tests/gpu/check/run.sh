@@ -10,10 +10,14 @@
 #   split    the same split between a prefill and a decode pair (blocks pulled from a GPU
 #            pool); not in the default parts, which must fit one 9-minute call
 #   host     make bench-host: a steady decode step's host work (scheduler, batch building,
-#            step protocol, lock-step and planned ahead) with the model taken out
+#            step protocol, lock-step and planned ahead, the service's whole step loop) with
+#            the model taken out
 #   meshbench  make bench-mesh on the cupy backend at batch 128 (MESHBENCH_ARGS), four
 #            gateways sharing the ports: the mesh's tok/s against the in-process engine's
 #            (target 0.9x); not in the default parts either
+#   meshceiling  make bench-mesh-ceiling (sim backend, 2 ms steps, 128 streams, four gateways)
+#            on this machine's cores: inter-token latency p99 against the step (target 2x),
+#            which a 2-core machine cannot show; not in the default parts
 #   kernels  make bench-kernels: each launch of a step, decode attention's bandwidth
 #   bench    make bench-gpu: kvmesh cupy against llama.cpp CUDA F16 and Q4_1, GPU and host
 #            ms per step; then the same on a random-weight F16 file in Llama-3.1-8B's shapes
@@ -122,6 +126,11 @@ if has meshbench; then
   read -r -a mesh_args <<< "${MESHBENCH_ARGS:---requests 128 --output-len 64 --kv-memory 8GiB --gateways 4}"
   timed meshbench 240 $PYTHON -m loadtest.mesh_bench --backend cupy --rounds 1 \
     --idle-requests 0 --threads 4 "${mesh_args[@]}"
+fi
+
+if has meshceiling; then
+  timed meshceiling 150 $PYTHON -m loadtest.mesh_ceiling --streams 128 --protocols http,grpc \
+    --gateways 4 --repeat 3 --json "$OUT/mesh-ceiling.json"
 fi
 
 if has kernels && [ "${KVMESH_CUPY_STANDIN:-0}" != 1 ]; then

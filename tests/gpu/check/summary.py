@@ -127,11 +127,16 @@ def render(out: Path) -> str:
         *_read(out / "kernels.log").splitlines()[-40:],
         "```",
         "",
-        *_tail("bench-host (µs a step, model taken out)", out / "host.log", 13),
+        *_tail("bench-host (µs a step, model taken out)", out / "host.log", 17),
         *_tail(
             "bench-mesh on cupy, 4 gateways (target: mesh >= 0.9x in-process)",
             out / "meshbench.log",
             8,
+        ),
+        *_tail(
+            "bench-mesh-ceiling on the sim backend, 4 gateways (target: ITL p99 <= 2x the step)",
+            out / "meshceiling.log",
+            2,
         ),
     ]
     return "\n".join(page)

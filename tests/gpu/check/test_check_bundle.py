@@ -65,8 +65,11 @@ def test_the_summary_reads_a_check_folder(tmp_path: Path) -> None:
              "rows": rows}
         )
     )  # fmt: skip
+    ceiling = "http  128 streams:    60000 tok/s (1.0 a delta); ... ITL p50 2.10 ms, p99 3.90 ms"
+    (tmp_path / "meshceiling.log").write_text(ceiling + "\n")
     page = summary.render(tmp_path)
     assert "NVIDIA H100" in page
+    assert ceiling in page
     assert "| suite | 1 | 80 |" in page
     assert "2 tests, 1 failed" in page and "test_bad: assert 1 == 2" in page
     assert '{"1": "graph"}' in page
