@@ -220,9 +220,9 @@ def main() -> None:
             for ahead in (False, True) if "link" in modes else ():
                 for batch in batches:
                     rows.append(asyncio.run(over_link(address, config, batch, args.steps, ahead)))
-            for batch in batches if "service" in modes else ():
-                timed = asyncio.run(through_service(address, config, batch, args.steps))
-                rows.append(Row("service, ahead", batch, *timed))
+            if "service" in modes:
+                timed = asyncio.run(through_service(address, config, batches, args.steps))
+                rows += [Row("service, ahead", b, *t) for b, t in zip(batches, timed, strict=True)]
         finally:
             child.terminate()
             child.wait(30)

@@ -73,7 +73,7 @@ def engine_config(max_batch: int, steps: int) -> EngineConfig:
 def host_only_worker(config: EngineConfig) -> Worker:
     worker = Worker(config)
     worker.runner = HostOnlyRunner(worker.runner)
-    freeze_startup_heap()  # as the worker service and the Engine do once ready
+    freeze_startup_heap()  # as a service does once ready
     return worker
 
 

@@ -84,10 +84,13 @@ class LaneCall:
         )
 
     def divert_to(self, divert: Divert) -> None:
-        """`divert` takes the tokens from here on, first those unread (only_tokens_unread)."""
+        """`divert` takes the tokens from here on, first those unread when they are all that
+        is (only_tokens_unread)."""
         self.divert = divert
-        if self._items:
-            divert.tokens(self._items.popleft().tokens)  # type: ignore[union-attr]
+        unread = self._items[0] if len(self._items) == 1 else None
+        if isinstance(unread, Event) and unread.HasField("tokens"):
+            self._items.clear()
+            divert.tokens(unread.tokens)
 
     def undivert(self, left: scheduler_pb2.SubmitTokens | None = None) -> None:
         """The reader takes the tokens again, first the diverted ones not yet relayed."""
