@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from loadtest.host_only_worker import PROMPT_TOKENS, WARM_STEPS
 from services.scheduler.server import SchedulerService
@@ -50,7 +50,7 @@ async def _steady_service(
             raise RuntimeError(f"no worker ready at {address} in {READY_TIMEOUT_S:.0f} s")
         await asyncio.sleep(0.01)
     done = asyncio.Event()
-    replies = service_replies(service, _lanes(batch, service.loop.model), done)
+    replies = _service_replies(service, _lanes(batch, service.loop.model), done)
     timed: dict[str, float] = {}
     decoding_from: int | None = None  # the step count once every lane was past its prefill
     async for reply in replies:
@@ -63,6 +63,8 @@ async def _steady_service(
                 timed = _snapshot(counters)
         elif timed and counters.steps - timed["steps"] >= steps:
             break
+    if not timed:
+        raise RuntimeError(f"the lanes ended before batch {batch} decoded steadily")
     end = _snapshot(service.loop.counters)
     done.set()
     await replies.aclose()
@@ -75,9 +77,9 @@ async def _steady_service(
     return wall, cpu, worker
 
 
-def service_replies(
+def _service_replies(
     service: SchedulerService, lanes: scheduler_pb2.SubmitLanesRequest, done: asyncio.Event
-) -> AsyncIterator[scheduler_pb2.SubmitLanesResponse]:
+) -> AsyncGenerator[scheduler_pb2.SubmitLanesResponse, None]:
     async def requests() -> AsyncIterator[scheduler_pb2.SubmitLanesRequest]:
         yield lanes
         await done.wait()  # the caller's side stays open: a closed side ends no lane
