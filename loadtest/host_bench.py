@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import subprocess
 import sys
 import time
@@ -35,11 +34,12 @@ from typing import Any
 
 from kvmesh.mesh.service_process import free_port
 from loadtest.host_only_worker import (
-    PROMPT_TOKENS,
     WARM_STEPS,
     engine_config,
     host_only_worker,
+    prefilled,
     serve_worker,
+    steady_prompts,
 )
 from loadtest.step_loop_bench import through_service
 from services.engine_worker.worker import Worker
@@ -49,10 +49,8 @@ from shared.sampling import SamplingParams
 
 
 def fill(scheduler: Scheduler, batch: int, vocab: int) -> None:
-    rng = random.Random(batch)
     params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
-    for index in range(batch):
-        prompt = [rng.randrange(100, vocab) for _ in range(PROMPT_TOKENS)]
+    for index, prompt in enumerate(steady_prompts(batch, vocab)):
         scheduler.add_request(f"r{index}", prompt, params)
 
 
@@ -90,12 +88,6 @@ def _steady(run_step: Callable[[], tuple[float, float]], steps: int) -> tuple[fl
     return wall / steps * 1e6, scheduler / steps * 1e6, worker / steps * 1e6
 
 
-def _prefilled(scheduler: Scheduler) -> bool:
-    return not scheduler.waiting and all(
-        r.num_computed_tokens >= r.prompt_len for r in scheduler.running
-    )
-
-
 def in_process(worker: Worker, config: EngineConfig, batch: int, steps: int) -> Row:
     scheduler = new_scheduler(_info(worker), config)
     fill(scheduler, batch, worker.architecture.vocab_size)
@@ -109,7 +101,7 @@ def in_process(worker: Worker, config: EngineConfig, batch: int, steps: int) -> 
         scheduler.update(plan, result)
         return planned - started + time.perf_counter() - executed, executed - planned
 
-    while not _prefilled(scheduler):
+    while not prefilled(scheduler):
         run_step()
     before = scheduler.num_preemptions
     row = Row("in process", batch, *_steady(run_step, steps))
@@ -160,7 +152,7 @@ async def over_link(address: str, config: EngineConfig, batch: int, steps: int, 
         await pipeline.send(plan, plan_to_pb(plan))
         await pipeline.after_send()
 
-    while not _prefilled(scheduler):
+    while not prefilled(scheduler):
         await run_step()
     for _ in range(WARM_STEPS):
         await run_step()

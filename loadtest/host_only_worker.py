@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 
 import torch
 
 from services.engine_worker.step_inputs import RequestState, flatten, unique_states
 from services.engine_worker.torch_backend.graph_batch import GraphBatch
 from services.engine_worker.worker import Worker
+from services.scheduler.scheduler import Scheduler
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig
 from shared.runtime.heap import freeze_startup_heap
 from shared.step import SampledToken
@@ -93,3 +95,16 @@ def serve_worker(port: int, max_batch: int, steps: int) -> None:
         await runtime.serve_until_signalled(0)
 
     asyncio.run(serve())
+
+
+def steady_prompts(batch: int, vocab: int) -> list[list[int]]:
+    """The bench's prompts for a batch: PROMPT_TOKENS random ids each, the same every run."""
+    rng = random.Random(batch)
+    return [[rng.randrange(100, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(batch)]
+
+
+def prefilled(scheduler: Scheduler) -> bool:
+    """Nothing waits and every running request is past its prompt: steady decode."""
+    return not scheduler.waiting and all(
+        r.num_computed_tokens >= r.prompt_len for r in scheduler.running
+    )

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from loadtest.host_only_worker import PROMPT_TOKENS, WARM_STEPS
+from loadtest.host_only_worker import WARM_STEPS, prefilled, steady_prompts
 from services.scheduler.server import SchedulerService
 from services.scheduler.submit_lanes import LaneStream
 from services.scheduler.tracked import Counters
@@ -88,7 +87,6 @@ def _service_replies(
 
 
 def _lanes(batch: int, model: common_pb2.ModelInfo | None) -> scheduler_pb2.SubmitLanesRequest:
-    rng = random.Random(batch)
     vocab = model.vocab_size if model else 1000
     sampling = common_pb2.SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
     return scheduler_pb2.SubmitLanesRequest(
@@ -96,24 +94,18 @@ def _lanes(batch: int, model: common_pb2.ModelInfo | None) -> scheduler_pb2.Subm
             scheduler_pb2.SubmitLane(
                 lane=index,
                 submit=scheduler_pb2.SubmitRequest(
-                    request_id=f"r{index}",
-                    token_ids=[rng.randrange(100, vocab) for _ in range(PROMPT_TOKENS)],
-                    sampling=sampling,
+                    request_id=f"r{index}", token_ids=prompt, sampling=sampling
                 ),
             )
-            for index in range(batch)
+            for index, prompt in enumerate(steady_prompts(batch, vocab))
         ]
     )
 
 
 def _decoding(service: SchedulerService, batch: int) -> bool:
+    """Every lane admitted (before they reach it, nothing waits either) and past its prompt."""
     scheduler = service.loop.scheduler
-    return (
-        scheduler is not None
-        and not scheduler.waiting
-        and len(scheduler.running) == batch
-        and all(r.num_computed_tokens >= r.prompt_len for r in scheduler.running)
-    )
+    return scheduler is not None and len(scheduler.running) == batch and prefilled(scheduler)
 
 
 def _snapshot(counters: Counters) -> dict[str, float]:

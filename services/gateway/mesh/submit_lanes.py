@@ -78,19 +78,20 @@ class LaneCall:
     @property
     def only_tokens_unread(self) -> bool:
         """Nothing unread, or tokens alone: what a diverted reader can take on."""
-        items = self._items
-        return not items or (
-            len(items) == 1 and isinstance(items[0], Event) and items[0].HasField("tokens")
-        )
+        return not self._items or self._unread_tokens() is not None
 
     def divert_to(self, divert: Divert) -> None:
         """`divert` takes the tokens from here on, first those unread when they are all that
         is (only_tokens_unread)."""
         self.divert = divert
-        unread = self._items[0] if len(self._items) == 1 else None
-        if isinstance(unread, Event) and unread.HasField("tokens"):
+        if (unread := self._unread_tokens()) is not None:
             self._items.clear()
-            divert.tokens(unread.tokens)
+            divert.tokens(unread)
+
+    def _unread_tokens(self) -> scheduler_pb2.SubmitTokens | None:
+        """The tokens unread when nothing else is (unread tokens join into one event)."""
+        item = self._items[0] if len(self._items) == 1 else None
+        return item.tokens if isinstance(item, Event) and item.HasField("tokens") else None
 
     def undivert(self, left: scheduler_pb2.SubmitTokens | None = None) -> None:
         """The reader takes the tokens again, first the diverted ones not yet relayed."""
