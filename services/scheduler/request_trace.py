@@ -2,7 +2,9 @@
 
 `scheduler.request` (a child of the gateway's span, from the Submit metadata) lasts from
 arrival to the terminal event. Its children: `queue` (arrival to the start of its first step)
-and `decode` (first token to the end: one span with counters, never one per token). Prefill
+and `decode` (first token to the end: one span with counters, never one per token; its steps
+and mean batch are running totals over the steps run while it decoded, read at its start and
+end, so a steady decode row costs the step one attribute check). Prefill
 chunks are the engine-worker's spans: the step plan carries this span's traceparent for each
 chunk. Preemption and cancellation are events on `scheduler.request`.
 """
@@ -45,6 +47,14 @@ CANCEL_TO_FREED = Histogram(
 )
 
 
+class StepTally:
+    """Steps planned and their batch sizes summed, since the step loop began."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.batch_total = 0
+
+
 class RequestTrace:
     def __init__(
         self,
@@ -52,6 +62,7 @@ class RequestTrace:
         request_id: str,
         prompt_tokens: int,
         tenant: str,
+        tally: StepTally | None = None,
     ) -> None:
         self.arrival = time.monotonic()
         self.span = tracer.start_span(
@@ -72,6 +83,9 @@ class RequestTrace:
         self.scheduled_at: float | None = None  # the first step holding it began on the worker
         self.first_token_at: float | None = None
         self._decode: trace.Span | None = None
+        self._tally = StepTally() if tally is None else tally  # its step loop's
+        self.decoding = False  # since a step it was in decoded; until preempted or ended
+        self._decoding_from = (0, 0)  # the tally then, the step included
         self._decode_steps = 0
         self._decode_batch_total = 0
         self._prefill_chunks = 0
@@ -92,9 +106,18 @@ class RequestTrace:
             self._queue.end()
             self._queue = None
 
-    def decode_step(self, batch_size: int) -> None:
-        self._decode_steps += 1
-        self._decode_batch_total += batch_size
+    def decode_started(self, batch_size: int) -> None:
+        """The step just tallied holds it decoding."""
+        self.decoding = True
+        tally = self._tally
+        self._decoding_from = (tally.steps - 1, tally.batch_total - batch_size)
+
+    def _decode_stopped(self) -> None:
+        if self.decoding:
+            self.decoding = False
+            steps, batch_total = self._decoding_from
+            self._decode_steps += self._tally.steps - steps
+            self._decode_batch_total += self._tally.batch_total - batch_total
 
     def first_token(self, now: float) -> None:
         self.first_token_at = now
@@ -103,6 +126,7 @@ class RequestTrace:
         self._decode = tracer.start_span("decode", context=self._parent)
 
     def preempted(self) -> None:
+        self._decode_stopped()  # its recomputation is prefill
         self.span.add_event("preempted")
 
     def cancelled(self, cause: str) -> None:
@@ -110,6 +134,7 @@ class RequestTrace:
         self.span.add_event("cancelled", {"kvmesh.cancel.cause": cause})
 
     def ended(self, outcome: str, reason: str, output_tokens: int, cached_tokens: int = 0) -> None:
+        self._decode_stopped()
         if self._queue is not None:  # never scheduled (expired, cancelled or failed waiting)
             self._queue.end()
             self._queue = None
@@ -142,24 +167,30 @@ def trace_plan(
     plan_pb: engine_worker_pb2.StepPlan,
     requests: Mapping[str, Request],
     trace_of: Callable[[str], RequestTrace | None],
+    tally: StepTally,
 ) -> Callable[[], None]:
-    """First scheduling, decode steps and preemptions into each request's trace; prefill
-    chunks of traced requests into the plan, for the worker to record as spans. Returns what
-    to call when the step begins on the worker: the first step of a request ends its queue."""
+    """First scheduling, decode starts and preemptions into each request's trace, the step
+    into `tally` (its traces'); prefill chunks of traced requests into the plan, for the
+    worker to record as spans. Returns what to call when the step begins on the worker: the
+    first step of a request ends its queue."""
     first_scheduled: list[RequestTrace] = []
     for request_id in plan.finished_request_ids:
         trace = trace_of(request_id)
         if trace is not None and request_id in requests:  # preempted, not done
             trace.preempted()
     batch_size = len(plan.new_requests) + len(plan.running_requests)
+    tally.steps += 1
+    tally.batch_total += batch_size
     scheduled: list[NewRequestPlan | RunningRequestPlan] = [
         *plan.new_requests,
         *plan.running_requests,
     ]
     for item in scheduled:
         trace = trace_of(item.request_id)
+        if trace is None or trace.decoding:
+            continue  # a steady decode row: the tally counts its step
         request = requests.get(item.request_id)
-        if trace is None or request is None:
+        if request is None:
             continue
         # Prompt chunks, and the recomputation of a preempted request, are prefill (tokens a
         # step planned ahead will sample count as known).
@@ -168,7 +199,7 @@ def trace_plan(
         if trace.scheduled(prefill):
             first_scheduled.append(trace)
         if not prefill:
-            trace.decode_step(batch_size)
+            trace.decode_started(batch_size)
         elif trace.traceparent:
             plan_pb.prefill_traces.add(
                 request_id=item.request_id,

@@ -19,7 +19,7 @@ from services.scheduler.handover import Handover
 from services.scheduler.load_report import LoadReporter
 from services.scheduler.request_trace import CANCEL_TO_FREED, RequestTrace
 from services.scheduler.step_loop import StepLoop
-from services.scheduler.submit_lanes import LaneStream, LaneTokens
+from services.scheduler.submit_lanes import LaneStream, LaneWriter
 from services.scheduler.tracked import Tracked
 from shared.block_hash import hash_full_blocks
 from shared.codec import sampling_from_pb
@@ -122,7 +122,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             num_tier_blocks=tier_blocks,
         )
         added.prefill_only, added.handed_over = request.prefill_only, request.HasField("handover")
-        trace = RequestTrace(metadata, request.request_id, len(request.token_ids), request.tenant)
+        trace = RequestTrace(
+            metadata, request.request_id, len(request.token_ids), request.tenant, self.loop.tally
+        )
         tracked = Tracked(request.request_id, trace)
         if remaining is not None:
             loop.expire_later(tracked, remaining - DEADLINE_MARGIN_S)
@@ -154,13 +156,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         request: scheduler_pb2.SubmitRequest,
         deadline: float | None,
         metadata: Sequence[tuple[str, str | bytes]] | None,
-        lane_tokens: LaneTokens | None = None,
+        lane: LaneWriter | None = None,
     ) -> AsyncGenerator[scheduler_pb2.SubmitEvent, None]:
         """One request's events, whether its stream is a Submit call or a lane: accepted, its
         tokens, one terminal. A refusal raises KvmeshError before `accepted`; closing the
-        iterator early aborts the request. `deadline` is on the monotonic clock. With
-        `lane_tokens` (a lane's), tokens after `accepted` are written there instead of being
-        yielded."""
+        iterator early aborts the request. `deadline` is on the monotonic clock. On a `lane`,
+        tokens after `accepted` are written there instead of being yielded."""
         bind_request(request.request_id)
 
         def remaining() -> float | None:
@@ -176,7 +177,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             try:
                 yield scheduler_pb2.SubmitEvent(accepted=accepted)
                 # Resumed right after the lane posted `accepted`, with no step in between.
-                tracked.lane_tokens = lane_tokens
+                tracked.lane = lane
                 while True:
                     event = await tracked.events.get()
                     kind = event.WhichOneof("event")

@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from services.scheduler.queue_estimate import QueueTimeEstimator
-from services.scheduler.request_trace import RequestTrace, terminal_outcome, trace_plan
+from services.scheduler.request_trace import RequestTrace, StepTally, terminal_outcome, trace_plan
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.step_limits import check_step_limits
 from services.scheduler.step_pipeline import StepPipeline, plans_ahead
@@ -64,6 +64,7 @@ class StepLoop:
         self.model: common_pb2.ModelInfo | None = None
         self.tracked: dict[str, Tracked] = {}
         self.counters = Counters()
+        self.tally = StepTally()  # every request trace's decode steps
         self.queue_estimate = QueueTimeEstimator()
         self.recent_frees: collections.deque[tuple[str, int]] = collections.deque(maxlen=1024)
         self._wake = asyncio.Event()
@@ -139,7 +140,7 @@ class StepLoop:
                         await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
                 continue
             plan_pb = plan_to_pb(plan)
-            started = trace_plan(plan, plan_pb, scheduler.requests, self._trace_of)
+            started = trace_plan(plan, plan_pb, scheduler.requests, self._trace_of, self.tally)
             await pipeline.send(plan, plan_pb, started)
             await pipeline.after_send()
 

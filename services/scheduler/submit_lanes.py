@@ -3,10 +3,10 @@
 Each lane runs a request's events (the same iterator a Submit call streams) in a task of its
 own; what the lanes yield joins one outbox, and each reply carries all that joined while the
 last reply was written. Once accepted, a lane's tokens go into the outbox from the step loop
-itself (`Tracked.lane_tokens`), written in place into the reply being built: its task wakes
-only for its terminal event, and a step's tokens for a lane already waiting there join those
-(token_events.py). A step leaves in one message: at batch 128 the gateway reads one message a
-step instead of 128.
+itself (`Tracked.lane`, a `LaneWriter`), written in place into the reply being built: its task
+wakes only for its terminal event. Plain tokens go in the reply's two token columns while the
+lane has no event in it, else they join its tokens event (token_events.py). A step leaves in
+one message: at batch 128 the gateway reads one message a step instead of 128.
 """
 
 from __future__ import annotations
@@ -24,12 +24,31 @@ from shared.pb.kvmesh.v1 import scheduler_pb2
 
 log = logging.getLogger("kvmesh.scheduler.lanes")
 Metadata = Sequence[tuple[str, str | bytes]]
-# Where a lane's next tokens are written: the reply being built, joining any still unsent.
-LaneTokens = Callable[[], scheduler_pb2.SubmitTokens]
+
+
+class LaneWriter:
+    """Where the step loop writes a lane's tokens: the reply being built."""
+
+    __slots__ = ("_lane", "_stream")
+
+    def __init__(self, stream: LaneStream, lane: int) -> None:
+        self._stream = stream
+        self._lane = lane
+
+    def tokens(self) -> scheduler_pb2.SubmitTokens:
+        """A tokens event to fill (the first tokens, logprobs, held ones), joining the lane's
+        still unsent."""
+        return self._stream._tokens(self._lane)
+
+    def plain(self, token_ids: Sequence[int]) -> None:
+        """Tokens with nothing else to carry."""
+        self._stream._plain(self._lane, token_ids)
+
+
 # (request, deadline on the monotonic clock or None, trace metadata, where its tokens may go
 # directly once accepted) -> its events.
 Events = Callable[
-    [scheduler_pb2.SubmitRequest, float | None, Metadata, LaneTokens],
+    [scheduler_pb2.SubmitRequest, float | None, Metadata, LaneWriter],
     AsyncGenerator[scheduler_pb2.SubmitEvent, None],
 ]
 
@@ -45,6 +64,11 @@ class LaneStream:
         # (a token's message built and copied three times was 3.7 µs of 0.9 at batch 256).
         self._outbox = scheduler_pb2.SubmitLanesResponse()
         self._unsent_tokens: dict[int, scheduler_pb2.SubmitTokens] = {}  # in the outbox, by lane
+        self._with_events: set[int] = set()  # lanes with an event in the outbox
+        # The outbox's token columns, as lists until its reply is written (a list append is a
+        # tenth of a repeated field's).
+        self._plain_lanes: list[int] = []
+        self._plain_ids: list[int] = []
         self._news = asyncio.Event()
 
     async def replies(
@@ -58,11 +82,10 @@ class LaneStream:
             while True:
                 await self._news.wait()
                 self._news.clear()
-                if self._outbox.events:
-                    reply, self._outbox = self._outbox, scheduler_pb2.SubmitLanesResponse()
-                    self._unsent_tokens.clear()
-                    yield reply
-                if reader.done() and not self._lanes and not self._outbox.events:
+                if self._outbox.events or self._plain_lanes:
+                    yield self._take_reply()
+                idle = not (self._outbox.events or self._plain_lanes)
+                if reader.done() and not self._lanes and idle:
                     reader.result()  # a broken read ends the call with its error
                     return
         finally:
@@ -101,8 +124,7 @@ class LaneStream:
         metadata: Metadata,
     ) -> None:
         try:
-            lane_tokens = functools.partial(self._tokens, lane)
-            events = self._events(request, deadline, metadata, lane_tokens)
+            events = self._events(request, deadline, metadata, LaneWriter(self, lane))
             async with contextlib.aclosing(events):
                 async for event in events:
                     self._post(lane, event)
@@ -113,9 +135,31 @@ class LaneStream:
             log.exception("lane failed", extra={"request_id": request.request_id})
             self._post(lane, _failed(Reason.INTERNAL, "the scheduler failed this request"))
 
+    def _take_reply(self) -> scheduler_pb2.SubmitLanesResponse:
+        reply, self._outbox = self._outbox, scheduler_pb2.SubmitLanesResponse()
+        reply.token_lanes.extend(self._plain_lanes)
+        reply.token_ids.extend(self._plain_ids)
+        self._plain_lanes.clear()
+        self._plain_ids.clear()
+        self._unsent_tokens.clear()
+        self._with_events.clear()
+        return reply
+
     def _post(self, lane: int, event: scheduler_pb2.SubmitEvent) -> None:
         self._unsent_tokens.pop(lane, None)  # no later tokens join across this event
+        self._with_events.add(lane)
         self._outbox.events.add(lane=lane, event=event)
+        self._news.set()
+
+    def _plain(self, lane: int, token_ids: Sequence[int]) -> None:
+        if lane in self._with_events:  # read after its column tokens: these must follow it
+            self._tokens(lane).token_ids.extend(token_ids)
+            return
+        if len(token_ids) == 1:
+            self._plain_lanes.append(lane)
+        else:
+            self._plain_lanes.extend([lane] * len(token_ids))
+        self._plain_ids.extend(token_ids)
         self._news.set()
 
     def _tokens(self, lane: int) -> scheduler_pb2.SubmitTokens:
@@ -127,6 +171,7 @@ class LaneStream:
             unsent = self._outbox.events.add(lane=lane).event.tokens
             unsent.SetInParent()
             self._unsent_tokens[lane] = unsent
+            self._with_events.add(lane)
             self._news.set()
         return unsent
 

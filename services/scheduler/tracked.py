@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.scheduler.request_trace import RequestTrace
+from services.scheduler.submit_lanes import LaneWriter
 from shared.pb.kvmesh.v1 import scheduler_pb2
 from shared.token_events import join_tokens
 
@@ -25,7 +26,7 @@ class Tracked:
     # Set once `accepted` is out on a lane: its tokens are written straight into the lane's
     # outbox, with no queue and no task woken a token (at batch 256, 256 fewer wakes a step).
     # Terminal events still take the queue, after every token.
-    lane_tokens: Callable[[], scheduler_pb2.SubmitTokens] | None = None
+    lane: LaneWriter | None = None
 
     def hold(self, tokens: scheduler_pb2.SubmitTokens, interval: int) -> None:
         """Queues the tokens once `interval` of them are held (always the first ones)."""
@@ -40,8 +41,8 @@ class Tracked:
     def hold_plain(self, token_ids: Sequence[int], interval: int) -> None:
         """`hold` for a step's tokens past the first with no logprobs: no message built for
         them alone; on a lane at stream interval 1, written straight into its outbox."""
-        if interval == 1 and self.held is None and self.lane_tokens is not None:
-            self.lane_tokens().token_ids.extend(token_ids)
+        if interval == 1 and self.held is None and self.lane is not None:
+            self.lane.plain(token_ids)
             return
         if self.held is None:
             self.held = scheduler_pb2.SubmitTokens(token_ids=token_ids)
@@ -54,10 +55,10 @@ class Tracked:
         held, self.held = self.held, None
         if held is None:
             return
-        if self.lane_tokens is None:
+        if self.lane is None:
             self.events.put_nowait(scheduler_pb2.SubmitEvent(tokens=held))
             return
-        unsent = self.lane_tokens()
+        unsent = self.lane.tokens()
         if unsent.token_ids:
             join_tokens(unsent, held)
         else:

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.scheduler import request_trace
-from services.scheduler.request_trace import RequestTrace, trace_plan
+from services.scheduler.request_trace import RequestTrace, StepTally, trace_plan
 from services.scheduler.step_pipeline import StepPipeline
 from shared.codec import plan_from_pb, plan_to_pb, result_to_pb
 from shared.outputs import finish_reason_label
@@ -39,16 +39,19 @@ def test_spans_events_and_prefill_chunks_of_a_run_with_preemption(
     scheduler = make_scheduler(num_blocks=24, block_size=4, budget=64, chunk=8)
     worker = FakeWorker(4)
     traces: dict[str, RequestTrace] = {}
+    tally = StepTally()
     for request_id, prompt in prompts.items():
         scheduler.add_request(request_id, prompt, params)
-        traces[request_id] = RequestTrace(None, request_id, len(prompt), "tenant")
+        traces[request_id] = RequestTrace(None, request_id, len(prompt), "tenant", tally)
     chunk_tokens: dict[str, int] = {}
+    batches: list[int] = []  # each step's
     for _ in range(10_000):
         if not scheduler.has_unfinished():
             break
         plan = scheduler.schedule()
         plan_pb = plan_to_pb(plan)
-        trace_plan(plan, plan_pb, scheduler.requests, traces.get)()  # lock-step: begins now
+        trace_plan(plan, plan_pb, scheduler.requests, traces.get, tally)()  # lock-step: begins now
+        batches.append(len(plan.new_requests) + len(plan.running_requests))
         for chunk in plan_pb.prefill_traces:
             assert chunk.traceparent == traces[chunk.request_id].traceparent
             chunk_tokens[chunk.request_id] = chunk_tokens.get(chunk.request_id, 0)
@@ -80,6 +83,18 @@ def test_spans_events_and_prefill_chunks_of_a_run_with_preemption(
     for span in spans:
         if span.name != "scheduler.request":
             assert span.parent is not None  # queue and decode hang under their request
+    assert tally.steps == len(batches) and tally.batch_total == sum(batches)
+    recomputes = {  # a request span's id -> its preemptions (each recomputation samples one)
+        span.context.span_id: sum(1 for e in span.events if e.name == "preempted")
+        for span in requests
+    }
+    for span in (s for s in spans if s.name == "decode"):
+        # The steps run while it decoded: at least one a token after its first (less those a
+        # recomputation sampled), and no more than were run; their mean batch within the run's.
+        steps = int(span.attributes["kvmesh.decode.steps"])
+        assert span.parent is not None
+        assert params.max_tokens - 1 - recomputes[span.parent.span_id] <= steps <= len(batches)
+        assert 1 <= float(span.attributes["kvmesh.batch_size.mean"]) <= max(batches)
 
 
 class WorkerInOrder:
@@ -118,7 +133,7 @@ async def test_a_step_planned_ahead_starts_when_the_step_before_it_comes_back() 
         if plan.num_scheduled_tokens == 0:
             await pipeline.settle_oldest()
             continue
-        first = trace_plan(plan, plan_to_pb(plan), scheduler.requests, traces.get)
+        first = trace_plan(plan, plan_to_pb(plan), scheduler.requests, traces.get, StepTally())
         await pipeline.send(plan, plan_to_pb(plan), functools.partial(starts, first, plan.step_id))
         await pipeline.after_send()
 

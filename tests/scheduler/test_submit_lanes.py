@@ -16,7 +16,7 @@ import pytest
 from kvmesh.mesh.service_process import free_port
 from services.gateway.mesh.submit_lanes import LaneCall, SubmitLanes
 from services.gateway.request.request_record import upstream_failure
-from services.scheduler.submit_lanes import LaneStream, LaneTokens
+from services.scheduler.submit_lanes import LaneStream, LaneWriter
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -33,15 +33,16 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.deadlines: dict[str, float | None] = {}
         self.metadata: dict[str, dict[str, str | bytes]] = {}
         self.refused: set[str] = set()
-        self.replies: list[int] = []  # events in each reply, in order
-        self.lane_tokens: dict[str, LaneTokens] = {}  # each accepted lane's
+        self.replies: list[int] = []  # tokens and events in each reply, in order
+        self.sent: list[scheduler_pb2.SubmitLanesResponse] = []
+        self.lanes: dict[str, LaneWriter] = {}  # each accepted lane's
 
     async def events(
         self,
         request: scheduler_pb2.SubmitRequest,
         deadline: float | None,
         metadata: Sequence[tuple[str, str | bytes]],
-        lane_tokens: LaneTokens,
+        lane: LaneWriter,
     ) -> AsyncGenerator[Event, None]:
         name = request.request_id
         if name in self.refused:
@@ -50,7 +51,7 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         queue = self.queues[name] = asyncio.Queue()
         try:
             yield Event(accepted=scheduler_pb2.SubmitAccepted(queue_position=len(self.queues)))
-            self.lane_tokens[name] = lane_tokens  # tokens from here on, as the step loop's go
+            self.lanes[name] = lane  # tokens from here on, as the step loop's go
             while True:
                 event = await queue.get()
                 yield event
@@ -62,13 +63,13 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             self.ended.setdefault(name, "closed")
             del self.queues[name]
-            self.lane_tokens.pop(name, None)
+            self.lanes.pop(name, None)
 
     def step(self, finish: bool = False) -> None:
         """One token for every open request, in one pass; `finish` ends them too."""
         for name, queue in self.queues.items():
-            if name in self.lane_tokens:
-                self.lane_tokens[name]().token_ids.append(_token(name))
+            if name in self.lanes:
+                self.lanes[name].plain([_token(name)])
             else:
                 queue.put_nowait(Event(tokens=scheduler_pb2.SubmitTokens(token_ids=[_token(name)])))
             if finish:
@@ -76,7 +77,8 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     async def SubmitLanes(self, request_iterator, context):  # type: ignore[no-untyped-def]
         async for reply in LaneStream(self.events).replies(request_iterator):
-            self.replies.append(len(reply.events))
+            self.replies.append(len(reply.token_ids) + len(reply.events))
+            self.sent.append(reply)
             yield reply
 
 
@@ -143,12 +145,13 @@ async def test_a_steps_events_cross_in_one_message_and_reach_their_own_request()
             assert (await call.read()).WhichOneof("event") == "finished"
         await until(lambda: len(service.ended) == 32)
         assert set(service.ended.values()) == {"finished"}
-        # Each step's tokens one message of 32 events, straight from the step; the finishes,
-        # which wake their lanes' tasks, one more.
+        # Each step's tokens one message of 32 tokens in columns, straight from the step; the
+        # finishes, which wake their lanes' tasks, one more.
         assert service.replies[before:] == [32, 32, 32, 32, 32]
+        assert [len(reply.token_ids) for reply in service.sent[before:]] == [32, 32, 32, 32, 0]
 
 
-async def test_steps_before_the_reply_is_written_leave_as_one_event_a_lane() -> None:
+async def test_steps_before_the_reply_is_written_leave_in_it_and_read_as_one_event_a_lane() -> None:
     port = free_port()
     async with scheduler(port) as service, gateway_lanes(port) as lanes:
         calls = [submit(lanes, f"r{i}") for i in range(8)]
@@ -158,7 +161,7 @@ async def test_steps_before_the_reply_is_written_leave_as_one_event_a_lane() -> 
         service.step()  # before the outbox was written: the second step's tokens join
         for i, call in enumerate(calls):
             assert list((await call.read()).tokens.token_ids) == [i, i]
-        assert service.replies[before:] == [8]
+        assert service.replies[before:] == [16]  # one message, its columns read as 8 events
 
 
 async def test_tokens_a_lane_has_not_read_yet_join_into_one_event() -> None:
@@ -176,6 +179,58 @@ async def test_tokens_a_lane_has_not_read_yet_join_into_one_event() -> None:
         assert (await keeping_up.read()).WhichOneof("event") == "finished"
         assert list((await behind.read()).tokens.token_ids) == [7, 7, 7, 7]  # one event
         assert (await behind.read()).WhichOneof("event") == "finished"
+
+
+async def test_plain_tokens_ride_in_columns_until_their_lane_has_an_event_in_the_reply() -> None:
+    port = free_port()
+    async with scheduler(port) as service, gateway_lanes(port) as lanes:
+        plain, evented = submit(lanes, "r1"), submit(lanes, "r2")
+        await accepted([plain, evented])
+        before = len(service.sent)
+        service.lanes["r1"].plain([1])
+        first = service.lanes["r2"].tokens()  # a first token's event, timings and all
+        first.token_ids.append(2)
+        first.first.queue_ms = 5.0
+        service.lanes["r2"].plain([2])  # after an event of its lane: joins it, not the columns
+        service.lanes["r1"].plain([1, 1])
+        await until(lambda: len(service.sent) > before)
+        (reply,) = service.sent[before:]
+        assert list(reply.token_ids) == [1, 1, 1] and len(set(reply.token_lanes)) == 1
+        assert [list(entry.event.tokens.token_ids) for entry in reply.events] == [[2, 2]]
+        assert list((await plain.read()).tokens.token_ids) == [1, 1, 1]  # joined, one event
+        tokens = (await evented.read()).tokens
+        assert list(tokens.token_ids) == [2, 2] and tokens.first.queue_ms == 5.0
+
+
+class OneReply:
+    """A scheduler's side of a SubmitLanes call that sends one reply and ends."""
+
+    def __init__(self, reply: scheduler_pb2.SubmitLanesResponse) -> None:
+        self.reply = reply
+
+    def __call__(self) -> OneReply:
+        return self
+
+    async def __aiter__(self) -> AsyncIterator[scheduler_pb2.SubmitLanesResponse]:
+        await asyncio.sleep(0.05)  # after the lane was opened
+        yield self.reply
+
+    async def write(self, message: object) -> None:
+        pass
+
+    def cancel(self) -> bool:
+        return False
+
+
+async def test_a_lanes_column_tokens_are_read_before_its_events_in_the_same_reply() -> None:
+    reply = scheduler_pb2.SubmitLanesResponse(token_lanes=[1, 1], token_ids=[7, 8])
+    reply.events.add(lane=1).event.finished.finish_reason = 1
+    stub = type("Stub", (), {"SubmitLanes": OneReply(reply)})()
+    lanes = SubmitLanes(stub)  # type: ignore[arg-type]
+    lane = submit(lanes, "r1")
+    assert list((await lane.read()).tokens.token_ids) == [7, 8]
+    assert (await lane.read()).WhichOneof("event") == "finished"
+    await lanes.aclose()
 
 
 class Diverted:

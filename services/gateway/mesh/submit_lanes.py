@@ -3,9 +3,10 @@
 Each request is a lane (`LaneCall`), read and cancelled as its own Submit call would be. Opens
 and cancels that queue while a write is in flight go as one message (shared_stream.py). One
 reader hands each lane its events: the scheduler sends a step's events as one message, so at
-batch 128 the gateway reads one message a step instead of 128. Tokens that reach a lane whose
-relay has not read the previous ones yet join them (token_events.py): one delta, not a
-backlog of a delta a token, each ~100 µs of the gateway's.
+batch 128 the gateway reads one message a step instead of 128, its plain tokens as two columns
+(lanes, token ids) read before its events. Tokens that reach a lane whose relay has not read
+the previous ones yet join them (token_events.py): one delta, not a backlog of a delta a
+token, each ~100 µs of the gateway's.
 
 The stream opens with the first request and again after a break: a break fails every lane on it
 with the stream's error, as each Submit call would have failed, and a request placed later goes
@@ -119,6 +120,16 @@ class LaneCall:
             self.open_upstream = False
             self._stop_timer()
 
+    def token_delivered(self, token: int) -> None:
+        """`delivered` for a plain token from the reply's columns."""
+        unread = self._items[-1] if self._items else None
+        if isinstance(unread, Event) and unread.HasField("tokens"):
+            unread.tokens.token_ids.append(token)
+        elif self.divert is not None and unread is None:
+            self.divert.tokens(scheduler_pb2.SubmitTokens(token_ids=(token,)))
+        else:
+            self._put(Event(tokens=scheduler_pb2.SubmitTokens(token_ids=(token,))))
+
     def broken(self, item: Item) -> None:
         self.open_upstream = False
         self._stop_timer()
@@ -186,7 +197,11 @@ class SubmitLanes(SharedStream[scheduler_pb2.SubmitLane]):
         ended: Item = grpc.aio.EOF
         try:
             async for reply in call:
-                for entry in reply.events:
+                lanes = self._lanes
+                for number, token in zip(reply.token_lanes, reply.token_ids, strict=True):
+                    if (lane := lanes.get(number)) is not None:  # else cancelled here
+                        lane.token_delivered(token)
+                for entry in reply.events:  # after a lane's column tokens (scheduler.proto)
                     lane = self._lanes.get(entry.lane)
                     if lane is None:
                         continue  # cancelled here; the scheduler's events crossed it

@@ -153,10 +153,14 @@ class LaneEvent(_message.Message):
     def __init__(self, lane: _Optional[int] = ..., event: _Optional[_Union[SubmitEvent, _Mapping]] = ...) -> None: ...
 
 class SubmitLanesResponse(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "token_lanes", "token_ids")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LANES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[LaneEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[LaneEvent, _Mapping]]] = ...) -> None: ...
+    token_lanes: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, events: _Optional[_Iterable[_Union[LaneEvent, _Mapping]]] = ..., token_lanes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerAbortRequest(_message.Message):
     __slots__ = ("request_id",)
