@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 
 import grpc
@@ -241,8 +241,8 @@ class Diverted:
         self.handed: list[list[int]] = []
         self.interrupted = False
 
-    def tokens(self, tokens: scheduler_pb2.SubmitTokens) -> None:
-        self.handed.append(list(tokens.token_ids))
+    def take(self, token_ids: Iterable[int]) -> None:
+        self.handed.append(list(token_ids))
 
     def interrupt(self) -> None:
         self.interrupted = True

@@ -19,7 +19,7 @@ import asyncio
 import collections
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, TypeAlias
 
 import grpc
@@ -36,9 +36,10 @@ Item: TypeAlias = Event | EndOfStream | BaseException
 
 
 class Divert(Protocol):
-    """Takes a lane's tokens instead of its reader (a parked relay: parked_relays.py)."""
+    """Takes a lane's tokens instead of its reader (a parked relay: parked_relays.py). Only a
+    plain stream past its first token is diverted: its tokens are ids and nothing else."""
 
-    def tokens(self, tokens: scheduler_pb2.SubmitTokens) -> None: ...
+    def take(self, token_ids: Iterable[int]) -> None: ...
 
     def interrupt(self) -> None:
         """Anything else reached the lane: its reader must read it."""
@@ -87,18 +88,18 @@ class LaneCall:
         self.divert = divert
         if (unread := self._unread_tokens()) is not None:
             self._items.clear()
-            divert.tokens(unread)
+            divert.take(unread.token_ids)
 
     def _unread_tokens(self) -> scheduler_pb2.SubmitTokens | None:
         """The tokens unread when nothing else is (unread tokens join into one event)."""
         item = self._items[0] if len(self._items) == 1 else None
         return item.tokens if isinstance(item, Event) and item.HasField("tokens") else None
 
-    def undivert(self, left: scheduler_pb2.SubmitTokens | None = None) -> None:
+    def undivert(self, left: list[int] | None = None) -> None:
         """The reader takes the tokens again, first the diverted ones not yet relayed."""
         self.divert = None
         if left is not None:
-            self._items.appendleft(Event(tokens=left))
+            self._items.appendleft(Event(tokens=scheduler_pb2.SubmitTokens(token_ids=left)))
 
     def cancel(self) -> None:
         """Aborts the request upstream (or ends a prefill-only lane's hold); later reads see
@@ -111,7 +112,7 @@ class LaneCall:
         kind = event.WhichOneof("event")
         unread = self._items[-1] if self._items else None
         if kind == "tokens" and self.divert is not None and unread is None:
-            self.divert.tokens(event.tokens)
+            self.divert.take(event.tokens.token_ids)
         elif kind == "tokens" and isinstance(unread, Event) and unread.HasField("tokens"):
             join_tokens(unread.tokens, event.tokens)
         else:
@@ -126,7 +127,7 @@ class LaneCall:
         if isinstance(unread, Event) and unread.HasField("tokens"):
             unread.tokens.token_ids.append(token)
         elif self.divert is not None and unread is None:
-            self.divert.tokens(scheduler_pb2.SubmitTokens(token_ids=(token,)))
+            self.divert.take((token,))
         else:
             self._put(Event(tokens=scheduler_pb2.SubmitTokens(token_ids=(token,))))
 

@@ -16,15 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import Counter
 
 from services.gateway.mesh.submit_lanes import LaneCall
 from services.gateway.request.relay import Event, Relay
 from shared.errors import KvmeshError, Reason
-from shared.pb.kvmesh.v1 import scheduler_pb2, tokenizer_pb2
-from shared.token_events import join_tokens
+from shared.pb.kvmesh.v1 import tokenizer_pb2
 
 log = logging.getLogger("kvmesh.gateway.relay")
 PASS_DELTAS = Counter(
@@ -42,16 +41,16 @@ class ParkedRelay:
         self.relay = relay
         self.deliver = deliver
         self.lane: LaneCall = relay.admitted.submit
-        self.waiting: scheduler_pb2.SubmitTokens | None = None  # not yet sent to the tokenizer
+        self.waiting: list[int] | None = None  # token ids not yet sent to the tokenizer
         self.busy = False  # its tokens are with the tokenizer or being delivered
         self.interrupted = False
         self.woken: asyncio.Future[list[Event]] = asyncio.get_running_loop().create_future()
 
-    def tokens(self, tokens: scheduler_pb2.SubmitTokens) -> None:
+    def take(self, token_ids: Iterable[int]) -> None:
         if self.waiting is not None:
-            join_tokens(self.waiting, tokens)
+            self.waiting.extend(token_ids)
             return
-        self.waiting = tokens
+        self.waiting = list(token_ids)
         if not self.busy:  # else the pass sends them once the exchange in flight is done
             self._pass.ready(self)
 
@@ -103,14 +102,14 @@ class StepPass:
 
     def _send(self) -> None:
         ready, self._ready = self._ready, []
-        batch: list[tuple[ParkedRelay, scheduler_pb2.SubmitTokens]] = []
+        batch: list[tuple[ParkedRelay, list[int]]] = []
         entries = []
         for parked in ready:
             tokens, parked.waiting = parked.waiting, None
             if parked.woken.done() or tokens is None:
                 continue
             try:
-                entries.append(parked.relay.text.entry(list(tokens.token_ids)))
+                entries.append(parked.relay.text.entry(tokens))
             except KvmeshError as error:
                 parked.fail(error)
                 continue
@@ -123,7 +122,7 @@ class StepPass:
 
     async def _relay(
         self,
-        batch: list[tuple[ParkedRelay, scheduler_pb2.SubmitTokens]],
+        batch: list[tuple[ParkedRelay, list[int]]],
         entries: list[tokenizer_pb2.DetokenizeLane],
     ) -> None:
         lanes = batch[0][0].relay.text.lanes  # a gateway has one DetokenizeLanes
@@ -155,7 +154,7 @@ class StepPass:
     @staticmethod
     def _deliver(
         parked: ParkedRelay,
-        tokens: scheduler_pb2.SubmitTokens,
+        tokens: list[int],
         answered: tokenizer_pb2.DetokenizedLane,
     ) -> bool:
         """Whether the stream's text was written; else its task is woken with the events it

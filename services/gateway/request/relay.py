@@ -40,6 +40,7 @@ Event = inference_pb2.GenerateEvent
 Park = Callable[["Relay"], Awaitable[list[Event]]]
 # Failures another scheduler may not have: its worker or it died, or it is draining.
 FAILOVER_REASONS = (Reason.WORKER_LOST, Reason.MODEL_NOT_READY, Reason.UNREACHABLE)
+_PLAIN = scheduler_pb2.SubmitTokens()  # what a parked relay's tokens carry besides ids: nothing
 
 
 class FailOver(Exception):
@@ -147,16 +148,16 @@ class Relay:
             yield event
 
     def on_text(
-        self, tokens: scheduler_pb2.SubmitTokens, text: str, deliver: Callable[[str, int], bool]
+        self, ids: list[int], text: str, deliver: Callable[[str, int], bool]
     ) -> list[Event]:
-        """A parked relay's tokens with their text: handed to `deliver` (a plain delta the
-        client can take at once), else the events to relay."""
-        ids = list(tokens.token_ids)
-        self._counted(tokens, ids)  # a plain stream asked for no prompt logprobs
+        """A parked relay's tokens (ids alone: a plain stream past its first token) with their
+        text: handed to `deliver` (a plain delta the client can take at once), else the events
+        to relay."""
+        self._counted(_PLAIN, ids)
         released = self.stops.push(text)
         if self.stops.matched is None and deliver(released, len(ids)):
             return []
-        return self._delta_events(tokens, ids, [], released)
+        return self._delta_events(_PLAIN, ids, [], released)
 
     def _counted(self, tokens: scheduler_pb2.SubmitTokens, ids: list[int]) -> None:
         """The tokens counted in the progress."""
