@@ -4,8 +4,10 @@ A token is at least one byte of the text (a BOS or a SentencePiece prefix adds a
 more) and at most the vocabulary's longest token. So a text of B bytes has at most B + 2 tokens
 and at least B / longest: past the limit by the lower bound it is refused at once, within it by
 the upper bound it is encoded as usual. In between it is counted in pieces that end before a
-space following a non-space, where byte-level pre-tokenizers split anyway, and refused as soon as
-the count passes the limit: a 3.9 MB prompt costs a byte count, not 11 s of tokenizing.
+space following a non-space, where byte-level pre-tokenizers split anyway (failing that, where
+letters meet other characters, then anywhere), and refused as soon as the count passes the
+limit: a 3.9 MB prompt costs a byte count, not 11 s of tokenizing, and 1.3 MB of symbols with no
+space one piece's count, not 2.5 s.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from shared.errors import KvmeshError, Reason
 
 PIECE_CHARS = 1 << 14  # about 9 ms of encoding: what another prompt may wait behind
 _SPLIT = re.compile(r"(?<=\S)(?=\s)")
+# Letters against anything else: a pre-token's edge for byte-level BPE, a likely one elsewhere.
+_CLASS_CHANGE = re.compile(r"(?<=[^\W\d_])(?=[\W\d_])|(?<=[\W\d_])(?=[^\W\d_])")
 
 
 def longest_token_bytes(tokenizer: Tokenizer) -> int:
@@ -33,13 +37,14 @@ def _too_long(detail: str, limit: int) -> KvmeshError:
 
 
 def _pieces(text: str) -> list[str]:
+    """Pieces of PIECE_CHARS to twice that; each cut at the best edge the window has."""
     pieces, start = [], 0
-    while len(text) - start > PIECE_CHARS:
-        split = _SPLIT.search(text, start + PIECE_CHARS)
-        if split is None:
-            break
-        pieces.append(text[start : split.start()])
-        start = split.start()
+    while len(text) - start > 2 * PIECE_CHARS:
+        window = (start + PIECE_CHARS, start + 2 * PIECE_CHARS)
+        split = _SPLIT.search(text, *window) or _CLASS_CHANGE.search(text, *window)
+        cut = window[0] if split is None else split.start()  # a run of one class: anywhere
+        pieces.append(text[start:cut])
+        start = cut
     return [*pieces, text[start:]]
 
 

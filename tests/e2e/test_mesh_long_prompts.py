@@ -1,11 +1,14 @@
 """A prompt far past the context is refused without holding anyone: three 3.9 MB prompts sent
 with a normal chat leave the chat's TTFT within 2x of alone (plus the time to take 11.7 MB off
-the wire), and each is PROMPT_TOO_LONG."""
+the wire), and each is PROMPT_TOO_LONG; so do 1.3 MB chats of random symbols with no space,
+too few bytes for the byte count to refuse, refused within 1 s."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import statistics
+import string
 import time
 
 import grpc
@@ -15,6 +18,8 @@ from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.e2e.mesh_helpers import rich_error
 
 HUGE = "word " * 780_000  # 3.9 MB, under the 4 MiB request limit
+_rng = random.Random(0)
+SYMBOLS = "".join(_rng.choice(string.ascii_letters + string.punctuation) for _ in range(1_300_000))
 
 
 def chat_request(index: int) -> inference_pb2.GenerateRequest:
@@ -33,8 +38,11 @@ async def ttft(stub: inference_pb2_grpc.InferenceStub, index: int) -> float:
     raise AssertionError("no token")
 
 
-async def refused_reason(stub: inference_pb2_grpc.InferenceStub) -> str:
-    request = inference_pb2.GenerateRequest(text=HUGE)
+async def refused_reason(
+    stub: inference_pb2_grpc.InferenceStub,
+    request: inference_pb2.GenerateRequest | None = None,
+) -> str:
+    request = request or inference_pb2.GenerateRequest(text=HUGE)
     try:
         async for _event in stub.Generate(request, timeout=60):
             pass
@@ -57,4 +65,30 @@ async def test_huge_prompts_are_refused_without_holding_a_normal_chat(mesh: Mesh
             reasons += results[1:]
     assert set(reasons) == {"PROMPT_TOO_LONG"}
     # 0.1 s for the bytes: the chat's TTFT alone (~50 ms on a 2-core Zen 4) leaves 2x no room.
+    assert statistics.median(beside) <= 2 * statistics.median(alone) + 0.1, (alone, beside)
+
+
+async def test_symbols_with_no_space_are_refused_at_once_without_holding_a_normal_chat(
+    mesh: Mesh,
+) -> None:
+    message = common_pb2.ChatMessage(role="user", content=SYMBOLS)
+    symbols = inference_pb2.GenerateRequest(chat=common_pb2.Chat(messages=[message]))
+    async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        await ttft(stub, 0)  # warm
+        alone = [await ttft(stub, index) for index in range(1, 6)]
+        beside, refused_in = [], []
+        for index in range(6, 11):
+
+            async def timed_refusal() -> float:
+                started = time.monotonic()
+                assert await refused_reason(stub, symbols) == "PROMPT_TOO_LONG"
+                return time.monotonic() - started
+
+            chat, *refusals = await asyncio.gather(
+                ttft(stub, index), *(timed_refusal() for _ in range(2))
+            )
+            beside.append(chat)
+            refused_in += refusals
+    assert max(refused_in) < 1.0, refused_in  # tokenized whole, each took 2.5 s of CPU
     assert statistics.median(beside) <= 2 * statistics.median(alone) + 0.1, (alone, beside)
