@@ -37,6 +37,10 @@ keys = ["sk-beta"]
 [tenants.limited]
 keys = ["sk-limited"]
 requests_per_second = 0.5
+
+[tenants.wordy]
+keys = ["sk-wordy"]
+tokens_per_minute = 600
 """
 PROMPT = [(7 * i) % 200 + 3 for i in range(120)]  # 7 full blocks of 16 for the prefix cache
 
@@ -55,7 +59,7 @@ def mesh(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
         worker_threads=1,
         worker_args=["--kv-memory", "16MiB"],
         scheduler_args=["--max-num-seqs", "4"],  # a small, clear capacity
-        gateway_args=["--api-keys-file", str(keys)],
+        gateway_args=["--api-keys-file", str(keys), "--max-total-tokens", "500"],
         log_dir=str(tmp_path_factory.mktemp("mesh-redis-logs")),
         drain_seconds=2,
     )
@@ -110,6 +114,24 @@ async def test_a_tenant_over_its_rate_is_refused_with_retry_info(mesh: Mesh) -> 
     assert error.retryable and error.retry_delay_ms is not None
     assert 0 < error.retry_delay_ms <= 2000  # one request per 2 s
     # Other tenants are not affected.
+    assert assert_one_terminal(await generate(mesh, request, "sk-beta")) == "completed"
+
+
+async def test_prompts_refused_before_admission_count_against_the_tenants_tokens(
+    mesh: Mesh,
+) -> None:
+    """Five 120-token prompts with no room for their output (past --max-total-tokens) use up
+    a 600 tokens-a-minute tenant: its next request waits for the refill, as if they had run."""
+    for _ in range(5):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await generate(mesh, ids_request(PROMPT, max_tokens=1000), "sk-wordy")
+        assert rich_error(raised.value).reason == "PROMPT_TOO_LONG"
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await generate(mesh, ids_request(PROMPT[:50], max_tokens=50), "sk-wordy")
+    error = rich_error(raised.value)
+    assert error.reason == "RATE_LIMITED" and "tokens per minute" in raised.value.details()
+    assert error.retry_delay_ms is not None and error.retry_delay_ms > 5_000  # ~10 s to refill
+    request = ids_request(PROMPT[:50], max_tokens=50)
     assert assert_one_terminal(await generate(mesh, request, "sk-beta")) == "completed"
 
 

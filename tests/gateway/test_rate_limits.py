@@ -79,3 +79,19 @@ async def test_without_redis_each_gateway_enforces_the_limits_locally() -> None:
 async def test_unlimited_tenants_never_touch_redis() -> None:
     limits = RateLimiter(None)
     assert await limits.admit(Tenant("anonymous"), "r", 10**6) is None
+
+
+async def test_a_charge_empties_the_tokens_bucket_and_never_below(
+    redis_server: RedisServer,
+) -> None:
+    """Tokens a refused request had tokenized: the next admission waits for them to refill,
+    and no charge leaves a debt past an empty bucket."""
+    tenant = Tenant("charged", TenantLimits(tokens_per_minute=600))  # 10 tokens/s
+    for limits in (limiter(redis_server), RateLimiter(None)):  # through Redis, and locally
+        await limits.charge(tenant, 590)
+        retry_ms = await refused(limits, tenant, "after", 100)
+        assert 8_000 <= retry_ms <= 9_100  # ~90 missing at 10/s
+        await limits.charge(tenant, 10_000)  # far past empty: empty, not a debt
+        retry_ms = await refused(limits, tenant, "emptied", 100)
+        assert 9_000 <= retry_ms <= 10_100
+        await limits.charge(Tenant("free", TenantLimits()), 10_000)  # no limit: nothing

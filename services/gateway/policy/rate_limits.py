@@ -2,8 +2,9 @@
 concurrency limit, checked and charged by one Lua script (atomic: all or nothing).
 
 A request is charged its prompt tokens plus max_tokens on admission; what it did not generate
-is refunded when it ends. Concurrency is a sorted set of leases (request id -> expiry), renewed
-while the request runs, so a gateway that dies stops counting after one lease.
+is refunded when it ends. One refused after its prompt was tokenized is charged those tokens.
+Concurrency is a sorted set of leases (request id -> expiry), renewed while the request runs,
+so a gateway that dies stops counting after one lease.
 
 With Redis unreachable each gateway enforces the same limits on its own (local buckets): a
 tenant may then get up to the limit from each gateway, never an error caused by Redis.
@@ -79,6 +80,21 @@ end
 return 0
 """
 
+# KEYS: tokens bucket. ARGV: tokens/ms, tokens to take (never below empty).
+CHARGE_LUA = """
+local now_parts = redis.call('TIME')
+local now = now_parts[1] * 1000 + math.floor(now_parts[2] / 1000)
+local rate, cost = tonumber(ARGV[1]), tonumber(ARGV[2])
+local capacity = rate * 60000
+local state = redis.call('HMGET', KEYS[1], 'level', 'at')
+local value = tonumber(state[1]) or capacity
+local at = tonumber(state[2]) or now
+local level = math.min(capacity, value + (now - at) * rate)
+redis.call('HSET', KEYS[1], 'level', math.max(0, level - cost), 'at', now)
+redis.call('PEXPIRE', KEYS[1], math.ceil(capacity / rate) + 1000)
+return 0
+"""
+
 _LIMIT_NAMES = {1: "requests per second", 2: "tokens per minute", 3: "concurrent requests"}
 
 
@@ -134,6 +150,10 @@ class LocalLimits:
         self.in_flight += 1
         return 0, 0
 
+    def charge(self, tokens: int) -> None:
+        if self.tokens is not None:
+            self.tokens.level = max(0.0, self.tokens.refill() - tokens)
+
     def release(self, refund: int) -> None:
         self.in_flight -= 1
         if self.tokens is not None:
@@ -148,6 +168,7 @@ class RateLimiter:
         if link is not None:  # EVALSHA; reloaded by redis-py after a Redis restart
             self._admit_script = link.client.register_script(ADMIT_LUA)
             self._release_script = link.client.register_script(RELEASE_LUA)
+            self._charge_script = link.client.register_script(CHARGE_LUA)
 
     async def admit(self, tenant: Tenant, request_id: str, token_cost: int) -> Grant | None:
         """Charge the tenant or raise RATE_LIMITED; None for a tenant without limits."""
@@ -170,6 +191,21 @@ class RateLimiter:
         if shared and tenant.limits.max_concurrent and self._leases is not None:
             self._leases.hold(redis_keys.tenant_in_flight(tenant.name), request_id)
         return grant
+
+    async def charge(self, tenant: Tenant, tokens: int) -> None:
+        """Prompt tokens the tenant had tokenized for a request refused before admission (too
+        long, or no room for its output): taken from its tokens per minute, never below empty,
+        so tokenizer time counts against its limit even when nothing is generated."""
+        rate = tenant.limits.tokens_per_minute
+        if rate <= 0 or tokens <= 0:
+            return
+        if self.link is not None:
+            keys = [redis_keys.tenant_tokens_bucket(tenant.name)]
+            args: list[float | int | str] = [rate / 60000, tokens]
+            done = await self.link.run(lambda client: self._charge_script(keys=keys, args=args))
+            if done is not None:
+                return
+        self._local_limits(tenant).charge(tokens)
 
     async def release(self, grant: Grant | None, tokens_used: int) -> None:
         if grant is None:

@@ -109,17 +109,28 @@ class Admission:
         request, telemetry, model = call.request, call.telemetry, checked.model
         remaining = time_remaining(call.context, request.timeout_ms)
         telemetry.prompt(request.text)
+        limits, rate_limiter = self.policy.limits, self.policy.rate_limiter
         with telemetry.phase("tokenize") as span:
             metadata = telemetry.phase_metadata(span)
-            token_ids = await self.tokenizer.prompt_token_ids(
-                request, model, remaining, metadata, self.policy.limits.prompt_limit(model)
-            )
+            prompt_limit = limits.prompt_limit(model)
+            try:
+                token_ids = await self.tokenizer.prompt_token_ids(
+                    request, model, remaining, metadata, prompt_limit
+                )
+            except KvmeshError as error:
+                if error.reason is Reason.PROMPT_TOO_LONG:  # counted to the limit at most
+                    await rate_limiter.charge(checked.tenant, prompt_limit)
+                raise
             span.set_attribute("gen_ai.usage.input_tokens", len(token_ids))
         sampling = checked.sampling
-        self.policy.limits.check_tokens(len(token_ids), sampling.max_tokens)
+        try:
+            limits.check_tokens(len(token_ids), sampling.max_tokens)
+        except KvmeshError:
+            await rate_limiter.charge(checked.tenant, len(token_ids))
+            raise
         with telemetry.phase("rate_limit"):
             n = num_completions(request.n)
-            grant = await self.policy.rate_limiter.admit(
+            grant = await rate_limiter.admit(
                 checked.tenant, call.request_id, len(token_ids) + n * sampling.max_tokens
             )
         try:
