@@ -290,7 +290,7 @@ async def test_a_client_that_hangs_up_cancels_the_request_upstream(mesh: Mesh, c
             {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
             "INVALID_ARGUMENT",
         ),
-        ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "INVALID_SAMPLING_PARAMS"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "INVALID_ARGUMENT"),
         # OpenAI's documented ranges, each end.
         *(
             ({"messages": [{"role": "user", "content": "hi"}], name: value}, code)
@@ -298,6 +298,7 @@ async def test_a_client_that_hangs_up_cancels_the_request_upstream(mesh: Mesh, c
                 ("temperature", 2.5, "INVALID_SAMPLING_PARAMS"),
                 ("temperature", -0.1, "INVALID_SAMPLING_PARAMS"),
                 ("top_p", 1.01, "INVALID_SAMPLING_PARAMS"),
+                ("top_p", -0.01, "INVALID_SAMPLING_PARAMS"),
                 ("presence_penalty", 2.5, "INVALID_SAMPLING_PARAMS"),
                 ("presence_penalty", -2.5, "INVALID_SAMPLING_PARAMS"),
                 ("frequency_penalty", 2.5, "INVALID_SAMPLING_PARAMS"),
@@ -339,6 +340,7 @@ async def test_the_range_ends_and_unknown_fields_are_accepted(client) -> None:
     for extra in (
         {"temperature": 2.0, "top_p": 1.0, "presence_penalty": -2.0, "frequency_penalty": 2.0},
         {"temperature": 0.0, "presence_penalty": 2.0, "frequency_penalty": -2.0},
+        {"temperature": 1.0, "top_p": 0},  # OpenAI's range includes 0: the top token alone
     ):
         answer = await client.chat.completions.create(
             model=await model_name(client),

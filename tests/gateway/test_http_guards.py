@@ -1,14 +1,19 @@
 """The HTTP front's guards on its real aiohttp server: a body held back past its timeout is 408
 in the OpenAI error shape and the connection is let go within a second or two (aiohttp alone
 would read on for 10 s); with auth on, no key is 401 before the body is waited for; one client
-address holds at most its share of open requests; headers that never end are not waited for."""
+address holds at most its share of open requests; headers that never end are not waited for;
+a body declared past the size limit is 413 before it is read; a client leaving mid-body is
+not an error."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import types
+
+import pytest
 
 from kvmesh.mesh.service_process import free_port
 from services.gateway.openai_front.server import OpenAIFront
@@ -97,3 +102,33 @@ async def test_headers_that_never_end_are_not_waited_for() -> None:
         writer.close()
     finally:
         await front.close()
+
+
+async def test_a_body_declared_past_the_size_limit_is_413_at_once() -> None:
+    front, port = await front_on(ApiKeys(), body_timeout_s=5.0)
+    try:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000000\r\n"
+        reply, closed_after = await held_body(port, head)
+    finally:
+        await front.close()
+    status, _, rest = reply.partition(b"\r\n")
+    assert b" 413 " in status
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "REQUEST_TOO_LARGE" and "10000000000 bytes" in error["message"]
+    assert closed_after < 3  # not the 5 s the body would have been waited for
+
+
+async def test_a_client_leaving_mid_body_logs_no_error(caplog: pytest.LogCaptureFixture) -> None:
+    front, port = await front_on(ApiKeys(), body_timeout_s=5.0)
+    try:
+        for _ in range(3):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(HEAD + b"\r\n" + b'{"prompt": ')
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.close()
+        await asyncio.sleep(0.5)
+    finally:
+        await front.close()
+    errors = [record for record in caplog.records if record.levelno >= logging.WARNING]
+    assert not errors, [record.getMessage() for record in errors]

@@ -79,6 +79,8 @@ def test_completion_prompts(prompt: object, field: str) -> None:
     [
         ({"messages": HI, "n": 0}, Reason.INVALID_ARGUMENT, "'n'"),
         ({"messages": HI, "max_tokens": -1}, Reason.INVALID_ARGUMENT, "'max_tokens'"),
+        ({"messages": HI, "max_tokens": 0}, Reason.INVALID_ARGUMENT, "in [1, "),  # as refused
+        ({"messages": HI, "max_completion_tokens": 0}, Reason.INVALID_ARGUMENT, "in [1, "),
         ({"messages": HI, "temperature": True}, Reason.INVALID_ARGUMENT, "'temperature'"),
         ({"messages": HI, "top_logprobs": 2}, Reason.INVALID_ARGUMENT, "needs 'logprobs'"),
         (
@@ -99,6 +101,22 @@ def test_bad_bodies_name_the_field(body: dict, reason: Reason, words: str) -> No
     with pytest.raises(KvmeshError) as raised:
         parse_chat(body, context_of)
     assert raised.value.reason is reason and words in raised.value.message
+
+
+def test_top_p_zero_is_the_most_probable_token_alone() -> None:
+    """OpenAI's range for top_p includes 0; ours is (0, 1]: the same as top_k 1."""
+    for body in ({"messages": HI, "top_p": 0}, {"messages": HI, "top_p": 0.0, "top_k": 40}):
+        sampling = parse_chat(body, context_of).generate.sampling
+        assert (sampling.top_p, sampling.top_k) == (1.0, 1)
+    assert parse_completion({"prompt": "a", "top_p": 0}).generate.sampling.top_k == 1
+    assert parse_chat({"messages": HI, "top_p": 0.5}, context_of).generate.sampling.top_k == 0
+
+
+def test_zero_max_tokens_says_what_it_takes() -> None:
+    with pytest.raises(KvmeshError, match="at least 1 \\(0 only with 'echo': true\\)"):
+        parse_completion({"prompt": "a", "max_tokens": 0})
+    echoed = parse_completion({"prompt": "a", "max_tokens": 0, "echo": True})
+    assert echoed.echo_only
 
 
 def test_bodies_that_are_not_objects() -> None:

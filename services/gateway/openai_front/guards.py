@@ -5,7 +5,8 @@ One place for auth, as gRPC's interceptors are for the gRPC port: with auth on, 
 client without a key, never 404), and `/metrics` needs an admin tenant's key or the scrape
 token (`KVMESH_METRICS_TOKEN`). The body is then
 read within `body_timeout_s`: a client that holds a partial body holds a connection that long,
-no longer (408). One client address has at most `max_per_client` requests open at once (429).
+no longer (408); one that declares more than the size limit is 413 at once. One client address
+has at most `max_per_client` requests open at once (429).
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ def guards(api_keys: ApiKeys, body_timeout_s: float, max_per_client: int = 0) ->
             else:
                 api_keys.authenticate(metadata)
         if request.can_read_body:
+            declared, most = request.content_length, request.client_max_size
+            if declared is not None and declared > most:  # refused now, not once it arrived
+                raise web.HTTPRequestEntityTooLarge(
+                    max_size=most,
+                    actual_size=declared,
+                    text=f"the body is {declared} bytes; this gateway takes at most {most}",
+                )
             try:
                 request[BODY_KEY] = await asyncio.wait_for(request.read(), body_timeout_s)
             except TimeoutError:

@@ -81,7 +81,14 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
     except KvmeshError as error:
         return error_response(error)
     except web.HTTPRequestEntityTooLarge as error:
-        return error_response(KvmeshError(Reason.REQUEST_TOO_LARGE, error.text or "too large"))
+        response = error_response(KvmeshError(Reason.REQUEST_TOO_LARGE, error.text or "too large"))
+        response.force_close()  # its body is never read
+        return response
+    except ConnectionError:  # the client left mid-body: nobody reads this, nothing to log
+        log.debug("client left", extra={"path": request.path})
+        gone = error_response(KvmeshError(Reason.INVALID_ARGUMENT, "the connection closed"))
+        gone.force_close()  # aiohttp's write to the closed connection ends it quietly
+        return gone
     except web.HTTPException as error:
         if error.status < 400:
             raise
