@@ -49,7 +49,7 @@ def key_metadata() -> tuple[tuple[str, str], ...]:
 class MeshClient:
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = sync_channel(address)  # TLS as configured by KVMESH_TLS_*
+        self.channel = sync_channel(address, token="")  # TLS as KVMESH_TLS_* configure
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
 
     def close(self) -> None:

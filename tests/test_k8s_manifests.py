@@ -19,6 +19,7 @@ import yaml
 
 from shared.model_entry import read_entry
 from shared.model_paths import default_model_path
+from shared.runtime.mesh_token import ENV as MESH_TOKEN_ENV
 from tests.k8s_render import render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,8 +102,8 @@ def test_containers_agree_with_the_services(overlay: str) -> None:
         assert importlib.util.find_spec(module) is not None, module
         flags = flags_of(module)
         for env in container["env"]:
-            if env["name"] in TLS_ENV:
-                continue  # read by shared/runtime/tls.py in every service, not a flag
+            if env["name"] in TLS_ENV or env["name"] == MESH_TOKEN_ENV:
+                continue  # read by shared/runtime in every service, not a flag
             if env["name"].startswith("KVMESH_"):
                 flag = "--" + env["name"].removeprefix("KVMESH_").lower().replace("_", "-")
                 assert flag in flags, f"{container['name']}: {env['name']} is no flag of {module}"
@@ -174,6 +175,17 @@ def test_prod_requires_api_keys_and_scales_on_queue_time() -> None:
     published = (ROOT / "services" / "scheduler" / "metrics.py").read_text()
     for metric in hpa["spec"]["metrics"]:
         assert f'"{metric["pods"]["metric"]["name"]}"' in published
+
+
+def test_prod_gives_every_service_the_mesh_token_from_its_secret() -> None:
+    """The internal ports refuse a caller without it: a service left out could reach none."""
+    for overlay, expected in (("dev", False), ("prod", True), ("prod-tls", True)):
+        for container in kvmesh_containers(overlay):
+            env = {e["name"]: e for e in container["env"]}
+            assert (MESH_TOKEN_ENV in env) is expected, (overlay, container["name"])
+            if expected:
+                secret = env[MESH_TOKEN_ENV]["valueFrom"]["secretKeyRef"]
+                assert secret == {"name": "kvmesh-mesh-token", "key": "token"}
 
 
 def test_tls_is_all_or_nothing() -> None:

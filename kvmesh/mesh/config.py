@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from kvmesh.mesh.service_process import ServiceProcess
@@ -58,6 +59,11 @@ class MeshConfig:
         if "--api-keys-file" not in self.gateway_args:
             return []
         return self.gateway_args[self.gateway_args.index("--api-keys-file") :][:2]
+
+    @property
+    def auth_on(self) -> bool:
+        """API keys given to the gateways: then the internal ports want the mesh token too."""
+        return "--api-keys-file" in self.gateway_args or bool(os.environ.get("KVMESH_API_KEYS"))
 
     @property
     def roles(self) -> list[str]:

@@ -21,6 +21,7 @@ from kvmesh.mesh.supervisor import Supervisor
 from shared.model_entry import ModelEntry
 from shared.model_paths import default_embedding_model_path, is_encoder
 from shared.model_repository import ModelRepository
+from shared.runtime import mesh_token as tokens
 from shared.runtime.service import LIVENESS
 from shared.runtime.settings import SCHEDULER, WORKER
 from shared.runtime.tls import tls_config
@@ -44,6 +45,7 @@ class Mesh:
         self.pairs: list[ModelPair] = []  # with `models`: every pair, by model version
         self.repository = ModelRepository(config.model_repo)
         self.supervisor: Supervisor | None = None
+        self.mesh_token = tokens.mesh_token()  # internal ports' credential; made if auth is on
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -63,6 +65,7 @@ class Mesh:
 
     def _start_all(self) -> None:
         config = self.config
+        self.mesh_token = self.mesh_token or (tokens.new_mesh_token() if config.auth_on else "")
         if self.redis_url is None:
             self.redis_url = self._start_redis()
         self.collector_address = self.spawn(
@@ -271,6 +274,7 @@ class Mesh:
 
     def _launch(self, name: str, address: str | None, command: list[str], env: dict) -> None:
         log_path = os.path.join(self.log_dir, f"{name}.log")
+        env = {**env, tokens.ENV: self.mesh_token} if self.mesh_token else env
         self.services.append(ServiceProcess.start(name, address, command, env, log_path))
 
     def service(self, name: str) -> ServiceProcess:

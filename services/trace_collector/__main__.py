@@ -29,7 +29,8 @@ SERVICE_NAME = "kvmesh.v1.Traces"
 
 
 async def serve(args: argparse.Namespace) -> None:
-    runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port)
+    # Trace queries check an admin's API key themselves; span export wants the mesh token.
+    runtime = ServiceRuntime(SERVICE_NAME, args.host, args.port, open_services=(SERVICE_NAME,))
     store = SpanStore(parse_bytes(args.max_memory))
     forwarder = OtlpForwarder(args.forward) if args.forward else None
     runtime.add_servicer(

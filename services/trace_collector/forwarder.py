@@ -26,7 +26,7 @@ class OtlpForwarder:
         self._queue: asyncio.Queue[trace_service_pb2.ExportTraceServiceRequest] = asyncio.Queue(
             max_batches
         )
-        self._channel = aio_channel(endpoint)
+        self._channel = aio_channel(endpoint, token="")  # outside: never the mesh token
         self._stub = trace_service_pb2_grpc.TraceServiceStub(self._channel)
         self._failing = False
 

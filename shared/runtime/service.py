@@ -24,6 +24,7 @@ from shared.errors import KvmeshError, Reason
 from shared.runtime.error_boundary import KvmeshErrors
 from shared.runtime.heap import freeze_startup_heap
 from shared.runtime.loop_lag import watch_loop_lag
+from shared.runtime.mesh_token import MeshTokenRequired, mesh_token
 from shared.runtime.metrics import serve_metrics
 from shared.runtime.parent_watch import watch_parent
 from shared.runtime.settings import Setting, SettingsParser, add_settings, decimal, port
@@ -108,13 +109,27 @@ def start_observability(service_name: str, args: argparse.Namespace) -> None:
 
 
 class ServiceRuntime:
-    def __init__(self, service_name: str, host: str, port: int, public: bool = False) -> None:
+    def __init__(
+        self,
+        service_name: str,
+        host: str,
+        port: int,
+        public: bool = False,
+        open_services: tuple[str, ...] = (),
+    ) -> None:
+        """`open_services`: proto services of an internal server that authenticate callers
+        themselves, open without the mesh token."""
         self.service_name = service_name  # full proto name, e.g. kvmesh.v1.Scheduler
         self.public = public  # the gateway: TLS without client certificates unless asked
         self.address = f"{host}:{port}"
         # Undecodable bytes are refused first; a KvmeshError raised by any servicer becomes the
-        # rich status in one place (servicers raise, they never abort by hand).
-        interceptors = [UndecodableRequests(), KvmeshErrors()]
+        # rich status in one place (servicers raise, they never abort by hand). An internal
+        # server of a mesh with a token refuses anyone without it before either.
+        interceptors: list[grpc.aio.ServerInterceptor] = [UndecodableRequests(), KvmeshErrors()]
+        token = mesh_token()
+        if token and not public:
+            open_to_all = (health.SERVICE_NAME, *open_services)
+            interceptors.insert(0, MeshTokenRequired(token, open_to_all))
         self._options = PUBLIC_SERVER_OPTIONS if public else SERVER_OPTIONS
         self._interceptors = interceptors
         self.server = grpc.aio.server(options=self._options, interceptors=interceptors)

@@ -20,6 +20,8 @@ from typing import Any
 
 import grpc
 
+from shared.runtime.mesh_token import SyncMeshToken, aio_interceptors, mesh_token
+
 
 @dataclass(frozen=True)
 class TlsConfig:
@@ -84,20 +86,31 @@ def _channel_settings(
     return credentials, [*(options or []), *channel_options(config)]
 
 
-def aio_channel(address: str, options: list[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
-    """A channel to another kvmesh service: mTLS when configured, else plaintext."""
+def aio_channel(
+    address: str, options: list[tuple[str, Any]] | None = None, token: str | None = None
+) -> grpc.aio.Channel:
+    """A channel to another kvmesh service: mTLS when configured, else plaintext; with the
+    mesh token on every call (mesh_token.py): `token`, else this process's, if any ("" for
+    a peer outside the mesh, such as an OTLP endpoint)."""
     credentials, options = _channel_settings(options)
+    token = mesh_token() if token is None else token
+    interceptors = aio_interceptors(token) if token else None
     if credentials is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, credentials, options=options)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
 
 
-def sync_channel(address: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
+def sync_channel(
+    address: str, options: list[tuple[str, Any]] | None = None, token: str | None = None
+) -> grpc.Channel:
     """The same, for the blocking API (probes, the launcher, the CLI, span export)."""
     credentials, options = _channel_settings(options)
     if credentials is None:
-        return grpc.insecure_channel(address, options=options)
-    return grpc.secure_channel(address, credentials, options=options)
+        channel = grpc.insecure_channel(address, options=options)
+    else:
+        channel = grpc.secure_channel(address, credentials, options=options)
+    token = mesh_token() if token is None else token
+    return grpc.intercept_channel(channel, SyncMeshToken(token)) if token else channel
 
 
 def http_ssl_context(config: TlsConfig) -> ssl.SSLContext:

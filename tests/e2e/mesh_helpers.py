@@ -21,6 +21,7 @@ from shared.pb.kvmesh.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from shared.runtime.tls import aio_channel
 
 TERMINAL = ("completed", "cancelled", "failed")
 
@@ -110,10 +111,11 @@ def output_ids(events: list[inference_pb2.GenerateEvent]) -> list[int]:
 
 
 async def settled_load(
-    scheduler_address: str, timeout: float = 30, recent_frees: bool = False
+    scheduler_address: str, timeout: float = 30, recent_frees: bool = False, token: str = ""
 ) -> scheduler_pb2.LoadReport:
-    """The scheduler's load once nothing is queued or running."""
-    async with grpc.aio.insecure_channel(scheduler_address) as channel:
+    """The scheduler's load once nothing is queued or running (`token`: its mesh's, with
+    auth on)."""
+    async with aio_channel(scheduler_address, token=token) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         deadline = time.monotonic() + timeout
         while True:
@@ -167,12 +169,12 @@ async def assert_mesh_idle(mesh: Mesh, timeout: float = 30) -> None:
     """The invariants once traffic stops: no request queued, running or with an open stream
     anywhere, every KV block free or cached (no reference held)."""
     for address in mesh.scheduler_addresses:
-        load = await settled_load(address, timeout)
+        load = await settled_load(address, timeout, token=mesh.mesh_token)
         deadline = time.monotonic() + timeout
         while load.num_open_streams or load.num_blocks_referenced:
             assert time.monotonic() < deadline, f"{address} leaked: {load}"
             await asyncio.sleep(0.05)
-            load = await settled_load(address, timeout)
+            load = await settled_load(address, timeout, token=mesh.mesh_token)
     for gateway in mesh.gateways:
         assert gateway.metrics_url is not None
         deadline = time.monotonic() + timeout

@@ -19,6 +19,7 @@ from shared.pb.kvmesh.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from shared.runtime.tls import aio_channel
 from shared.tenants import Tenant
 from tests.e2e.mesh_helpers import (
     assert_one_terminal,
@@ -174,12 +175,13 @@ async def test_another_tenant_gets_no_hit_on_the_same_prompt(mesh: Mesh) -> None
     # In the engine too, on the very worker that holds acme's blocks: the scheduler matches
     # them under acme's salt and nothing under any other tenant's.
     acme_home = (await _until_routed_by_prefix(mesh, request))[0].accepted.routing.scheduler
-    assert await _submit_cached_tokens(acme_home, Tenant("acme").cache_salt) > 0
-    assert await _submit_cached_tokens(acme_home, Tenant("gamma").cache_salt) == 0
+    token = mesh.mesh_token  # auth is on: a scheduler answers the mesh's own alone
+    assert await _submit_cached_tokens(acme_home, Tenant("acme").cache_salt, token) > 0
+    assert await _submit_cached_tokens(acme_home, Tenant("gamma").cache_salt, token) == 0
 
 
-async def _submit_cached_tokens(scheduler_address: str, salt: bytes) -> int:
-    async with grpc.aio.insecure_channel(scheduler_address) as channel:
+async def _submit_cached_tokens(scheduler_address: str, salt: bytes, token: str) -> int:
+    async with aio_channel(scheduler_address, token=token) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         submit = scheduler_pb2.SubmitRequest(
             request_id=f"direct-{time.monotonic_ns()}",

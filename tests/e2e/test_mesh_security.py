@@ -19,15 +19,20 @@ import pytest
 
 from kvmesh.mesh.launcher import Mesh
 from shared.pb.kvmesh.v1 import (
+    engine_worker_pb2,
+    engine_worker_pb2_grpc,
     inference_pb2,
     inference_pb2_grpc,
     model_admin_pb2,
     model_admin_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
     traces_pb2,
     traces_pb2_grpc,
 )
+from shared.runtime.tls import aio_channel
 from tests.e2e.mesh_helpers import (
     assert_mesh_idle,
     assert_one_terminal,
@@ -186,12 +191,61 @@ async def test_streams_per_tenant_are_bounded_across_the_mesh(
         "RATE_LIMITED",
         True,
     )
-    async with grpc.aio.insecure_channel(guarded_mesh.scheduler_addresses[0]) as channel:
+    scheduler = guarded_mesh.scheduler_addresses[0]
+    async with aio_channel(scheduler, token=guarded_mesh.mesh_token) as channel:
         load = await scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(scheduler_pb2.LoadRequest())
     assert load.num_open_streams == MAX_STREAMS  # the refused one never reached it
     assert assert_one_terminal(await collect_as(inference, BETA)) == "completed"  # its own bound
     for call in held:
         call.cancel()
+    await assert_mesh_idle(guarded_mesh)
+
+
+async def test_no_internal_port_answers_a_caller_without_the_mesh_token(
+    guarded_mesh: Mesh, inference
+) -> None:
+    """The attack: a tenant's live stream aborted at its scheduler, a Submit as another tenant
+    at the most urgent priority. Each internal port refuses anyone but the mesh's own."""
+    victim = await start(inference, ACME, request_id="victim-1")
+    abort = scheduler_pb2.SchedulerAbortRequest(request_id="acme/victim-1")
+    submit = scheduler_pb2.SubmitRequest(
+        request_id="ops-1", token_ids=[1, 2, 3], tenant="ops", priority=-1_000_000
+    )
+    trace_export = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+    mesh = guarded_mesh
+    calls = [
+        (mesh.scheduler_addresses[0], lambda c: scheduler_pb2_grpc.SchedulerStub(c).Abort(abort)),
+        (
+            mesh.scheduler_addresses[0],
+            lambda c: read_rest(scheduler_pb2_grpc.SchedulerStub(c).Submit(submit)),
+        ),
+        (
+            mesh.tokenizer_addresses[0],
+            lambda c: tokenizer_pb2_grpc.TokenizerStub(c).Encode(
+                tokenizer_pb2.EncodeRequest(text="hi")
+            ),
+        ),
+        (
+            mesh.worker_addresses[0],
+            lambda c: engine_worker_pb2_grpc.EngineWorkerStub(c).GetInfo(
+                engine_worker_pb2.WorkerInfoRequest()
+            ),
+        ),
+        (mesh.collector_address, lambda c: c.unary_unary(trace_export)(b"")),
+    ]
+    for address, call in calls:
+        async with grpc.aio.insecure_channel(address) as outsider:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call(outsider)
+            error = rich_error(refused.value)
+            assert error.code == grpc.StatusCode.UNAUTHENTICATED, address
+            assert error.reason == "UNAUTHENTICATED"
+    delta = await victim.read()  # still streaming: the abort never reached its scheduler
+    assert delta.WhichOneof("event") == "delta"
+    victim.cancel()
+    async with aio_channel(mesh.scheduler_addresses[0], token=mesh.mesh_token) as own:
+        stub = scheduler_pb2_grpc.SchedulerStub(own)  # the mesh's own credential: answered
+        assert not (await stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_id="none"))).found
     await assert_mesh_idle(guarded_mesh)
 
 

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from shared.errors import KvmeshError, Reason
+from shared.pb.kvmesh.v1 import common_pb2
 
 log = logging.getLogger("kvmesh.gateway.http")
 
@@ -48,3 +49,10 @@ def check_openai_ranges(body: dict[str, Any]) -> None:
             Reason.INVALID_SAMPLING_PARAMS,
             f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], got {temperature}",
         )
+
+
+def zero_top_p_as_top_k(sampling: common_pb2.SamplingParams) -> None:
+    """OpenAI's top_p range includes 0, ours is (0, 1]: 0 keeps the most probable token alone,
+    as top_k 1 does."""
+    if sampling.HasField("top_p") and sampling.top_p == 0:
+        sampling.top_p, sampling.top_k = 1.0, 1

@@ -21,6 +21,7 @@ from services.gateway.openai_front.fields import (
     COMPLETION_FIELDS,
     check_openai_ranges,
     ignore_unknown,
+    zero_top_p_as_top_k,
 )
 from services.gateway.openai_front.prompts import (
     UINT32_MAX,
@@ -65,12 +66,10 @@ def _number(body: dict[str, Any], name: str) -> float | None:
 UINT64_MAX = 2**64 - 1  # the proto field's range (UINT32_MAX too)
 
 
-def _count(
-    body: dict[str, Any], name: str, maximum: int = UINT32_MAX, minimum: int = 0
-) -> int | None:
+def _count(body: dict[str, Any], name: str, most: int = UINT32_MAX, least: int = 0) -> int | None:
     value = _typed(body, name, (int,), "an integer")
-    if value is not None and not minimum <= value <= maximum:
-        raise _invalid(f"'{name}' must be in [{minimum}, {maximum}]")
+    if value is not None and not least <= value <= most:
+        raise _invalid(f"'{name}' must be in [{least}, {most}]")
     return value
 
 
@@ -129,8 +128,8 @@ def parse_chat(body: dict[str, Any], max_model_len: Callable[[str], int]) -> Ope
     request = _common(body, inference_pb2.GenerateRequest(chat=chat), chat=True)
     parse_tool_choice(body, request.generate.tool_choice)
     sampling = request.generate.sampling
-    limit = _count(body, "max_completion_tokens", minimum=1)
-    limit = _count(body, "max_tokens", minimum=1) if limit is None else limit
+    limit = _count(body, "max_completion_tokens", least=1)
+    limit = _count(body, "max_tokens", least=1) if limit is None else limit
     sampling.max_tokens = max_model_len(request.model) if limit is None else limit
     if _flag(body, "logprobs"):
         request.logprobs = True
@@ -215,9 +214,7 @@ def _common(
         count = _count(body, name, maximum)
         if count is not None:
             setattr(sampling, name, count)
-    if sampling.HasField("top_p") and sampling.top_p == 0:
-        # In OpenAI's range: the most probable token alone (ours is (0, 1]), as top_k 1 is.
-        sampling.top_p, sampling.top_k = 1.0, 1
+    zero_top_p_as_top_k(sampling)
     sampling.ignore_eos = _flag(body, "ignore_eos")
     sampling.disable_speculation = _flag(body, "disable_speculation")
     stop_ids = _typed(body, "stop_token_ids", (list,), "a list of token ids") or []
