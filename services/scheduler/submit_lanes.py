@@ -65,8 +65,8 @@ class LaneStream:
         self._outbox = scheduler_pb2.SubmitLanesResponse()
         self._unsent_tokens: dict[int, scheduler_pb2.SubmitTokens] = {}  # in the outbox, by lane
         self._with_events: set[int] = set()  # lanes with an event in the outbox
-        # The outbox's token columns, as lists until its reply is written (a list append is a
-        # tenth of a repeated field's).
+        # The outbox's token columns, as lists until its reply is written: a list append is
+        # 0.09 µs, a repeated field's 0.6, a nested event entry's 2.9.
         self._plain_lanes: list[int] = []
         self._plain_ids: list[int] = []
         self._news = asyncio.Event()
