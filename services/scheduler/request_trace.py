@@ -62,7 +62,7 @@ class RequestTrace:
         request_id: str,
         prompt_tokens: int,
         tenant: str,
-        tally: StepTally | None = None,
+        tally: StepTally,  # its step loop's: the decode steps are read from it
     ) -> None:
         self.arrival = time.monotonic()
         self.span = tracer.start_span(
@@ -83,7 +83,7 @@ class RequestTrace:
         self.scheduled_at: float | None = None  # the first step holding it began on the worker
         self.first_token_at: float | None = None
         self._decode: trace.Span | None = None
-        self._tally = StepTally() if tally is None else tally  # its step loop's
+        self._tally = tally
         self.decoding = False  # since a step it was in decoded; until preempted or ended
         self._decoding_from = (0, 0)  # the tally then, the step included
         self._decode_steps = 0

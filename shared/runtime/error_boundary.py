@@ -19,7 +19,8 @@ from shared import grpc_errors
 from shared.errors import KvmeshError
 
 log = logging.getLogger("kvmesh.errors")
-_FACTORIES = {
+# A method handler of each kind, rebuilt around another behavior (here and in mesh_token.py).
+HANDLER_FACTORIES = {
     "unary_unary": grpc.unary_unary_rpc_method_handler,
     "unary_stream": grpc.unary_stream_rpc_method_handler,
     "stream_unary": grpc.stream_unary_rpc_method_handler,
@@ -65,7 +66,7 @@ class KvmeshErrors(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        for kind, factory in _FACTORIES.items():
+        for kind, factory in HANDLER_FACTORIES.items():
             behavior = getattr(handler, kind)
             if behavior is not None:
                 guarded = _guard(behavior, handler_call_details.method)

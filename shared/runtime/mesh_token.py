@@ -23,20 +23,15 @@ import grpc
 
 from shared import grpc_errors
 from shared.errors import KvmeshError, Reason
+from shared.runtime.error_boundary import HANDLER_FACTORIES
 
 ENV = "KVMESH_MESH_TOKEN"
 METADATA_KEY = "x-kvmesh-mesh-token"
-_FACTORIES = {
-    "unary_unary": grpc.unary_unary_rpc_method_handler,
-    "unary_stream": grpc.unary_stream_rpc_method_handler,
-    "stream_unary": grpc.stream_unary_rpc_method_handler,
-    "stream_stream": grpc.stream_stream_rpc_method_handler,
-}
 
 
-def mesh_token(environ: dict[str, str] | None = None) -> str:
+def mesh_token() -> str:
     """This process's mesh token; "" when the mesh runs without one."""
-    return (os.environ if environ is None else environ).get(ENV, "")
+    return os.environ.get(ENV, "")
 
 
 def new_mesh_token() -> str:
@@ -76,7 +71,7 @@ def _refusing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
         error = KvmeshError(Reason.UNAUTHENTICATED, f"{method} is the mesh's own: no mesh token")
         await grpc_errors.abort(context, error)
 
-    for kind, factory in _FACTORIES.items():
+    for kind, factory in HANDLER_FACTORIES.items():
         if getattr(handler, kind) is not None:
             return factory(refuse, handler.request_deserializer, handler.response_serializer)
     return handler

@@ -10,6 +10,8 @@ import random
 import statistics
 import string
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 
@@ -17,6 +19,7 @@ from kvmesh.mesh.launcher import Mesh
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.e2e.mesh_helpers import rich_error
 
+T = TypeVar("T")
 HUGE = "word " * 780_000  # 3.9 MB, under the 4 MiB request limit
 _rng = random.Random(0)
 SYMBOLS = "".join(_rng.choice(string.ascii_letters + string.punctuation) for _ in range(1_300_000))
@@ -51,18 +54,27 @@ async def refused_reason(
     return "accepted"
 
 
-async def test_huge_prompts_are_refused_without_holding_a_normal_chat(mesh: Mesh) -> None:
+async def ttfts_alone_and_beside(
+    mesh: Mesh, refusals: Callable[[inference_pb2_grpc.InferenceStub], list[Awaitable[T]]]
+) -> tuple[list[float], list[float], list[T]]:
+    """A normal chat's TTFT five times alone, then five times beside `refusals`: both lists,
+    and what the refusals returned."""
     async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         await ttft(stub, 0)  # warm
         alone = [await ttft(stub, index) for index in range(1, 6)]
-        beside, reasons = [], []
+        beside, refused = [], []
         for index in range(6, 11):
-            results = await asyncio.gather(
-                ttft(stub, index), *(refused_reason(stub) for _ in range(3))
-            )
-            beside.append(results[0])
-            reasons += results[1:]
+            chat, *results = await asyncio.gather(ttft(stub, index), *refusals(stub))
+            beside.append(chat)
+            refused += results
+    return alone, beside, refused
+
+
+async def test_huge_prompts_are_refused_without_holding_a_normal_chat(mesh: Mesh) -> None:
+    alone, beside, reasons = await ttfts_alone_and_beside(
+        mesh, lambda stub: [refused_reason(stub) for _ in range(3)]
+    )
     assert set(reasons) == {"PROMPT_TOO_LONG"}
     # 0.1 s for the bytes: the chat's TTFT alone (~50 ms on a 2-core Zen 4) leaves 2x no room.
     assert statistics.median(beside) <= 2 * statistics.median(alone) + 0.1, (alone, beside)
@@ -73,22 +85,14 @@ async def test_symbols_with_no_space_are_refused_at_once_without_holding_a_norma
 ) -> None:
     message = common_pb2.ChatMessage(role="user", content=SYMBOLS)
     symbols = inference_pb2.GenerateRequest(chat=common_pb2.Chat(messages=[message]))
-    async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
-        await ttft(stub, 0)  # warm
-        alone = [await ttft(stub, index) for index in range(1, 6)]
-        beside, refused_in = [], []
-        for index in range(6, 11):
 
-            async def timed_refusal() -> float:
-                started = time.monotonic()
-                assert await refused_reason(stub, symbols) == "PROMPT_TOO_LONG"
-                return time.monotonic() - started
+    async def timed_refusal(stub: inference_pb2_grpc.InferenceStub) -> float:
+        started = time.monotonic()
+        assert await refused_reason(stub, symbols) == "PROMPT_TOO_LONG"
+        return time.monotonic() - started
 
-            chat, *refusals = await asyncio.gather(
-                ttft(stub, index), *(timed_refusal() for _ in range(2))
-            )
-            beside.append(chat)
-            refused_in += refusals
+    alone, beside, refused_in = await ttfts_alone_and_beside(
+        mesh, lambda stub: [timed_refusal(stub) for _ in range(2)]
+    )
     assert max(refused_in) < 1.0, refused_in  # tokenized whole, each took 2.5 s of CPU
     assert statistics.median(beside) <= 2 * statistics.median(alone) + 0.1, (alone, beside)

@@ -131,7 +131,8 @@ async def test_prompts_refused_before_admission_count_against_the_tenants_tokens
         await generate(mesh, ids_request(PROMPT[:50], max_tokens=50), "sk-wordy")
     error = rich_error(raised.value)
     assert error.reason == "RATE_LIMITED" and "tokens per minute" in raised.value.details()
-    assert error.retry_delay_ms is not None and error.retry_delay_ms > 5_000  # ~10 s to refill
+    # Its 100 tokens fit the 600 a minute unless the refused prompts were charged.
+    assert error.retry_delay_ms is not None and error.retry_delay_ms <= 10_000
     request = ids_request(PROMPT[:50], max_tokens=50)
     assert assert_one_terminal(await generate(mesh, request, "sk-beta")) == "completed"
 

@@ -117,9 +117,10 @@ async def test_a_step_planned_ahead_starts_when_the_step_before_it_comes_back() 
     scheduler = make_scheduler(budget=8, chunk=8)
     params = SamplingParams(max_tokens=3, temperature=0.0)
     traces = {}
+    tally = StepTally()
     for index in range(3):  # one prompt of 8 a step: each waits behind the one before
         scheduler.add_request(f"r{index}", [index + 1] * 8, params)
-        traces[f"r{index}"] = RequestTrace(None, f"r{index}", 8, "tenant")
+        traces[f"r{index}"] = RequestTrace(None, f"r{index}", 8, "tenant", tally)
     log: list[tuple[str, int]] = []
     link = WorkerInOrder(FakeWorker(4), log)
     pipeline = StepPipeline(link, scheduler, True, lambda *_: None)  # type: ignore[arg-type]
@@ -133,7 +134,7 @@ async def test_a_step_planned_ahead_starts_when_the_step_before_it_comes_back() 
         if plan.num_scheduled_tokens == 0:
             await pipeline.settle_oldest()
             continue
-        first = trace_plan(plan, plan_to_pb(plan), scheduler.requests, traces.get, StepTally())
+        first = trace_plan(plan, plan_to_pb(plan), scheduler.requests, traces.get, tally)
         await pipeline.send(plan, plan_to_pb(plan), functools.partial(starts, first, plan.step_id))
         await pipeline.after_send()
 

@@ -37,7 +37,7 @@ def admit(loop: StepLoop, request_id: str, max_tokens: int) -> Tracked:
     assert loop.scheduler is not None
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     loop.scheduler.add_request(request_id, PROMPT, params)
-    tracked = Tracked(request_id, RequestTrace(None, request_id, len(PROMPT), ""))
+    tracked = Tracked(request_id, RequestTrace(None, request_id, len(PROMPT), "", loop.tally))
     loop.tracked[request_id] = tracked
     return tracked
 

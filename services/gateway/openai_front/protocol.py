@@ -147,8 +147,8 @@ def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
     prompts = parse_prompts(body.get("prompt"))
     request = _common(body, prompts[0], chat=False)
     sampling = request.generate.sampling
-    limit = _count(body, "max_tokens")
-    if limit == 0 and not _flag(body, "echo"):
+    limit, echo = _count(body, "max_tokens"), _flag(body, "echo")
+    if limit == 0 and not echo:
         raise _invalid("'max_tokens' must be at least 1 (0 only with 'echo': true)")
     if limit is not None:
         sampling.max_tokens = limit  # unset: 16, OpenAI's completions default and ours
@@ -158,7 +158,7 @@ def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
             raise _invalid(f"'logprobs' must be at most {MAX_COMPLETION_LOGPROBS}")
         request.logprobs = True
         sampling.logprobs = top
-    if _flag(body, "echo"):
+    if echo:
         request.echo, request.echo_only = True, limit == 0
         ask_for_prompt(sampling, prompts[0], request.logprobs, request.echo_only)
     request.batch = one_per_prompt(request.generate, prompts)

@@ -24,20 +24,26 @@ from shared.tenants import Tenant
 
 CONCURRENCY_RETRY_MS = 250
 
-# KEYS: requests bucket, tokens bucket, in-flight set
-# ARGV: requests/ms, tokens/ms, max concurrent, token cost, request id, lease ms
-# Returns {0, 0} when admitted, else {1 requests | 2 tokens | 3 concurrency, retry after ms}.
-ADMIT_LUA = """
+# Redis's clock now, and a bucket's level refilled to it: what each script below starts from.
+BUCKET_LEVEL_LUA = """
 local now_parts = redis.call('TIME')
 local now = now_parts[1] * 1000 + math.floor(now_parts[2] / 1000)
-local request_rate, token_rate = tonumber(ARGV[1]), tonumber(ARGV[2])
-local max_concurrent, token_cost = tonumber(ARGV[3]), tonumber(ARGV[4])
 local function level(key, rate, capacity)
   local state = redis.call('HMGET', key, 'level', 'at')
   local value = tonumber(state[1]) or capacity
   local at = tonumber(state[2]) or now
   return math.min(capacity, value + (now - at) * rate)
 end
+"""
+
+# KEYS: requests bucket, tokens bucket, in-flight set
+# ARGV: requests/ms, tokens/ms, max concurrent, token cost, request id, lease ms
+# Returns {0, 0} when admitted, else {1 requests | 2 tokens | 3 concurrency, retry after ms}.
+ADMIT_LUA = (
+    BUCKET_LEVEL_LUA
+    + """
+local request_rate, token_rate = tonumber(ARGV[1]), tonumber(ARGV[2])
+local max_concurrent, token_cost = tonumber(ARGV[3]), tonumber(ARGV[4])
 local request_capacity = math.max(1, request_rate * 1000)
 local token_capacity = token_rate * 60000
 local requests_left, tokens_left = 0, 0
@@ -68,6 +74,7 @@ if token_rate > 0 then
 end
 return {0, 0}
 """
+)
 
 # KEYS: tokens bucket, in-flight set. ARGV: tokens/ms, tokens to refund, request id.
 RELEASE_LUA = """
@@ -81,19 +88,17 @@ return 0
 """
 
 # KEYS: tokens bucket. ARGV: tokens/ms, tokens to take (never below empty).
-CHARGE_LUA = """
-local now_parts = redis.call('TIME')
-local now = now_parts[1] * 1000 + math.floor(now_parts[2] / 1000)
+CHARGE_LUA = (
+    BUCKET_LEVEL_LUA
+    + """
 local rate, cost = tonumber(ARGV[1]), tonumber(ARGV[2])
 local capacity = rate * 60000
-local state = redis.call('HMGET', KEYS[1], 'level', 'at')
-local value = tonumber(state[1]) or capacity
-local at = tonumber(state[2]) or now
-local level = math.min(capacity, value + (now - at) * rate)
-redis.call('HSET', KEYS[1], 'level', math.max(0, level - cost), 'at', now)
+local left = level(KEYS[1], rate, capacity)
+redis.call('HSET', KEYS[1], 'level', math.max(0, left - cost), 'at', now)
 redis.call('PEXPIRE', KEYS[1], math.ceil(capacity / rate) + 1000)
 return 0
 """
+)
 
 _LIMIT_NAMES = {1: "requests per second", 2: "tokens per minute", 3: "concurrent requests"}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -40,7 +40,6 @@ Event = inference_pb2.GenerateEvent
 Park = Callable[["Relay"], Awaitable[list[Event]]]
 # Failures another scheduler may not have: its worker or it died, or it is draining.
 FAILOVER_REASONS = (Reason.WORKER_LOST, Reason.MODEL_NOT_READY, Reason.UNREACHABLE)
-_PLAIN = scheduler_pb2.SubmitTokens()  # what a parked relay's tokens carry besides ids: nothing
 
 
 class FailOver(Exception):
@@ -140,11 +139,11 @@ class Relay:
 
     async def on_tokens(self, tokens: scheduler_pb2.SubmitTokens) -> AsyncIterator[Event]:
         ids = list(tokens.token_ids)
-        self._counted(tokens, ids)
+        self._counted(ids, tokens.first if tokens.HasField("first") else None)
         prompt_scores = self._prompt_scores(tokens)
         entries = [*prompt_scores, *tokens.logprobs]  # their bytes from the same round trip
         released = self.stops.push(await self.text.push(ids, logprobs=entries))
-        for event in self._delta_events(tokens, ids, prompt_scores, released):
+        for event in self._delta_events(tokens.logprobs, ids, prompt_scores, released):
             yield event
 
     def on_text(
@@ -153,26 +152,28 @@ class Relay:
         """A parked relay's tokens (ids alone: a plain stream past its first token) with their
         text: handed to `deliver` (a plain delta the client can take at once), else the events
         to relay."""
-        self._counted(_PLAIN, ids)
+        self._counted(ids)
         released = self.stops.push(text)
         if self.stops.matched is None and deliver(released, len(ids)):
             return []
-        return self._delta_events(_PLAIN, ids, [], released)
+        return self._delta_events((), ids, [], released)
 
-    def _counted(self, tokens: scheduler_pb2.SubmitTokens, ids: list[int]) -> None:
-        """The tokens counted in the progress."""
+    def _counted(
+        self, ids: list[int], first: scheduler_pb2.FirstTokenTimings | None = None
+    ) -> None:
+        """The tokens counted in the progress (`first`: the first tokens' timings)."""
         progress = self.progress
         progress.completion_tokens += len(ids)
         if self.admitted.prefill_only:
             self.first_ids += ids
-        if tokens.HasField("first") and progress.first_timings is None:
-            progress.first_timings = tokens.first
-            progress.cached_tokens = tokens.first.cached_tokens
+        if first is not None and progress.first_timings is None:
+            progress.first_timings = first
+            progress.cached_tokens = first.cached_tokens
         self.admitted.routed.started()
 
     def _delta_events(
         self,
-        tokens: scheduler_pb2.SubmitTokens,
+        logprobs: Sequence[common_pb2.TokenLogprobs],
         ids: list[int],
         prompt_scores: list[common_pb2.TokenLogprobs],
         released: str,
@@ -184,8 +185,8 @@ class Relay:
         progress.first_token_at = progress.first_token_at or time.monotonic()
         content, calls = self._split_calls(released, finish=self.stops.matched is not None)
         delta = inference_pb2.Delta(text=content, token_ids=ids, first_token=first)
-        if tokens.logprobs or calls or prompt_scores:  # empty fields cost 2 µs a token to set
-            delta.logprobs.extend(tokens.logprobs)
+        if logprobs or calls or prompt_scores:  # empty fields cost 2 µs a token to set
+            delta.logprobs.extend(logprobs)
             delta.tool_calls.extend(calls)
             delta.prompt_logprobs.extend(prompt_scores)
         events = [Event(delta=delta)]
