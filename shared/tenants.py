@@ -8,11 +8,18 @@ configured, auth is off and every request runs as the tenant "anonymous".
     [tenants.acme]
     keys = ["sk-acme-1", "sk-acme-2"]
     requests_per_second = 5      # token bucket; 0 or absent: unlimited
-    tokens_per_minute = 60000    # prompt + max_tokens charged on admission, unused refunded
-    max_concurrent = 8           # requests in flight at once, across every gateway
+    tokens_per_minute = 60000    # prompt + n x max_tokens charged on admission; unused
+                                 # refunded
+    max_concurrent = 8           # sequences in flight at once across every gateway (a
+                                 # request with n completions counts n)
+    max_in_flight_tokens = 50000 # prompt + n x max_tokens of its requests in flight
     highest_priority = -10       # the most urgent priority it may send (lower runs first);
                                  # absent: 0, so no key can push ahead of normal traffic
     weight = 2.0                 # its share of each scheduler against other tenants; 1.0
+
+    [defaults]                   # each limit, for every tenant that does not set it
+    max_concurrent = 64
+    max_in_flight_tokens = 200000
 
 With auth off, "anonymous" may send any priority (one user: no one else to push aside).
 """
@@ -38,11 +45,26 @@ _SALT_CONTEXT = b"kvmesh prefix-cache salt\x00"
 class TenantLimits:
     requests_per_second: float = 0.0  # 0: unlimited
     tokens_per_minute: float = 0.0
-    max_concurrent: int = 0
+    max_concurrent: int = 0  # sequences (n each) in flight
+    max_in_flight_tokens: int = 0  # prompt + n x max_tokens in flight
 
     @property
     def unlimited(self) -> bool:
-        return not (self.requests_per_second or self.tokens_per_minute or self.max_concurrent)
+        return not (
+            self.requests_per_second
+            or self.tokens_per_minute
+            or self.max_concurrent
+            or self.max_in_flight_tokens
+        )
+
+
+# A tenant's limits in the keys file, each its own or [defaults]'s.
+_LIMIT_FIELDS = {
+    "requests_per_second": float,
+    "tokens_per_minute": float,
+    "max_concurrent": int,
+    "max_in_flight_tokens": int,
+}
 
 
 @dataclass(frozen=True)
@@ -102,6 +124,13 @@ class ApiKeys:
             except tomllib.TOMLDecodeError as error:
                 raise KvmeshError(Reason.INVALID_ARGUMENT, f"{path}: {error}") from None
         entries: list[tuple[str, Tenant]] = []
+        defaults = document.get("defaults", {})
+        unknown = set(defaults) - set(_LIMIT_FIELDS) if isinstance(defaults, dict) else {"?"}
+        if unknown:
+            raise KvmeshError(
+                Reason.INVALID_ARGUMENT,
+                f"{path}: [defaults] takes {', '.join(_LIMIT_FIELDS)}; not {sorted(unknown)}",
+            )
         for name, table in document.get("tenants", {}).items():
             keys = table.get("keys", [])
             if not keys or not all(isinstance(k, str) and k for k in keys):
@@ -109,9 +138,10 @@ class ApiKeys:
                     Reason.INVALID_ARGUMENT, f"{path}: tenant {name!r} needs a non-empty keys list"
                 )
             limits = TenantLimits(
-                requests_per_second=float(table.get("requests_per_second", 0)),
-                tokens_per_minute=float(table.get("tokens_per_minute", 0)),
-                max_concurrent=int(table.get("max_concurrent", 0)),
+                **{
+                    field: kind(table.get(field, defaults.get(field, 0)))
+                    for field, kind in _LIMIT_FIELDS.items()
+                }
             )
             admin = table.get("admin", False) is True
             highest_priority = int(table.get("highest_priority", 0))

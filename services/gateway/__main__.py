@@ -13,8 +13,9 @@ from services.gateway.mesh.catalog import ModelCatalog
 from services.gateway.mesh.model_admin import ModelAdminService
 from services.gateway.mesh.peers import PeerGateways
 from services.gateway.mesh.registry import BackendRegistry
-from services.gateway.mesh.router import Router, Watermarks
+from services.gateway.mesh.router import Router
 from services.gateway.mesh.tokenizer_link import TokenizerLink
+from services.gateway.mesh.watermarks import Watermarks
 from services.gateway.openai_front.server import OpenAIFront
 from services.gateway.policy.engine_failures import TenantFailures
 from services.gateway.policy.limits import RequestLimits

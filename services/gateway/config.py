@@ -110,8 +110,8 @@ POLICY_SETTINGS = (
     Setting(
         "max-streams-per-tenant",
         0,
-        "open streams per tenant across every gateway, for tenants without their own "
-        "max_concurrent (and the anonymous one); beyond: RATE_LIMITED (0: no limit)",
+        "sequences in flight per tenant across every gateway (n each), for tenants without "
+        "their own max_concurrent (and the anonymous one); beyond: RATE_LIMITED (0: no limit)",
         whole(0),
         **_POLICY,
     ),

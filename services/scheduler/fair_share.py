@@ -13,6 +13,9 @@ the flood keeps; counted by slots alone, a few long prompts could take the whole
   itself, and only while that tenant would still hold at least as much after the move (each
   move levels the shares, so two tenants never trade a slot back and forth).
 - KV room: preemption takes the newest request of the tenant with the largest share.
+- Queue bound: a full queue (`--max-waiting`) still takes a request of a tenant holding less
+  than its share of that bound, so one tenant's flood fills it without shutting the others
+  out (it then holds at most twice the bound).
 - Prefill first: a step that admits a request of a tenant below its share runs only prefills,
   so its first token waits for the step in flight and its own prefill, not for the other
   tenants' decodes too (they lose one step each time; `--no-fair-prefill-first` turns it off).
@@ -23,6 +26,7 @@ all of this is plain FCFS.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 from services.scheduler.request import Request
@@ -119,3 +123,17 @@ class TenantShares:
         if not others or min(r.priority for r in others) < candidate.priority:
             return False
         return self.share(candidate) < self.share(self.most_above(others))
+
+
+def queues_past_bound(
+    tenant: str, weight: float, waiting: Sequence[Request], running: Sequence[Request], bound: int
+) -> bool:
+    """Whether a request of `tenant` (of `weight`) may queue although `waiting` holds `bound`
+    requests: its tenant has fewer queued than its weighted share of the bound, counted
+    against the tenants with requests here."""
+    if len(waiting) >= 2 * bound:
+        return False
+    weights = {r.tenant: r.tenant_weight for r in itertools.chain(running, waiting)}
+    weights[tenant] = weight
+    queued = sum(1 for r in waiting if r.tenant == tenant)
+    return queued < bound * weight / sum(weights.values())

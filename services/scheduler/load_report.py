@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from services.scheduler.request import Request
 from services.scheduler.step_loop import StepLoop
 from shared.pb.kvmesh.v1 import scheduler_pb2
 
@@ -46,9 +49,34 @@ class LoadReporter:
             report.prefix_evictions = scheduler.block_manager.stats.evictions
             report.num_draft_tokens = scheduler.speculator.num_draft_tokens
             report.num_accepted_draft_tokens = scheduler.speculator.num_accepted_drafts
+            report.tenants.extend(tenant_loads(scheduler.waiting, scheduler.running))
         if include_recent_frees:
             report.recent_frees.extend(
                 scheduler_pb2.FreedRequest(request_id=r, freed_unix_ns=t)
                 for r, t in loop.recent_frees
             )
         return report
+
+
+def tenant_loads(
+    waiting: Sequence[Request], running: Sequence[Request]
+) -> list[scheduler_pb2.TenantLoad]:
+    """Each tenant's sequences, queued prompt tokens and blocks here, in name order."""
+    loads: dict[str, scheduler_pb2.TenantLoad] = {}
+
+    def of(request: Request) -> scheduler_pb2.TenantLoad:
+        load = loads.get(request.tenant)
+        if load is None:
+            load = loads[request.tenant] = scheduler_pb2.TenantLoad(tenant=request.tenant)
+        load.weight = request.tenant_weight
+        return load
+
+    for request in running:
+        load = of(request)
+        load.num_running += 1
+        load.num_blocks += len(request.block_ids)
+    for request in waiting:
+        load = of(request)
+        load.num_waiting += 1
+        load.num_waiting_tokens += request.num_tokens - request.num_cached_on_arrival
+    return [loads[name] for name in sorted(loads)]

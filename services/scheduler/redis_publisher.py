@@ -13,6 +13,7 @@ restarted and lost everything) the whole cache is republished.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -38,17 +39,26 @@ class RedisPublisher:
         self.num_flushes = 0
 
     async def run(self) -> None:
-        last_steps, last_flush = -1, 0.0
+        last_seen: tuple[int, int, int] | None = None
+        last_flush = 0.0
         try:
             while True:
                 await asyncio.sleep(FLUSH_S)
                 now = time.monotonic()
-                stepped = self.loop.counters.steps != last_steps
-                if stepped or now - last_flush >= redis_keys.HEARTBEAT_S:
-                    last_steps, last_flush = self.loop.counters.steps, now
+                seen = self._moved()
+                if seen != last_seen or now - last_flush >= redis_keys.HEARTBEAT_S:
+                    last_seen, last_flush = seen, now
                     await self.flush()
         finally:
             await self.link.close()
+
+    def _moved(self) -> tuple[int, int, int]:
+        """What changes when the load does: a step ran, or a request was queued or left
+        without one (an abort frees its blocks between steps; the gateways must see it)."""
+        scheduler = self.loop.scheduler
+        if scheduler is None:
+            return self.loop.counters.steps, 0, 0
+        return self.loop.counters.steps, len(scheduler.waiting), len(scheduler.running)
 
     async def flush(self) -> None:
         scheduler = self.loop.scheduler
@@ -76,6 +86,21 @@ class RedisPublisher:
             # Its worker loads blocks from the mesh's Redis tier: the router counts a prefix
             # cached on any worker as loadable there.
             "kv_shared_tier": int("redis" in self.loop.link.tiers.tiers),
+            # name -> [weight, running, waiting, waiting tokens, blocks]: each tenant's hold,
+            # which a gateway weighs its fair share against (fair_admission.py).
+            "tenants": json.dumps(
+                {
+                    t.tenant: [
+                        t.weight,
+                        t.num_running,
+                        t.num_waiting,
+                        t.num_waiting_tokens,
+                        t.num_blocks,
+                    ]
+                    for t in report.tenants
+                },
+                separators=(",", ":"),
+            ),
         }
 
         async def publish(client: redis.Redis) -> int:

@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import grpc
 
+from services.scheduler.fair_share import queues_past_bound
 from services.scheduler.handover import Handover
 from services.scheduler.load_report import LoadReporter
 from services.scheduler.request_trace import CANCEL_TO_FREED, RequestTrace
@@ -100,7 +101,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 Reason.DEADLINE_EXCEEDED, "the deadline leaves no time to start", retryable=True
             )
         num_waiting = len(scheduler.waiting)
-        if num_waiting >= self.max_waiting:
+        if num_waiting >= self.max_waiting and not queues_past_bound(
+            request.tenant,
+            request.tenant_weight if request.tenant_weight > 0 else 1.0,
+            scheduler.waiting,
+            scheduler.running,
+            self.max_waiting,
+        ):
             drain_s = loop.queue_estimate.queue_time_s(num_waiting - self.max_waiting, 0)
             raise KvmeshError(
                 Reason.OVERLOADED,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 import openai
+import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
@@ -34,6 +35,18 @@ class RichError:
     reason: str
     retryable: bool
     retry_delay_ms: int | None  # None: no RetryInfo
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata presenting an API key."""
+    return (("authorization", f"Bearer {key}"),)
+
+
+def keys_file(tmp_path_factory: pytest.TempPathFactory, text: str) -> str:
+    """An API keys file holding `text`: its path."""
+    path = tmp_path_factory.mktemp("keys") / "keys.toml"
+    path.write_text(text)
+    return str(path)
 
 
 def rich_error(error: grpc.RpcError) -> RichError:

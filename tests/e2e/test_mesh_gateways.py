@@ -23,6 +23,7 @@ from shared.runtime.restarts import BackOff
 from tests.e2e.mesh_helpers import (
     assert_mesh_idle,
     assert_one_terminal,
+    keys_file,
     metric_value,
     output_ids,
     read_rest,
@@ -47,13 +48,12 @@ CONNECTIONS = 16  # all on one gateway by chance: 2^-15
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    keys = tmp_path_factory.mktemp("keys") / "keys.toml"
-    keys.write_text(KEYS)
+    keys = keys_file(tmp_path_factory, KEYS)
     config = MeshConfig(
         worker_args=["--backend", "sim", "--sim-step-ms", "2", "--kv-memory", "64MiB"],
         gateways=2,
         tokenizers=2,
-        gateway_args=["--api-keys-file", str(keys)],
+        gateway_args=["--api-keys-file", keys],
         log_dir=str(tmp_path_factory.mktemp("gateways-logs")),
         drain_seconds=2,
         supervise=True,

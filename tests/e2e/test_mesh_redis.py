@@ -21,11 +21,7 @@ from shared.pb.kvmesh.v1 import (
 )
 from shared.runtime.tls import aio_channel
 from shared.tenants import Tenant
-from tests.e2e.mesh_helpers import (
-    assert_one_terminal,
-    ids_request,
-    rich_error,
-)
+from tests.e2e.mesh_helpers import assert_one_terminal, bearer, ids_request, keys_file, rich_error
 from tests.redis_server import RedisServer
 
 KEYS = """
@@ -46,21 +42,16 @@ tokens_per_minute = 600
 PROMPT = [(7 * i) % 200 + 3 for i in range(120)]  # 7 full blocks of 16 for the prefix cache
 
 
-def auth(key: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {key}"),)
-
-
 @pytest.fixture(scope="module")
 def mesh(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    keys = tmp_path_factory.mktemp("keys") / "keys.toml"
-    keys.write_text(KEYS)
+    keys = keys_file(tmp_path_factory, KEYS)
     config = MeshConfig(
         model=tiny_llama_dir,
         workers=2,
         worker_threads=1,
         worker_args=["--kv-memory", "16MiB"],
         scheduler_args=["--max-num-seqs", "4"],  # a small, clear capacity
-        gateway_args=["--api-keys-file", str(keys), "--max-total-tokens", "500"],
+        gateway_args=["--api-keys-file", keys, "--max-total-tokens", "500"],
         log_dir=str(tmp_path_factory.mktemp("mesh-redis-logs")),
         drain_seconds=2,
     )
@@ -73,7 +64,7 @@ async def generate(
 ) -> list[inference_pb2.GenerateEvent]:
     async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        return [e async for e in stub.Generate(request, metadata=auth(key), timeout=60)]
+        return [e async for e in stub.Generate(request, metadata=bearer(key), timeout=60)]
 
 
 # ---- tenants ---------------------------------------------------------------------------------
@@ -82,7 +73,7 @@ async def generate(
 async def test_requests_without_a_valid_key_are_unauthenticated(mesh: Mesh) -> None:
     async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        for metadata in ((), auth("sk-wrong")):
+        for metadata in ((), bearer("sk-wrong")):
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await collect_with(stub, ids_request([1, 2, 3], max_tokens=2), metadata)
             error = rich_error(raised.value)
@@ -208,7 +199,9 @@ async def test_redis_stopped_and_restarted_under_load_loses_nothing(mesh: Mesh) 
         index = 0
         while not stop.is_set():
             request = ids_request(PROMPT[: 40 + worker], max_tokens=8, ignore_eos=True)
-            events = [e async for e in stub.Generate(request, metadata=auth("sk-acme"), timeout=30)]
+            events = [
+                e async for e in stub.Generate(request, metadata=bearer("sk-acme"), timeout=30)
+            ]
             outcomes.append(assert_one_terminal(events))
             index += 1
 

@@ -36,8 +36,10 @@ from shared.runtime.tls import aio_channel
 from tests.e2e.mesh_helpers import (
     assert_mesh_idle,
     assert_one_terminal,
+    bearer,
     collect,
     ids_request,
+    keys_file,
     output_text,
     read_rest,
     rich_error,
@@ -60,24 +62,19 @@ MAX_BYTES, MAX_PROMPT, MAX_TOTAL, MAX_STREAMS = 4096, 64, 600, 2
 POISON, TENANT_FAILURES = 511, 4  # a prompt holding the tiny model's last id fails in a step
 
 
-def auth(key: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {key}"),)
-
-
-ACME, BETA, OPS = auth("sk-acme-9f2c"), auth("sk-beta-41d7"), auth("sk-ops-77e1")
+ACME, BETA, OPS = bearer("sk-acme-9f2c"), bearer("sk-beta-41d7"), bearer("sk-ops-77e1")
 
 
 @pytest.fixture(scope="module")
 def guarded_mesh(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    keys = tmp_path_factory.mktemp("keys") / "keys.toml"
-    keys.write_text(KEYS)
+    keys = keys_file(tmp_path_factory, KEYS)
     config = tiny_mesh_config(tiny_llama_dir, str(tmp_path_factory.mktemp("guarded-logs")))
     config.worker_args = [*config.worker_args, "--inject-fault-token", f"{POISON}:1"]
     config.gateway_args = [
         "--tenant-failures-per-minute",
         str(TENANT_FAILURES),
         "--api-keys-file",
-        str(keys),
+        keys,
         "--max-request-bytes",
         str(MAX_BYTES),
         "--max-prompt-tokens",

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from kvmesh.mesh.launcher import Mesh, MeshConfig
+from tests.e2e.mesh_helpers import keys_file
 
 KEYS = """
 [tenants.acme]
@@ -34,13 +35,12 @@ PROMPT = [5, 17, 42, 99, 7]
 
 @pytest.fixture(scope="module")
 def mesh(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    keys = tmp_path_factory.mktemp("keys") / "keys.toml"
-    keys.write_text(KEYS)
+    keys = keys_file(tmp_path_factory, KEYS)
     config = MeshConfig(
         model=tiny_llama_dir,
         worker_threads=1,
         worker_args=["--kv-memory", "16MiB"],
-        gateway_args=["--api-keys-file", str(keys), "--max-in-flight", "1"],
+        gateway_args=["--api-keys-file", keys, "--max-in-flight", "1"],
         log_dir=str(tmp_path_factory.mktemp("openai-errors-logs")),
         drain_seconds=2,
     )

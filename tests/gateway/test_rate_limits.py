@@ -16,9 +16,11 @@ def limiter(server: RedisServer) -> RateLimiter:
     return RateLimiter(RedisLink(server.url, degraded="tests", retry_s=0.0))
 
 
-async def refused(limiter: RateLimiter, tenant: Tenant, request_id: str, tokens: int) -> int:
+async def refused(
+    limiter: RateLimiter, tenant: Tenant, request_id: str, tokens: int, num_sequences: int = 1
+) -> int:
     with pytest.raises(KvmeshError) as raised:
-        await limiter.admit(tenant, request_id, tokens)
+        await limiter.admit(tenant, request_id, tokens, num_sequences)
     error = raised.value
     assert error.reason is Reason.RATE_LIMITED and error.retryable
     return error.retry_after_ms
@@ -95,3 +97,34 @@ async def test_a_charge_empties_the_tokens_bucket_and_never_below(
         # A debt of 9,900 tokens would be a wait of 1,000 s; empty is the cost's own 10 s.
         assert await refused(limits, tenant, "emptied", 100) <= 10_000
         await limits.charge(Tenant("free", TenantLimits()), 10_000)  # no limit: nothing
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["redis", "local"])
+async def test_each_of_n_counts_against_concurrency_and_its_tokens_against_in_flight(
+    redis_server: RedisServer, shared: bool
+) -> None:
+    tenant = Tenant("nn", TenantLimits(max_concurrent=8, max_in_flight_tokens=1000))
+    limits = limiter(redis_server) if shared else RateLimiter(None)
+    wide = await limits.admit(tenant, "wide", 300, num_sequences=6)
+    assert wide is not None and wide.shared is shared and len(wide.members) == 6
+    await refused(limits, tenant, "three-more", 10, num_sequences=3)  # 6 + 3 > 8
+    two = await limits.admit(tenant, "two-more", 10, num_sequences=2)
+    await limits.release(two, 10)
+    await refused(limits, tenant, "tokens", 701)  # 300 held + 701 > 1000
+    held = await limits.admit(tenant, "tokens", 700)
+    await limits.release(wide, 300)
+    await limits.release(held, 700)
+    # Both came back: the whole allowance fits again.
+    await limits.release(await limits.admit(tenant, "all", 1000, num_sequences=8), 0)
+    await limits.close()
+
+
+async def test_a_request_past_what_its_tenant_may_ever_hold_is_refused_for_good() -> None:
+    tenant = Tenant("small", TenantLimits(max_concurrent=4, max_in_flight_tokens=100))
+    limits = RateLimiter(None)
+    for tokens, n, words in ((10, 5, "n = 5"), (101, 1, "max_in_flight_tokens 100")):
+        with pytest.raises(KvmeshError) as raised:
+            await limits.admit(tenant, "big", tokens, num_sequences=n)
+        error = raised.value
+        assert (error.reason, error.retryable) == (Reason.RATE_LIMITED, False)
+        assert words in error.message

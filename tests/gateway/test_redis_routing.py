@@ -7,7 +7,8 @@ import pytest
 import redis.asyncio as redis
 
 from services.gateway.mesh.connections import SchedulerBackend
-from services.gateway.mesh.router import Router, Watermarks
+from services.gateway.mesh.router import Router
+from services.gateway.mesh.watermarks import TenantAsk, Watermarks
 from services.scheduler.load_report import LoadReporter
 from services.scheduler.redis_publisher import RedisPublisher
 from services.scheduler.step_loop import StepLoop
@@ -20,7 +21,7 @@ from shared.redis_link import RedisLink
 from shared.sampling import SamplingParams
 from tests.redis_server import RedisServer
 from tests.scheduler.fake_worker import FakeWorker
-from tests.scheduler.helpers import make_scheduler, run_to_completion
+from tests.scheduler.helpers import make_scheduler, run_to_completion, step
 
 MODEL = common_pb2.ModelInfo(name="tiny", kv_block_size=4)
 PROMPT = list(range(1, 42))  # 10 full blocks of 4, and one more token
@@ -31,11 +32,12 @@ async def _unused_readiness(ready: bool) -> None:
     pass
 
 
-def scheduler_service(address: str) -> LoadReporter:
+def scheduler_service(address: str, max_seqs: int = 16) -> LoadReporter:
     """A scheduler's step loop with its pure scheduler attached and no worker (none is needed
     to publish what the cache holds), and its load reporter."""
-    loop = StepLoop(SchedulerConfig(), True, "127.0.0.1:1", _unused_readiness)
-    loop.scheduler = make_scheduler(num_blocks=64, block_size=4, budget=64)
+    config = SchedulerConfig(max_num_seqs=max_seqs)
+    loop = StepLoop(config, True, "127.0.0.1:1", _unused_readiness)
+    loop.scheduler = make_scheduler(num_blocks=64, block_size=4, budget=64, max_seqs=max_seqs)
     loop.model = MODEL
     return LoadReporter(loop, 64)
 
@@ -132,6 +134,48 @@ async def test_past_the_watermarks_the_router_refuses_with_a_drain_time(
     await client.hset(redis_keys.scheduler_load("b:2"), mapping={"waiting": 4})
     decision = await router.route([backend("a:1"), backend("b:2")], PROMPT, b"")
     assert decision.backend.address == "b:2"
+    await client.aclose()
+
+
+async def test_past_the_watermarks_a_tenant_below_its_share_is_still_admitted(
+    redis_server: RedisServer,
+) -> None:
+    service = scheduler_service("shared:1", max_seqs=8)
+    scheduler = service.loop.scheduler
+    assert scheduler is not None
+    long = SamplingParams(max_tokens=50, temperature=0.0)
+    for index in range(10):  # 7 in the batch beside light's 1, 3 queued behind them
+        scheduler.add_request(f"f{index}", [5, 6, 7], long, tenant="flood")
+    scheduler.add_request("light-0", [5, 6, 7], long, tenant="light", tenant_weight=3.0)
+    step(scheduler, FakeWorker(4))
+    held = {t.tenant: (t.num_running, t.num_waiting) for t in service.report().tenants}
+    assert held == {"flood": (7, 3), "light": (1, 0)}
+    await RedisPublisher(redis_server.url, "shared:1", service).flush()
+    client = redis.Redis.from_url(redis_server.url)
+    # Past the watermark: 3 queued, draining 1 a second.
+    await client.hset(redis_keys.scheduler_load("shared:1"), mapping={"drain_per_s": 1})
+    router = Router(link(redis_server), watermarks=Watermarks(max_queue_ms=1000))
+    backends = [backend("shared:1")]
+
+    # light (weight 3 of 4) holds 1 of its 6 slots: 5 more sequences fit, 6 do not.
+    light = TenantAsk("light", 3.0, num_sequences=5)
+    assert (await router.route(backends, PROMPT, b"", light)).backend.address == "shared:1"
+    with pytest.raises(KvmeshError) as over:
+        await router.route(backends, PROMPT, b"", TenantAsk("light", 3.0, num_sequences=6))
+    assert over.value.reason is Reason.RATE_LIMITED and over.value.retryable
+    assert "share is 6 of 8 slots" in over.value.message
+    # flood (weight 1 of 4) holds 10, past its 2: refused, naming its own share.
+    with pytest.raises(KvmeshError) as flood:
+        await router.route(backends, PROMPT, b"", TenantAsk("flood"))
+    assert flood.value.reason is Reason.RATE_LIMITED
+    assert "'flood'" in flood.value.message and "holds 10 sequence(s)" in flood.value.message
+    # A new tenant is below its share (1 of 5): admitted beside both.
+    assert await router.route(backends, PROMPT, b"", TenantAsk("new"))
+    await client.hset(redis_keys.scheduler_load("shared:1"), mapping={"tenants": "{}"})
+    # Alone there (nothing published of other tenants), past the watermark is OVERLOADED.
+    with pytest.raises(KvmeshError) as alone:
+        await router.route(backends, PROMPT, b"", TenantAsk("flood"))
+    assert alone.value.reason is Reason.OVERLOADED
     await client.aclose()
 
 

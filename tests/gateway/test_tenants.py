@@ -102,3 +102,14 @@ def test_an_end_user_is_logged_as_a_digest_per_tenant() -> None:
     assert digest == end_user_digest("acme", "alice@example.com")  # one user's requests group
     assert digest != end_user_digest("other", "alice@example.com")
     assert end_user_digest("acme", "") == ""
+
+
+def test_defaults_give_each_tenant_the_limits_it_does_not_set(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(KEYS_FILE + "\n[defaults]\nmax_concurrent = 16\nmax_in_flight_tokens = 9000\n")
+    tenants = {t.name: t for t in ApiKeys.from_toml(str(path)).tenants}
+    assert tenants["acme"].limits == TenantLimits(5, 6000, 2, 9000)  # its own max_concurrent
+    assert tenants["beta"].limits == TenantLimits(0, 0, 16, 9000)
+    path.write_text(KEYS_FILE + "\n[defaults]\nmax_streams = 16\n")
+    with pytest.raises(KvmeshError, match=r"\[defaults\] takes .*'max_streams'"):
+        ApiKeys.from_toml(str(path))

@@ -3,6 +3,7 @@ another tenant's requests waiting, and preemption takes from the tenant holding 
 
 from __future__ import annotations
 
+from services.scheduler.fair_share import queues_past_bound
 from shared.sampling import SamplingParams
 from shared.step import FailedRequest, StepResult
 from tests.scheduler.fake_worker import FakeWorker
@@ -184,3 +185,20 @@ def test_slots_count_requests_not_blocks_so_few_long_requests_still_get_a_slot()
     scheduler.update(plan, worker.execute(plan))
     assert run_to_completion(scheduler, worker) and not scheduler.has_unfinished()
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+
+
+def test_a_full_queue_still_takes_a_tenant_below_its_share_of_it() -> None:
+    scheduler = make_scheduler(max_seqs=2, budget=64, chunk=None)
+    for index in range(4):
+        scheduler.add_request(f"a{index}", [1, 2, 3, index], PARAMS, tenant="a")
+    waiting, running = scheduler.waiting, scheduler.running
+    # a fills the bound of 4 alone: a gets no more, b (half of 4) gets 2.
+    assert not queues_past_bound("a", 1.0, waiting, running, 4)
+    assert queues_past_bound("b", 1.0, waiting, running, 4)
+    scheduler.add_request("b0", [4, 5, 6], PARAMS, tenant="b")
+    assert queues_past_bound("b", 1.0, scheduler.waiting, running, 4)
+    scheduler.add_request("b1", [4, 5, 7], PARAMS, tenant="b")
+    assert not queues_past_bound("b", 1.0, scheduler.waiting, running, 4)
+    # A weight of 3 is 3 of every 4 places; twice the bound is the end, whoever asks.
+    assert queues_past_bound("c", 3.0, scheduler.waiting, running, 4)
+    assert not queues_past_bound("c", 3.0, scheduler.waiting, running, 3)

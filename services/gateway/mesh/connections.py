@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Awaitable, Callable
 from typing import ClassVar, Self
@@ -125,6 +126,16 @@ class SchedulerBackend(ModelBackend):
         # the prefill work they bring (fresher than the published load).
         self.in_transit = 0
         self.pending_tokens = 0
+        # Sequences this gateway has here per tenant, and their weights: a current lower bound
+        # of the tenant holds the scheduler publishes.
+        self.tenant_sequences: collections.Counter[str] = collections.Counter()
+        self.tenant_weights: dict[str, float] = {}
+
+    def count_tenant(self, name: str, weight: float, sequences: int) -> None:
+        self.tenant_weights[name] = weight
+        self.tenant_sequences[name] += sequences
+        if self.tenant_sequences[name] <= 0:
+            del self.tenant_sequences[name], self.tenant_weights[name]
 
     async def fetch_model(self) -> common_pb2.ModelInfo:
         return await self.stub.GetModel(scheduler_pb2.SchedulerModelRequest(), timeout=5)

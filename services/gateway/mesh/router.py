@@ -10,9 +10,9 @@ KV tier can load a prefix that any worker cached (written through): those tokens
 of a computed one, so a request goes to the worker whose pool holds its prefix, then to one
 that can load it, then to the least loaded.
 
-Admission: a candidate whose estimated queue time or queued tokens is past the watermarks is
-not eligible; with none eligible the request is refused at once with OVERLOADED and a
-RetryInfo of the time the least loaded one needs to drain back under the watermark.
+Admission: a candidate past the queue watermarks is not eligible unless the request's tenant
+is below its fair share there (watermarks.py); with none eligible the request is refused at
+once, with a RetryInfo of the time the least loaded one needs to drain back under them.
 
 Redis unreachable: requests go to the scheduler with the fewest requests in flight from this
 gateway, and admission is left to each scheduler's own bounded queue.
@@ -21,7 +21,6 @@ gateway, and admission is left to each scheduler's own bounded queue.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,12 +28,13 @@ import redis.asyncio as redis
 
 from services.gateway.config import ROUTING_POLICIES
 from services.gateway.mesh.connections import SchedulerBackend
+from services.gateway.mesh.watermarks import TenantAsk, Watermarks
+from services.gateway.mesh.worker_load import WorkerLoad
 from shared import redis_keys
 from shared.block_hash import hash_full_blocks
-from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import inference_pb2
-from shared.queue_time import queue_time_s
 from shared.redis_link import RedisLink
+from shared.tenants import Tenant
 
 # A prompt token computed where its prefix is not cached costs its compute, and its blocks
 # evict what that worker had cached for later requests: it counts twice against queued work.
@@ -42,59 +42,6 @@ MISS_WEIGHT = 2
 # A token loaded from the Redis KV tier instead: a 3,000-token prefix loads ~10x faster than it
 # prefills on the CPU (make bench-kv-tiers).
 LOAD_WEIGHT = 0.1
-MIN_RETRY_MS = 100
-MAX_RETRY_MS = 60_000
-
-
-@dataclass(frozen=True)
-class Watermarks:
-    max_queue_ms: float = 0.0  # 0: no limit
-    max_queue_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class WorkerLoad:
-    """One scheduler's load as it last published it, corrected by what this gateway has sent
-    it since (its report can be a few steps old)."""
-
-    waiting: int  # queued there, plus sent from here and not yet accepted
-    free_slots: int
-    max_running: int
-    in_flight_here: int  # this gateway's requests there: running or queued, never stale
-    waiting_tokens: int  # prefill work queued there (or sent from here and not yet started)
-    drain_per_s: float
-    published: bool  # False: no fresh report in Redis
-    shared_tier: bool = False  # its worker loads from the mesh's Redis KV tier
-    slot_releases_s: tuple[float, ...] = ()  # when its running requests free their slots
-
-    @classmethod
-    def parse(cls, fields: dict[bytes, bytes] | None, backend: SchedulerBackend) -> WorkerLoad:
-        fields = fields or {}
-        tokens = int(fields.get(b"waiting_tokens", 0))
-        return cls(
-            waiting=int(fields.get(b"waiting", 0)) + backend.in_transit,
-            free_slots=int(fields.get(b"max_running", 0)) - int(fields.get(b"running", 0)),
-            max_running=int(fields.get(b"max_running", 0)),
-            in_flight_here=backend.in_flight,
-            waiting_tokens=max(tokens, backend.pending_tokens),
-            drain_per_s=float(fields.get(b"drain_per_s", 0.0)),
-            published=bool(fields),
-            shared_tier=fields.get(b"kv_shared_tier") == b"1",
-            slot_releases_s=tuple(
-                float(s) for s in fields.get(b"slot_releases_s", b"").split(b",") if s
-            ),
-        )
-
-    @property
-    def queue_ms(self) -> float:
-        if not self.published:
-            return 0.0  # unknown: left to the scheduler's own bounded queue
-        # Two lower bounds of the queue beyond the free slots: the published one (complete, but
-        # a few steps old) and this gateway's own (current, but blind to other gateways).
-        releases = self.slot_releases_s
-        published = queue_time_s(self.waiting, self.free_slots, self.drain_per_s, releases)
-        here = queue_time_s(self.in_flight_here, self.max_running, self.drain_per_s, releases)
-        return max(published, here) * 1e3
 
 
 @dataclass(frozen=True)
@@ -127,6 +74,7 @@ class Routed:
     gateway adds there before the scheduler's own report can show it."""
 
     route: RouteDecision
+    tenant: Tenant | None = None  # whose sequence it is there
     in_transit: bool = True  # not yet accepted by the scheduler
     pending: bool = True  # no first token yet
 
@@ -135,6 +83,8 @@ class Routed:
         backend.in_flight += 1
         backend.in_transit += 1
         backend.pending_tokens += self.route.uncached_tokens
+        if self.tenant is not None:
+            backend.count_tenant(self.tenant.name, self.tenant.weight, 1)
 
     def accepted(self) -> None:
         if self.in_transit:
@@ -149,7 +99,10 @@ class Routed:
 
     def ended(self) -> None:
         self.started()
-        self.route.backend.in_flight -= 1
+        backend = self.route.backend
+        backend.in_flight -= 1
+        if self.tenant is not None:
+            backend.count_tenant(self.tenant.name, self.tenant.weight, -1)
 
 
 class Router:
@@ -171,6 +124,7 @@ class Router:
         candidates: Sequence[SchedulerBackend],
         token_ids: Sequence[int],
         cache_salt: bytes,
+        ask: TenantAsk | None = None,
     ) -> RouteDecision:
         model = candidates[0].served_model()  # the catalog returns ready ones, or raises
         block_size = model.kv_block_size or 1
@@ -187,9 +141,10 @@ class Router:
             backend = min(candidates, key=lambda b: b.in_flight)
             return RouteDecision(backend, 0, block_size, "local-fallback", len(token_ids))
         loads, matches = snapshot
-        eligible = [i for i, load in enumerate(loads) if self._admits(load)]
+        ask = ask or TenantAsk("", prompt_tokens=len(token_ids))
+        eligible = [i for i, load in enumerate(loads) if self.watermarks.admits(load, ask)]
         if not eligible:
-            raise self._overloaded(loads)
+            raise self.watermarks.refusal(loads, ask)
         if self.policy == "round-robin":
             pool = [candidates[i] for i in eligible]
             return self._round_robin(pool, len(token_ids), block_size)
@@ -249,34 +204,6 @@ class Router:
             _leading_hits(replies[i * step + 1]) if hashes else 0 for i in range(len(candidates))
         ]
         return loads, matches
-
-    def _admits(self, load: WorkerLoad) -> bool:
-        marks = self.watermarks
-        if marks.max_queue_ms and load.queue_ms > marks.max_queue_ms:
-            return False
-        return not (marks.max_queue_tokens and load.waiting_tokens > marks.max_queue_tokens)
-
-    def _overloaded(self, loads: list[WorkerLoad]) -> KvmeshError:
-        marks = self.watermarks
-        waits = []
-        for load in loads:
-            drain_ms = 0.0
-            if marks.max_queue_ms and load.queue_ms > marks.max_queue_ms:
-                drain_ms = load.queue_ms - marks.max_queue_ms
-            if marks.max_queue_tokens and load.waiting_tokens > marks.max_queue_tokens:
-                excess = load.waiting_tokens - marks.max_queue_tokens
-                per_token_ms = load.queue_ms / max(load.waiting_tokens, 1)
-                drain_ms = max(drain_ms, excess * per_token_ms)
-            waits.append(drain_ms)
-        retry_ms = min(waits)
-        retry_ms = MAX_RETRY_MS if math.isinf(retry_ms) else retry_ms
-        return KvmeshError(
-            Reason.OVERLOADED,
-            f"every scheduler is past the admission watermarks "
-            f"(queue estimates {', '.join(f'{load.queue_ms:.0f} ms' for load in loads)})",
-            retryable=True,
-            retry_after_ms=int(min(MAX_RETRY_MS, max(MIN_RETRY_MS, retry_ms))),
-        )
 
 
 def _leading_hits(flags: Sequence[int]) -> int:

@@ -1,10 +1,12 @@
 """Per-tenant limits shared by every gateway: token buckets for requests/s and tokens/min, and a
 concurrency limit, checked and charged by one Lua script (atomic: all or nothing).
 
-A request is charged its prompt tokens plus max_tokens on admission; what it did not generate
-is refunded when it ends. One refused after its prompt was tokenized is charged those tokens.
-Concurrency is a sorted set of leases (request id -> expiry), renewed while the request runs,
-so a gateway that dies stops counting after one lease.
+A request is charged its prompt tokens plus n x max_tokens on admission; what it did not
+generate is refunded when it ends. One refused after its prompt was tokenized is charged those
+tokens. What a tenant has in flight is a sorted set of leases (member -> expiry), renewed while
+the request runs, so a gateway that dies stops counting after one lease: a member per sequence
+(each of a request's n completions counts against `max_concurrent`), the first carrying the
+request's tokens as "tokens|request id" (their sum is checked against `max_in_flight_tokens`).
 
 With Redis unreachable each gateway enforces the same limits on its own (local buckets): a
 tenant may then get up to the limit from each gateway, never an error caused by Redis.
@@ -12,11 +14,16 @@ tenant may then get up to the limit from each gateway, never an error caused by 
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass
 
 from services.gateway.policy.leases import LEASE_MS, Leases
+from services.gateway.policy.local_limits import (
+    OVER_CONCURRENCY,
+    OVER_IN_FLIGHT_TOKENS,
+    OVER_REQUESTS,
+    OVER_TOKENS,
+    LocalLimits,
+)
 from shared import redis_keys
 from shared.errors import KvmeshError, Reason
 from shared.redis_link import RedisLink
@@ -37,13 +44,16 @@ end
 """
 
 # KEYS: requests bucket, tokens bucket, in-flight set
-# ARGV: requests/ms, tokens/ms, max concurrent, token cost, request id, lease ms
-# Returns {0, 0} when admitted, else {1 requests | 2 tokens | 3 concurrency, retry after ms}.
+# ARGV: requests/ms, tokens/ms, max concurrent, token cost, max in-flight tokens, lease ms,
+# then the request's lease members (lease_members).
+# Returns {0, 0} when admitted, else {1 requests | 2 tokens | 3 concurrency | 4 in-flight
+# tokens, retry after ms}.
 ADMIT_LUA = (
     BUCKET_LEVEL_LUA
     + """
 local request_rate, token_rate = tonumber(ARGV[1]), tonumber(ARGV[2])
 local max_concurrent, token_cost = tonumber(ARGV[3]), tonumber(ARGV[4])
+local max_in_flight, in_flight_cost = tonumber(ARGV[5]), tonumber(ARGV[4])
 local request_capacity = math.max(1, request_rate * 1000)
 local token_capacity = token_rate * 60000
 local requests_left, tokens_left = 0, 0
@@ -58,10 +68,20 @@ if token_rate > 0 then
     return {2, math.ceil((token_cost - tokens_left) / token_rate)}
   end
 end
-if max_concurrent > 0 then
+if max_concurrent > 0 or max_in_flight > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  if redis.call('ZCARD', KEYS[3]) >= max_concurrent then return {3, 0} end
-  redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), ARGV[5])
+  local members = #ARGV - 6
+  if max_concurrent > 0 and redis.call('ZCARD', KEYS[3]) + members > max_concurrent then
+    return {3, 0}
+  end
+  if max_in_flight > 0 then
+    local held = 0
+    for _, member in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+      held = held + (tonumber(string.match(member, '^(%d+)|')) or 0)
+    end
+    if held + in_flight_cost > max_in_flight then return {4, 0} end
+  end
+  for index = 7, #ARGV do redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), ARGV[index]) end
   redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[6]))
 end
 if request_rate > 0 then
@@ -76,9 +96,9 @@ return {0, 0}
 """
 )
 
-# KEYS: tokens bucket, in-flight set. ARGV: tokens/ms, tokens to refund, request id.
+# KEYS: tokens bucket, in-flight set. ARGV: tokens/ms, tokens to refund, lease members.
 RELEASE_LUA = """
-redis.call('ZREM', KEYS[2], ARGV[3])
+for index = 3, #ARGV do redis.call('ZREM', KEYS[2], ARGV[index]) end
 local rate, refund = tonumber(ARGV[1]), tonumber(ARGV[2])
 if rate > 0 and refund > 0 and redis.call('EXISTS', KEYS[1]) == 1 then
   local value = tonumber(redis.call('HGET', KEYS[1], 'level'))
@@ -100,7 +120,19 @@ return 0
 """
 )
 
-_LIMIT_NAMES = {1: "requests per second", 2: "tokens per minute", 3: "concurrent requests"}
+_LIMIT_NAMES = {
+    OVER_REQUESTS: "requests per second",
+    OVER_TOKENS: "tokens per minute",
+    OVER_CONCURRENCY: "concurrent sequences (max_concurrent; each of n counts)",
+    OVER_IN_FLIGHT_TOKENS: "tokens in flight (max_in_flight_tokens)",
+}
+
+
+def lease_members(request_id: str, num_sequences: int, tokens: int) -> list[str]:
+    """A request's members of its tenant's in-flight set: one per sequence, the first
+    carrying its tokens (prompt + n x max_tokens)."""
+    rest = (f"0|{request_id}#{index}" for index in range(1, num_sequences))
+    return [f"{tokens}|{request_id}", *rest]
 
 
 @dataclass
@@ -111,58 +143,8 @@ class Grant:
     request_id: str
     tokens_charged: int
     shared: bool  # admitted through Redis (else by this gateway's local buckets)
-
-
-class LocalBucket:
-    def __init__(self, rate_per_s: float, capacity: float) -> None:
-        self.rate_per_s = rate_per_s
-        self.capacity = capacity
-        self.level = capacity
-        self.at = time.monotonic()
-
-    def refill(self) -> float:
-        now = time.monotonic()
-        self.level = min(self.capacity, self.level + (now - self.at) * self.rate_per_s)
-        self.at = now
-        return self.level
-
-
-class LocalLimits:
-    """One tenant's limits enforced by this gateway alone (Redis unreachable)."""
-
-    def __init__(self, tenant: Tenant) -> None:
-        limits = tenant.limits
-        rps, tpm = limits.requests_per_second, limits.tokens_per_minute
-        self.requests = LocalBucket(rps, max(1.0, rps)) if rps else None
-        self.tokens = LocalBucket(tpm / 60, tpm) if tpm else None
-        self.max_concurrent = limits.max_concurrent
-        self.in_flight = 0
-
-    def admit(self, token_cost: int) -> tuple[int, int]:
-        if self.requests is not None and self.requests.refill() < 1:
-            return 1, math.ceil((1 - self.requests.level) / self.requests.rate_per_s * 1e3)
-        if self.tokens is not None:
-            token_cost = min(token_cost, int(self.tokens.capacity))
-            if self.tokens.refill() < token_cost:
-                wait_s = (token_cost - self.tokens.level) / self.tokens.rate_per_s
-                return 2, math.ceil(wait_s * 1e3)
-        if self.max_concurrent and self.in_flight >= self.max_concurrent:
-            return 3, 0
-        if self.requests is not None:
-            self.requests.level -= 1
-        if self.tokens is not None:
-            self.tokens.level -= token_cost
-        self.in_flight += 1
-        return 0, 0
-
-    def charge(self, tokens: int) -> None:
-        if self.tokens is not None:
-            self.tokens.level = max(0.0, self.tokens.refill() - tokens)
-
-    def release(self, refund: int) -> None:
-        self.in_flight -= 1
-        if self.tokens is not None:
-            self.tokens.level = min(self.tokens.capacity, self.tokens.refill() + refund)
+    members: list[str]  # its leases in the tenant's in-flight set (lease_members)
+    in_flight_tokens: int
 
 
 class RateLimiter:
@@ -175,26 +157,34 @@ class RateLimiter:
             self._release_script = link.client.register_script(RELEASE_LUA)
             self._charge_script = link.client.register_script(CHARGE_LUA)
 
-    async def admit(self, tenant: Tenant, request_id: str, token_cost: int) -> Grant | None:
-        """Charge the tenant or raise RATE_LIMITED; None for a tenant without limits."""
-        if tenant.limits.unlimited:
+    async def admit(
+        self, tenant: Tenant, request_id: str, token_cost: int, num_sequences: int = 1
+    ) -> Grant | None:
+        """Charge the tenant or raise RATE_LIMITED; None for a tenant without limits.
+        `token_cost`: prompt + n x max_tokens; `num_sequences`: n."""
+        limits = tenant.limits
+        if limits.unlimited:
             return None
-        verdict = await self._admit_shared(tenant, request_id, token_cost)
+        _check_fits(tenant, token_cost, num_sequences)
+        members = lease_members(request_id, num_sequences, token_cost)
+        verdict = await self._admit_shared(tenant, members, token_cost)
         shared = verdict is not None
         if verdict is None:
-            verdict = self._local_limits(tenant).admit(token_cost)
+            verdict = self._local_limits(tenant).admit(token_cost, num_sequences)
         status, retry_ms = verdict
         if status:
+            waits = status in (OVER_CONCURRENCY, OVER_IN_FLIGHT_TOKENS)
             raise KvmeshError(
                 Reason.RATE_LIMITED,
                 f"tenant {tenant.name!r} is over its limit of {_LIMIT_NAMES[status]}",
                 retryable=True,
-                retry_after_ms=max(retry_ms, CONCURRENCY_RETRY_MS if status == 3 else 1),
+                retry_after_ms=max(retry_ms, CONCURRENCY_RETRY_MS if waits else 1),
             )
-        charged = min(token_cost, int(tenant.limits.tokens_per_minute)) or token_cost
-        grant = Grant(tenant, request_id, charged, shared)
-        if shared and tenant.limits.max_concurrent and self._leases is not None:
-            self._leases.hold(redis_keys.tenant_in_flight(tenant.name), request_id)
+        charged = min(token_cost, int(limits.tokens_per_minute)) or token_cost
+        grant = Grant(tenant, request_id, charged, shared, members, token_cost)
+        if shared and _leased(tenant) and self._leases is not None:
+            for member in members:
+                self._leases.hold(redis_keys.tenant_in_flight(tenant.name), member)
         return grant
 
     async def charge(self, tenant: Tenant, tokens: int) -> None:
@@ -216,27 +206,24 @@ class RateLimiter:
         if grant is None:
             return
         refund = max(0, grant.tokens_charged - tokens_used)
-        if not grant.shared:
-            self._local_limits(grant.tenant).release(refund)
-            return
         tenant = grant.tenant
+        if not grant.shared:
+            local = self._local_limits(tenant)
+            local.release(refund, len(grant.members), grant.in_flight_tokens)
+            return
         if self._leases is None or self.link is None:
             return
-        self._leases.drop(redis_keys.tenant_in_flight(tenant.name), grant.request_id)
-        keys = [
-            redis_keys.tenant_tokens_bucket(tenant.name),
-            redis_keys.tenant_in_flight(tenant.name),
-        ]
-        args: list[float | int | str] = [
-            tenant.limits.tokens_per_minute / 60000,
-            refund,
-            grant.request_id,
-        ]
+        in_flight = redis_keys.tenant_in_flight(tenant.name)
+        for member in grant.members:
+            self._leases.drop(in_flight, member)
+        keys = [redis_keys.tenant_tokens_bucket(tenant.name), in_flight]
+        args: list[float | int | str] = [tenant.limits.tokens_per_minute / 60000, refund]
+        args += grant.members
         # If Redis is down now, the lease expires by itself within LEASE_MS.
         await self.link.run(lambda client: self._release_script(keys=keys, args=args))
 
     async def _admit_shared(
-        self, tenant: Tenant, request_id: str, token_cost: int
+        self, tenant: Tenant, members: list[str], token_cost: int
     ) -> tuple[int, int] | None:
         if self.link is None:
             return None
@@ -251,8 +238,9 @@ class RateLimiter:
             limits.tokens_per_minute / 60000,
             limits.max_concurrent,
             token_cost,
-            request_id,
+            limits.max_in_flight_tokens,
             LEASE_MS,
+            *members,
         ]
         reply = await self.link.run(lambda client: self._admit_script(keys=keys, args=args))
         return None if reply is None else (int(reply[0]), int(reply[1]))
@@ -266,3 +254,26 @@ class RateLimiter:
     async def close(self) -> None:
         if self._leases is not None:
             await self._leases.close()
+
+
+def _leased(tenant: Tenant) -> bool:
+    """Whether its requests hold leases in its in-flight set."""
+    return bool(tenant.limits.max_concurrent or tenant.limits.max_in_flight_tokens)
+
+
+def _check_fits(tenant: Tenant, token_cost: int, num_sequences: int) -> None:
+    """A request past what its tenant may ever hold at once is refused for good."""
+    limits = tenant.limits
+    if limits.max_concurrent and num_sequences > limits.max_concurrent:
+        raise KvmeshError(
+            Reason.RATE_LIMITED,
+            f"n = {num_sequences} is more sequences than tenant {tenant.name!r} may run at once "
+            f"(max_concurrent {limits.max_concurrent})",
+        )
+    if limits.max_in_flight_tokens and token_cost > limits.max_in_flight_tokens:
+        raise KvmeshError(
+            Reason.RATE_LIMITED,
+            f"prompt + n x max_tokens = {token_cost} tokens is more than tenant "
+            f"{tenant.name!r} may have in flight (max_in_flight_tokens "
+            f"{limits.max_in_flight_tokens}): lower max_tokens or n",
+        )

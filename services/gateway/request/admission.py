@@ -15,6 +15,7 @@ import time
 from services.gateway.mesh.catalog import ModelCatalog
 from services.gateway.mesh.router import Routed, RouteDecision
 from services.gateway.mesh.tokenizer_link import TokenizerLink
+from services.gateway.mesh.watermarks import TenantAsk
 from services.gateway.policy.policy import GatewayPolicy
 from services.gateway.policy.rate_limits import Grant
 from services.gateway.policy.request_ids import in_use
@@ -131,7 +132,7 @@ class Admission:
         with telemetry.phase("rate_limit"):
             n = num_completions(request.n)
             grant = await rate_limiter.admit(
-                checked.tenant, call.request_id, len(token_ids) + n * sampling.max_tokens
+                checked.tenant, call.request_id, len(token_ids) + n * sampling.max_tokens, n
             )
         try:
             with telemetry.phase("route") as span:
@@ -143,7 +144,7 @@ class Admission:
             admitted = await submit(
                 call,
                 checked,
-                Routed(route),
+                Routed(route, checked.tenant),
                 token_ids,
                 grant,
                 remaining,
@@ -173,14 +174,15 @@ class Admission:
     ) -> tuple[RouteDecision, bool]:
         """Where the request goes, and whether that is a prefill pair (the decode pair it would
         have gone to has enough of the prompt to compute: handed over after the first token)."""
-        router, salt = self.policy.router, checked.tenant.cache_salt
+        router, tenant = self.policy.router, checked.tenant
+        ask = TenantAsk(tenant.name, tenant.weight, num_completions(call.request.n), len(token_ids))
         prefill, decoding = split_roles(checked.candidates)
-        route = await router.route(decoding, token_ids, salt)
+        route = await router.route(decoding, token_ids, tenant.cache_salt, ask)
         if not prefill or not splittable(call.request, checked.sampling):
             return route, False
         if not worth_splitting(route, self.policy.handover_min_tokens):
             return route, False
-        return await router.route(prefill, token_ids, salt), True
+        return await router.route(prefill, token_ids, tenant.cache_salt, ask), True
 
     async def admit_siblings(self, call: GenerateCall, first: Admitted) -> list[Admitted]:
         """Completions 1 to n - 1 of an admitted request, on its scheduler (where they fork
@@ -192,7 +194,7 @@ class Admission:
             for index in range(1, n):
                 sampling = for_completion(first.sampling, index)
                 checked = Checked(first.tenant, [first.backend], first.model, sampling)
-                routed, tokens = Routed(first.routed.route), first.token_ids
+                routed, tokens = Routed(first.routed.route, first.tenant), first.token_ids
                 members.append(
                     await submit(call, checked, routed, tokens, first.grant, remaining, index=index)
                 )
@@ -228,7 +230,7 @@ class Admission:
         return await submit(
             call,
             checked,
-            Routed(route),
+            Routed(route, failed.tenant),
             failed.token_ids,
             failed.grant,
             remaining,
@@ -258,7 +260,7 @@ class Admission:
         moved = await submit(
             call,
             checked,
-            Routed(route),
+            Routed(route, prefilled.tenant),
             token_ids,
             prefilled.grant,
             remaining,

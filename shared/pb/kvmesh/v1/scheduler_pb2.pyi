@@ -189,7 +189,7 @@ class FreedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., freed_unix_ns: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_blocks", "num_preemptions", "prefix_hit_tokens", "num_expired_waiting", "num_expired_running", "num_aborted", "num_steps", "recent_frees", "worker_ready", "worker_compute_ms", "num_waiting_tokens", "queue_time_estimate_ms", "max_waiting", "slot_releases_s", "num_open_streams", "num_blocks_referenced", "prefix_query_tokens", "prefix_evictions", "num_failed_execution", "num_draft_tokens", "num_accepted_draft_tokens")
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_blocks", "num_preemptions", "prefix_hit_tokens", "num_expired_waiting", "num_expired_running", "num_aborted", "num_steps", "recent_frees", "worker_ready", "worker_compute_ms", "num_waiting_tokens", "queue_time_estimate_ms", "max_waiting", "slot_releases_s", "num_open_streams", "num_blocks_referenced", "prefix_query_tokens", "prefix_evictions", "num_failed_execution", "num_draft_tokens", "num_accepted_draft_tokens", "tenants")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class LoadReport(_message.Message):
     NUM_FAILED_EXECUTION_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_free_blocks: int
@@ -238,7 +239,24 @@ class LoadReport(_message.Message):
     num_failed_execution: int
     num_draft_tokens: int
     num_accepted_draft_tokens: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_expired_waiting: _Optional[int] = ..., num_expired_running: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., recent_frees: _Optional[_Iterable[_Union[FreedRequest, _Mapping]]] = ..., worker_ready: _Optional[bool] = ..., worker_compute_ms: _Optional[float] = ..., num_waiting_tokens: _Optional[int] = ..., queue_time_estimate_ms: _Optional[float] = ..., max_waiting: _Optional[int] = ..., slot_releases_s: _Optional[_Iterable[float]] = ..., num_open_streams: _Optional[int] = ..., num_blocks_referenced: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., num_failed_execution: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantLoad]
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_expired_waiting: _Optional[int] = ..., num_expired_running: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., recent_frees: _Optional[_Iterable[_Union[FreedRequest, _Mapping]]] = ..., worker_ready: _Optional[bool] = ..., worker_compute_ms: _Optional[float] = ..., num_waiting_tokens: _Optional[int] = ..., queue_time_estimate_ms: _Optional[float] = ..., max_waiting: _Optional[int] = ..., slot_releases_s: _Optional[_Iterable[float]] = ..., num_open_streams: _Optional[int] = ..., num_blocks_referenced: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., num_failed_execution: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantLoad, _Mapping]]] = ...) -> None: ...
+
+class TenantLoad(_message.Message):
+    __slots__ = ("tenant", "weight", "num_running", "num_waiting", "num_waiting_tokens", "num_blocks")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    weight: float
+    num_running: int
+    num_waiting: int
+    num_waiting_tokens: int
+    num_blocks: int
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class SchedulerModelRequest(_message.Message):
     __slots__ = ()
