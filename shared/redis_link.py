@@ -16,6 +16,8 @@ import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from shared import redis_auth
+
 T = TypeVar("T")
 log = logging.getLogger("kvmesh.redis")
 
@@ -39,6 +41,7 @@ class RedisLink:
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 1),
+            **redis_auth.credentials(),
         )
         self.up = True
         self.recoveries = 0  # bumped each time Redis comes back: its contents may be gone

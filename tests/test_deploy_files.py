@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
+
+from kvmesh.mesh.service_process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -85,3 +89,33 @@ def test_the_gateway_and_tokenizer_counts_come_from_the_environment(
     assert services["tokenizer"]["deploy"]["replicas"] == "${KVMESH_TOKENIZERS:-1}"
     monkeypatch.setenv("KVMESH_PROCESSES", "4")  # what the container's gateway then reads
     assert build_parser().parse_args([]).processes == 4
+
+
+def _shell(line: str) -> str:
+    """A compose command's shell text as the container's sh sees it ($$ is compose's $)."""
+    return line.replace("$$", "$")
+
+
+@pytest.mark.skipif(not shutil.which("redis-server"), reason="needs redis-server")
+@pytest.mark.parametrize("password", ["", "s3cret-for-compose"])
+def test_compose_redis_wants_the_password_when_one_is_set(password: str) -> None:
+    redis = compose()["services"]["redis"]
+    env = {**os.environ, "KVMESH_REDIS_PASSWORD": password}
+    port = free_port("127.0.0.1")
+    script = _shell(redis["command"][2]) + f" --port {port} --bind 127.0.0.1"
+    server = subprocess.Popen(["sh", "-c", script], env=env, stdout=subprocess.DEVNULL)
+    try:
+        health = _shell(redis["healthcheck"]["test"][1]).replace(
+            "redis-cli", f"redis-cli -p {port}"
+        )
+        deadline = time.monotonic() + 10
+        while subprocess.run(["sh", "-c", health], env=env, check=False).returncode:
+            assert time.monotonic() < deadline, "the health check never passed"
+            time.sleep(0.05)
+        anyone = subprocess.run(
+            ["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True, check=False
+        )
+        assert ("NOAUTH" in anyone.stdout) is bool(password), anyone.stdout
+    finally:
+        server.terminate()
+        server.wait(10)

@@ -238,3 +238,71 @@ def test_the_split_overlay_runs_a_prefill_and_a_decode_pool_each_scaled_on_its_o
         "worker-prefill": "kvmesh_queue_time_estimate_seconds",
         "worker": "kvmesh_kv_cache_usage_ratio",
     }
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _source_matches(peer: dict[str, Any], source: tuple[str, dict[str, str]]) -> bool:
+    """`source`: ("pod", its labels) in the namespace, ("namespace", {}) a pod in another,
+    ("outside", {}) beyond the cluster."""
+    kind, labels = source
+    if "namespaceSelector" in peer:  # {} here: every namespace, this one included
+        return kind in ("pod", "namespace")
+    return kind == "pod" and _selects(peer["podSelector"], labels)
+
+
+def reachable(source: tuple[str, dict[str, str]], target: str, port: str) -> bool:
+    """Whether prod's NetworkPolicies let `source` open `port` (a container port's name) on a
+    pod of app `target`: a policy selecting the pod has a rule naming both, else denied."""
+    policies = [o for o in rendered("prod") if o["kind"] == "NetworkPolicy"]
+    labels = {"app.kubernetes.io/name": target}
+    for policy in (p for p in policies if _selects(p["spec"]["podSelector"], labels)):
+        for rule in policy["spec"].get("ingress", []):
+            ports = {p["port"] for p in rule.get("ports", [])}
+            peers = rule.get("from")
+            if ports and port not in ports:
+                continue
+            if peers is None or any(_source_matches(peer, source) for peer in peers):
+                return True
+    return False
+
+
+def test_prod_network_policies_let_each_port_be_reached_by_its_callers_alone() -> None:
+    def pod(app: str) -> tuple[str, dict[str, str]]:
+        return "pod", {"app.kubernetes.io/name": app}
+
+    outside, prometheus = ("outside", {}), ("namespace", {})
+    allowed = [
+        (outside, "gateway", "grpc-public"),
+        (outside, "gateway", "http-openai"),
+        (pod("gateway"), "worker", "grpc-scheduler"),
+        (pod("gateway"), "tokenizer", "grpc-tokenizer"),
+        (pod("worker"), "worker", "grpc-worker"),  # a decode pod pulls prefilled blocks
+        (pod("worker"), "trace-collector", "grpc-otlp"),
+        (prometheus, "worker", "http-metrics-s"),
+        (prometheus, "tokenizer", "http-metrics"),
+    ]
+    denied = [
+        (outside, "worker", "grpc-scheduler"),
+        (prometheus, "worker", "grpc-scheduler"),
+        (pod("tokenizer"), "worker", "grpc-scheduler"),
+        (pod("redis-client"), "tokenizer", "grpc-tokenizer"),
+        (pod("gateway"), "worker", "grpc-worker"),
+        (outside, "trace-collector", "grpc-otlp"),
+        (outside, "gateway", "http-metrics"),
+    ]
+    for source, target, port in allowed:
+        assert reachable(source, target, port), (source, target, port)
+    for source, target, port in denied:
+        assert not reachable(source, target, port), (source, target, port)
+    # Every port a kvmesh pod opens is named by some policy: none is shut by omission.
+    for obj in rendered("prod"):
+        if obj["kind"] != "Deployment":
+            continue
+        app = obj["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+        for container in obj["spec"]["template"]["spec"]["containers"]:
+            for port in container.get("ports", []):
+                callers = [pod("gateway"), pod("worker"), prometheus, outside]
+                assert any(reachable(c, app, port["name"]) for c in callers), (app, port)

@@ -15,13 +15,13 @@ import time
 from kvmesh.mesh import gateways
 from kvmesh.mesh.config import MeshConfig, ModelPair
 from kvmesh.mesh.local_redis import redis_command, wait_for_redis
+from kvmesh.mesh.mesh_secrets import MeshSecrets
 from kvmesh.mesh.service_process import ServiceProcess, free_port
 from kvmesh.mesh.settings import serving_args
 from kvmesh.mesh.supervisor import Supervisor
 from shared.model_entry import ModelEntry
 from shared.model_paths import default_embedding_model_path, is_encoder
 from shared.model_repository import ModelRepository
-from shared.runtime import mesh_token as tokens
 from shared.runtime.service import LIVENESS
 from shared.runtime.settings import SCHEDULER, WORKER
 from shared.runtime.tls import tls_config
@@ -45,7 +45,7 @@ class Mesh:
         self.pairs: list[ModelPair] = []  # with `models`: every pair, by model version
         self.repository = ModelRepository(config.model_repo)
         self.supervisor: Supervisor | None = None
-        self.mesh_token = tokens.mesh_token()  # internal ports' credential; made if auth is on
+        self.secrets = MeshSecrets.from_env()  # what its processes share; made if auth is on
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -65,7 +65,7 @@ class Mesh:
 
     def _start_all(self) -> None:
         config = self.config
-        self.mesh_token = self.mesh_token or (tokens.new_mesh_token() if config.auth_on else "")
+        self.secrets.complete(config.auth_on, own_redis=self.redis_url is None)
         if self.redis_url is None:
             self.redis_url = self._start_redis()
         self.collector_address = self.spawn(
@@ -232,7 +232,8 @@ class Mesh:
 
     def _start_redis(self) -> str:
         host, port = self.config.host, free_port(self.config.host)
-        self._launch("redis", None, redis_command(host, port), {})
+        password = self.secrets.redis_password
+        self._launch("redis", None, redis_command(host, port, password, self.log_dir), {})
         wait_for_redis(host, port)
         return f"redis://{host}:{port}/0"
 
@@ -248,20 +249,10 @@ class Mesh:
     ) -> str:
         address = f"{self.config.host}:{port or free_port(self.config.host)}"
         host, port_text = address.rsplit(":", 1)
-        command = [
-            sys.executable,
-            "-m",
-            module,
-            "--host",
-            host,
-            "--port",
-            port_text,
-            "--drain-seconds",
-            str(self.config.drain_seconds),
-            "--metrics-port",
-            str(metrics_port := free_port(self.config.host)),
-            *args,
-        ]
+        metrics_port = free_port(self.config.host)
+        command = [sys.executable, "-m", module, "--host", host, "--port", port_text]
+        command += ["--drain-seconds", str(self.config.drain_seconds)]
+        command += ["--metrics-port", str(metrics_port), *args]
         if self.config.tracing and self.collector_address:
             command += ["--otlp-endpoint", self.collector_address]
         if cpus is not None:  # pinned: a benchmark's worker to its own cores
@@ -274,7 +265,7 @@ class Mesh:
 
     def _launch(self, name: str, address: str | None, command: list[str], env: dict) -> None:
         log_path = os.path.join(self.log_dir, f"{name}.log")
-        env = {**env, tokens.ENV: self.mesh_token} if self.mesh_token else env
+        env = {**env, **self.secrets.env()}
         self.services.append(ServiceProcess.start(name, address, command, env, log_path))
 
     def service(self, name: str) -> ServiceProcess:

@@ -113,7 +113,9 @@ class RolloutController:
     def _require_tokenizer(self, name: str) -> None:
         """Text requests need the model's tokenizer: the mesh's tokenizer service loads one
         per model at start, so a model it was not started with cannot be rolled out here."""
-        with sync_channel(self.mesh.tokenizer_address, token=self.mesh.mesh_token) as channel:
+        with sync_channel(
+            self.mesh.tokenizer_address, token=self.mesh.secrets.mesh_token
+        ) as channel:
             try:
                 tokenizer_pb2_grpc.TokenizerStub(channel).GetInfo(
                     tokenizer_pb2.TokenizerInfoRequest(model=name), timeout=10

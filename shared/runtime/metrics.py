@@ -18,6 +18,8 @@ from wsgiref.simple_server import make_server
 from prometheus_client import make_wsgi_app, start_http_server
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 
+from shared.runtime.mesh_token import mesh_token
+
 log = logging.getLogger("kvmesh.metrics")
 # Request-scale latencies (queue, TTFT, E2E): 5 ms to a minute.
 REQUEST_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -26,9 +28,11 @@ TOKEN_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
 
 
 def scrape_token() -> str:
-    """`KVMESH_METRICS_TOKEN`: when set, every metrics endpoint wants it as a Bearer token
-    (Prometheus' `authorization` scrape setting); unset, they answer anyone who reaches them."""
-    return os.environ.get("KVMESH_METRICS_TOKEN", "")
+    """What every metrics endpoint wants as a Bearer token (Prometheus' `authorization` scrape
+    setting): `KVMESH_METRICS_TOKEN`, else, with auth on, the mesh token (so a metrics port is
+    never the one door left open; a token of Prometheus' own is better: it opens no gRPC port);
+    neither: they answer anyone who reaches them."""
+    return os.environ.get("KVMESH_METRICS_TOKEN", "") or mesh_token()
 
 
 def is_scrape_token(authorization: str) -> bool:
@@ -46,7 +50,7 @@ def serve_metrics(host: str, port: int) -> None:
         def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
             if not is_scrape_token(environ.get("HTTP_AUTHORIZATION", "")):
                 start_response("401 Unauthorized", [("Content-Type", "text/plain")])
-                return [b"KVMESH_METRICS_TOKEN is required as a Bearer token\n"]
+                return [b"a Bearer token is required: KVMESH_METRICS_TOKEN, else the mesh's\n"]
             return app(environ, start_response)
 
         server = make_server(host, port, guarded, ThreadingWSGIServer, _SilentHandler)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 import openai
 import pytest
+import redis.asyncio as redis
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
@@ -47,6 +48,15 @@ def keys_file(tmp_path_factory: pytest.TempPathFactory, text: str) -> str:
     path = tmp_path_factory.mktemp("keys") / "keys.toml"
     path.write_text(text)
     return str(path)
+
+
+def mesh_redis(mesh: Mesh) -> redis.Redis:
+    """A client of the mesh's own Redis, logged in with its credentials (auth on: an ACL user
+    and password `kvmesh up` made)."""
+    assert mesh.redis_url is not None
+    secrets = mesh.secrets
+    login = {"username": secrets.redis_user or None, "password": secrets.redis_password or None}
+    return redis.Redis.from_url(mesh.redis_url, **login)
 
 
 def rich_error(error: grpc.RpcError) -> RichError:
@@ -169,9 +179,12 @@ def tiny_mesh_config(model_dir: str, log_dir: str) -> MeshConfig:
     )
 
 
-def metric_value(metrics_url: str, name: str) -> float:
-    """One unlabelled sample from a service's Prometheus endpoint."""
-    with urllib.request.urlopen(metrics_url, timeout=5) as reply:
+def metric_value(metrics_url: str, name: str, token: str = "") -> float:
+    """One unlabelled sample from a service's Prometheus endpoint (`token`: with auth on,
+    the mesh's or the scrape token)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(metrics_url, headers=headers)
+    with urllib.request.urlopen(request, timeout=5) as reply:
         for line in reply.read().decode().splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
@@ -182,16 +195,17 @@ async def assert_mesh_idle(mesh: Mesh, timeout: float = 30) -> None:
     """The invariants once traffic stops: no request queued, running or with an open stream
     anywhere, every KV block free or cached (no reference held)."""
     for address in mesh.scheduler_addresses:
-        load = await settled_load(address, timeout, token=mesh.mesh_token)
+        load = await settled_load(address, timeout, token=mesh.secrets.mesh_token)
         deadline = time.monotonic() + timeout
         while load.num_open_streams or load.num_blocks_referenced:
             assert time.monotonic() < deadline, f"{address} leaked: {load}"
             await asyncio.sleep(0.05)
-            load = await settled_load(address, timeout, token=mesh.mesh_token)
+            load = await settled_load(address, timeout, token=mesh.secrets.mesh_token)
     for gateway in mesh.gateways:
         assert gateway.metrics_url is not None
         deadline = time.monotonic() + timeout
-        while metric_value(gateway.metrics_url, "kvmesh_gateway_requests_in_flight"):
+        url, token = gateway.metrics_url, mesh.secrets.mesh_token
+        while metric_value(url, "kvmesh_gateway_requests_in_flight", token):
             assert time.monotonic() < deadline, f"{gateway.name} still holds streams"
             await asyncio.sleep(0.05)
 

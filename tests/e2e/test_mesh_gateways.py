@@ -65,8 +65,10 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 def admitted(mesh: Mesh) -> dict[str, float]:
     """Each gateway's kvmesh_admitted_total, from its own metrics port."""
+    token = mesh.secrets.mesh_token  # auth is on: the scrape token
     return {
-        g.name: metric_value(g.metrics_url or "", "kvmesh_admitted_total") for g in mesh.gateways
+        g.name: metric_value(g.metrics_url or "", "kvmesh_admitted_total", token)
+        for g in mesh.gateways
     }
 
 

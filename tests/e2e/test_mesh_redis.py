@@ -22,7 +22,6 @@ from shared.pb.kvmesh.v1 import (
 from shared.runtime.tls import aio_channel
 from shared.tenants import Tenant
 from tests.e2e.mesh_helpers import assert_one_terminal, bearer, ids_request, keys_file, rich_error
-from tests.redis_server import RedisServer
 
 KEYS = """
 [tenants.acme]
@@ -167,7 +166,7 @@ async def test_another_tenant_gets_no_hit_on_the_same_prompt(mesh: Mesh) -> None
     # In the engine too, on the very worker that holds acme's blocks: the scheduler matches
     # them under acme's salt and nothing under any other tenant's.
     acme_home = (await _until_routed_by_prefix(mesh, request))[0].accepted.routing.scheduler
-    token = mesh.mesh_token  # auth is on: a scheduler answers the mesh's own alone
+    token = mesh.secrets.mesh_token  # auth is on: a scheduler answers the mesh's own alone
     assert await _submit_cached_tokens(acme_home, Tenant("acme").cache_salt, token) > 0
     assert await _submit_cached_tokens(acme_home, Tenant("gamma").cache_salt, token) == 0
 
@@ -190,8 +189,6 @@ async def _submit_cached_tokens(scheduler_address: str, salt: bytes, token: str)
 
 async def test_redis_stopped_and_restarted_under_load_loses_nothing(mesh: Mesh) -> None:
     redis_process = mesh.service("redis").process
-    assert mesh.redis_url is not None
-    port = int(mesh.redis_url.rsplit(":", 1)[1].split("/")[0])
     outcomes: list[str] = []
     stop = asyncio.Event()
 
@@ -205,28 +202,22 @@ async def test_redis_stopped_and_restarted_under_load_loses_nothing(mesh: Mesh) 
             outcomes.append(assert_one_terminal(events))
             index += 1
 
-    restarted = RedisServer(port)
-    try:
-        async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
-            stub = inference_pb2_grpc.InferenceStub(channel)
-            clients = [asyncio.create_task(client(stub, i)) for i in range(4)]
-            await asyncio.sleep(1.0)
-            redis_process.kill()  # Redis gone mid-load
-            redis_process.wait()
-            await asyncio.sleep(2.0)
-            during = len(outcomes)
-            restarted.start()  # back, and empty
-            await asyncio.sleep(2.5)
-            stop.set()
-            await asyncio.gather(*clients)  # any failed request raises here
-        assert set(outcomes) == {"completed"} and len(outcomes) > during > 0
-        # Back to shared state: the schedulers republished their caches, and the gateway
-        # routes by prefix again.
-        request = ids_request(PROMPT, max_tokens=2, ignore_eos=True)
-        assert (await _until_routed_by_prefix(mesh, request))[0].accepted.routing.reason == (
-            "prefix"
-        )
-        logs = pathlib.Path(mesh.service("gateway").log_path).read_text()
-        assert logs.count("redis unreachable") == 1 and "redis reachable again" in logs
-    finally:
-        restarted.stop()
+    async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        clients = [asyncio.create_task(client(stub, i)) for i in range(4)]
+        await asyncio.sleep(1.0)
+        redis_process.kill()  # Redis gone mid-load
+        redis_process.wait()
+        await asyncio.sleep(2.0)
+        during = len(outcomes)
+        mesh.restart("redis", wait_ready=False)  # back, same ACL user and password, empty
+        await asyncio.sleep(2.5)
+        stop.set()
+        await asyncio.gather(*clients)  # any failed request raises here
+    assert set(outcomes) == {"completed"} and len(outcomes) > during > 0
+    # Back to shared state: the schedulers republished their caches, and the gateway
+    # routes by prefix again.
+    request = ids_request(PROMPT, max_tokens=2, ignore_eos=True)
+    assert (await _until_routed_by_prefix(mesh, request))[0].accepted.routing.reason == ("prefix")
+    logs = pathlib.Path(mesh.service("gateway").log_path).read_text()
+    assert logs.count("redis unreachable") == 1 and "redis reachable again" in logs

@@ -16,8 +16,10 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+import redis.asyncio as redis
 
 from kvmesh.mesh.launcher import Mesh
+from shared import redis_keys
 from shared.pb.kvmesh.v1 import (
     engine_worker_pb2,
     engine_worker_pb2_grpc,
@@ -40,6 +42,7 @@ from tests.e2e.mesh_helpers import (
     collect,
     ids_request,
     keys_file,
+    mesh_redis,
     output_text,
     read_rest,
     rich_error,
@@ -189,7 +192,7 @@ async def test_streams_per_tenant_are_bounded_across_the_mesh(
         True,
     )
     scheduler = guarded_mesh.scheduler_addresses[0]
-    async with aio_channel(scheduler, token=guarded_mesh.mesh_token) as channel:
+    async with aio_channel(scheduler, token=guarded_mesh.secrets.mesh_token) as channel:
         load = await scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(scheduler_pb2.LoadRequest())
     assert load.num_open_streams == MAX_STREAMS  # the refused one never reached it
     assert assert_one_terminal(await collect_as(inference, BETA)) == "completed"  # its own bound
@@ -240,10 +243,47 @@ async def test_no_internal_port_answers_a_caller_without_the_mesh_token(
     delta = await victim.read()  # still streaming: the abort never reached its scheduler
     assert delta.WhichOneof("event") == "delta"
     victim.cancel()
-    async with aio_channel(mesh.scheduler_addresses[0], token=mesh.mesh_token) as own:
+    async with aio_channel(mesh.scheduler_addresses[0], token=mesh.secrets.mesh_token) as own:
         stub = scheduler_pb2_grpc.SchedulerStub(own)  # the mesh's own credential: answered
         assert not (await stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_id="none"))).found
     await assert_mesh_idle(guarded_mesh)
+
+
+async def test_the_mesh_redis_answers_its_own_services_alone(guarded_mesh: Mesh) -> None:
+    """Started by `kvmesh up` with auth on: an ACL user with a generated password, the
+    default user off. A client without it (or with a guess) gets nothing; the services
+    logged in (their loads are published there)."""
+    assert guarded_mesh.redis_url is not None
+    for login in ({}, {"password": "guess"}, {"username": "kvmesh", "password": "guess"}):
+        outsider = redis.Redis.from_url(guarded_mesh.redis_url, **login)
+        with pytest.raises(redis.AuthenticationError):
+            await outsider.keys("*")
+        await outsider.aclose()
+    own = mesh_redis(guarded_mesh)
+    key = redis_keys.scheduler_load(guarded_mesh.scheduler_addresses[0])
+    assert await own.exists(key)
+    await own.aclose()
+    assert guarded_mesh.secrets.redis_password not in " ".join(
+        guarded_mesh.service("redis").command
+    )
+
+
+def test_every_metrics_port_wants_a_token_when_auth_is_on(guarded_mesh: Mesh) -> None:
+    """No KVMESH_METRICS_TOKEN given: the mesh token is the scrape token, so no metrics port
+    is left open beside the guarded gRPC ones."""
+    scraped = 0
+    for service in guarded_mesh.services:
+        if service.metrics_url is None:
+            continue
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(service.metrics_url, timeout=5)
+        assert refused.value.code == 401, service.name
+        token = {"Authorization": f"Bearer {guarded_mesh.secrets.mesh_token}"}
+        request = urllib.request.Request(service.metrics_url, headers=token)
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            assert b"# HELP" in reply.read(), service.name
+        scraped += 1
+    assert scraped >= 5  # collector, tokenizer, engine-worker, scheduler, gateway
 
 
 async def collect_as(

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
-import redis.asyncio as redis
 
 from kvmesh.mesh.launcher import Mesh
 from shared import redis_keys
@@ -24,6 +23,7 @@ from tests.e2e.mesh_helpers import (
     bearer,
     ids_request,
     keys_file,
+    mesh_redis,
     rich_error,
     tiny_mesh_config,
 )
@@ -75,7 +75,7 @@ async def reason(
 async def load_when(
     mesh: Mesh, wanted: Callable[[scheduler_pb2.LoadReport], bool]
 ) -> scheduler_pb2.LoadReport:
-    async with aio_channel(mesh.scheduler_addresses[0], token=mesh.mesh_token) as channel:
+    async with aio_channel(mesh.scheduler_addresses[0], token=mesh.secrets.mesh_token) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         deadline = time.monotonic() + 30
         while not wanted(load := await stub.GetLoad(scheduler_pb2.LoadRequest())):
@@ -87,8 +87,7 @@ async def load_when(
 async def published_idle(mesh: Mesh) -> None:
     """Until the scheduler's published load shows no tenant (it lags by up to a flush):
     the next test's gateway would otherwise still count the last one's requests."""
-    assert mesh.redis_url is not None
-    client = redis.Redis.from_url(mesh.redis_url)
+    client = mesh_redis(mesh)
     key = redis_keys.scheduler_load(mesh.scheduler_addresses[0])
     deadline = time.monotonic() + 10
     while await client.hget(key, "tenants") != b"{}":

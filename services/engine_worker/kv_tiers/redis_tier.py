@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import redis
 
+from shared import redis_auth
+
 LRU_KEY = "kvmesh:kv:lru"
 BYTES_KEY = "kvmesh:kv:bytes"
 BACKOFF_S = 5.0
@@ -44,7 +46,10 @@ class RedisTier:
     def __init__(self, url: str, budget_bytes: int, timeout_s: float = 1.0) -> None:
         self.budget_bytes = budget_bytes
         self._client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            **redis_auth.credentials(),
         )
         self._put = self._client.register_script(_PUT)
         self._down_until = 0.0
