@@ -17,6 +17,7 @@ from services.gateway.policy.policy import GatewayPolicy
 from services.gateway.policy.stall import ClientStalled, stalled_error, write_or_stall
 from services.gateway.request.embed import embed
 from services.gateway.request.generate import GenerateHandler
+from services.gateway.request.tokenize_call import charged_token_ids
 from shared import grpc_errors
 from shared.pb.kvmesh.v1 import (
     common_pb2,
@@ -107,12 +108,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def _token_ids(
         self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tuple[list[int], common_pb2.ModelInfo]:
-        self.policy.api_keys.authenticate(context.invocation_metadata())
+        tenant = self.policy.api_keys.authenticate(context.invocation_metadata())
         model = self.catalog.pick(request.model).served_model()
-        self.policy.limits.check_size(request.ByteSize())
-        limit = self.policy.limits.prompt_limit(model)  # no longer than a prompt could be
-        ids = await self.tokenizer.prompt_token_ids(
-            request, model, context.time_remaining(), max_tokens=limit
+        remaining = context.time_remaining()
+        ids = await charged_token_ids(
+            self.policy, self.tokenizer, tenant, request, model, remaining
         )
         return ids, model
 

@@ -140,7 +140,7 @@ class Scheduler(ResultUpdates):
         if admissible and (
             victim := self._shares().slot_victim(admissible, self.running, free, needed)
         ):
-            self._preempt(victim, self.running)
+            self._preempt(victim)
         budget = self.config.max_num_batched_tokens
         new_plans: list[NewRequestPlan] = []
         # A tenant below its share gets its prefill in a step of its own, not behind the
@@ -172,6 +172,9 @@ class Scheduler(ResultUpdates):
                 if fork is None and self.groups.is_held(request):
                     continue  # a sibling admitted just now computes its prompt
                 prefix = fork or self.block_manager.match_prefix(request)
+                if fork is not None and request.num_preemptions:  # its own output is cached
+                    cached = self.block_manager.match_prefix(request)
+                    prefix = cached if cached.num_tokens > fork.num_tokens else fork
             loads = self.tier_loads.plan(request, prefix)
             request.num_computed_tokens = prefix.num_tokens + len(loads) * self.block_size
             num_new = request.tokens_to_schedule(budget, self.chunk_size)
@@ -232,7 +235,7 @@ class Scheduler(ResultUpdates):
             while not self.block_manager.allocate(request, num_new):
                 preempted = True
                 unscheduled = running[index:]
-                self._preempt(self._shares().victim_among(unscheduled), unscheduled)
+                self._preempt(self._shares().victim_among(unscheduled))
                 if request.status is not RequestStatus.RUNNING:
                     break
             if request.status is not RequestStatus.RUNNING:
@@ -253,13 +256,7 @@ class Scheduler(ResultUpdates):
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=lambda r: r.sort_key)
 
-    def _preempt(self, victim: Request, among: Sequence[Request]) -> None:
-        """The victim, and its group's members among the running not yet scheduled this step."""
-        group = set(self.groups.running_siblings(victim)) if victim.group_id else set()
-        for request in [victim, *(r for r in among if r in group)]:
-            self._preempt_one(request)
-
-    def _preempt_one(self, request: Request) -> None:
+    def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0

@@ -1,7 +1,9 @@
-"""One tenant flooding with large n does not lock another out: with the batch full of the
-flood's sequences and the queue past the gateway's watermark, the other tenant's requests are
-still admitted, their TTFT within 2x of an idle mesh's, while the flood's next request is
-refused RATE_LIMITED, naming its fair share."""
+"""One tenant's use of the mesh does not become another's wait. A flood with large n: with the
+batch full of the flood's sequences and the queue past the gateway's watermark, the other
+tenant's requests are still admitted, their TTFT within 2x of an idle mesh's, while the flood's
+next request is refused RATE_LIMITED, naming its fair share. Tokenizing: the tokenizer's time
+counts against the caller's tokens per minute. The simulated engine (2 ms steps) behind the
+default model's tokenizer: this is about admission, not arithmetic."""
 
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
-from kvmesh.mesh.launcher import Mesh
+from kvmesh.mesh.launcher import Mesh, MeshConfig
 from shared import redis_keys
-from shared.pb.kvmesh.v1 import inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from shared.pb.kvmesh.v1 import inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from shared.runtime.tls import aio_channel
 from tests.e2e.mesh_helpers import (
     assert_mesh_idle,
@@ -25,7 +27,6 @@ from tests.e2e.mesh_helpers import (
     keys_file,
     mesh_redis,
     rich_error,
-    tiny_mesh_config,
 )
 
 KEYS = """
@@ -34,17 +35,25 @@ keys = ["sk-flood"]
 
 [tenants.light]
 keys = ["sk-light"]
+
+[tenants.counter]
+keys = ["sk-counter"]
+tokens_per_minute = 600
 """
 SLOTS = 8
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     keys = keys_file(tmp_path_factory, KEYS)
-    config = tiny_mesh_config(tiny_llama_dir, str(tmp_path_factory.mktemp("flood-logs")))
-    config.scheduler_args = ["--max-num-seqs", str(SLOTS)]
-    # A watermark the flood passes at once: its sequences hold every slot for seconds.
-    config.gateway_args = ["--api-keys-file", keys, "--max-queue-ms", "200"]
+    config = MeshConfig(
+        worker_args=["--backend", "sim", "--sim-step-ms", "2", "--kv-memory", "64MiB"],
+        scheduler_args=["--max-num-seqs", str(SLOTS)],
+        # A watermark the flood passes at once: its sequences hold every slot for seconds.
+        gateway_args=["--api-keys-file", keys, "--max-queue-ms", "200"],
+        log_dir=str(tmp_path_factory.mktemp("flood-logs")),
+        drain_seconds=1,
+    )
     with Mesh(config) as running:
         yield running
 
@@ -156,3 +165,28 @@ async def test_the_flood_alone_past_the_watermark_is_overloaded_not_rate_limited
         await cancelled(running)
     assert late == "OVERLOADED"  # nobody else is there: the mesh itself is full
     await assert_mesh_idle(mesh)
+
+
+async def test_tokenize_calls_count_against_the_tenants_tokens(mesh: Mesh) -> None:
+    """Tokenize and CountTokens generate nothing, but the tokenizer's time is the tenant's:
+    600 tokens a minute run out after a few 150-token prompts, and then its Generate waits
+    too; another tenant tokenizes on."""
+    request = inference_pb2.TokenizeRequest(text="hello world " * 75)
+    counts: list[int] = []
+    refused = ""
+    async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        for index in range(20):
+            call = stub.CountTokens if index % 2 else stub.Tokenize
+            try:
+                reply = await call(request, metadata=bearer("sk-counter"), timeout=10)
+            except grpc.aio.AioRpcError as error:
+                refused = rich_error(error).reason
+                break
+            counts.append(reply.count if index % 2 else len(reply.token_ids))
+        assert refused == "RATE_LIMITED" and sum(counts) >= 600 - max(counts), counts
+        assert len(counts) <= 600 // min(counts) + 1, counts
+        other = await stub.Tokenize(request, metadata=bearer("sk-light"), timeout=10)
+        assert len(other.token_ids) == counts[0]
+        late = await reason(stub, "sk-counter", n=1, max_tokens=10)
+    assert late == "RATE_LIMITED"

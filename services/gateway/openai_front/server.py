@@ -146,7 +146,9 @@ class OpenAIFront:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = parse_body(body_of(request))
-        return web.json_response(await tokenize(self.catalog, self.generate, body))
+        metadata = self._call(request).invocation_metadata()
+        tenant = self.generate.policy.api_keys.authenticate(metadata)  # charged its tokens
+        return web.json_response(await tokenize(self.catalog, self.generate, body, tenant))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = parse_body(body_of(request))

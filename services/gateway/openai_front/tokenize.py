@@ -14,8 +14,10 @@ from services.gateway.mesh.catalog import ModelCatalog
 from services.gateway.openai_front.fields import ignore_unknown
 from services.gateway.openai_front.protocol import chat_message
 from services.gateway.request.generate import GenerateHandler
+from services.gateway.request.tokenize_call import charged_token_ids
 from shared.errors import KvmeshError, Reason
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2
+from shared.tenants import Tenant
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
@@ -48,13 +50,11 @@ def tokenize_request(body: dict[str, Any]) -> inference_pb2.TokenizeRequest:
 
 
 async def tokenize(
-    catalog: ModelCatalog, generate: GenerateHandler, body: dict[str, Any]
+    catalog: ModelCatalog, generate: GenerateHandler, body: dict[str, Any], tenant: Tenant
 ) -> dict[str, Any]:
     request = tokenize_request(body)
     model = catalog.pick(request.model).served_model()
-    generate.policy.limits.check_size(request.ByteSize())
-    limit = generate.policy.limits.prompt_limit(model)  # no longer than a prompt could be
-    ids = await generate.tokenizer.prompt_token_ids(request, model, None, max_tokens=limit)
+    ids = await charged_token_ids(generate.policy, generate.tokenizer, tenant, request, model, None)
     return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}
 
 

@@ -60,9 +60,12 @@ class LocalLimits:
         self.tokens_in_flight = in_flight
         return 0, 0
 
-    def charge(self, tokens: int) -> None:
-        if self.tokens is not None:
-            self.tokens.level = max(0.0, self.tokens.refill() - tokens)
+    def charge(self, tokens: int) -> float | None:
+        if self.tokens is None:
+            return None
+        before = self.tokens.refill()
+        self.tokens.level = max(0.0, before - tokens)
+        return before
 
     def release(self, refund: int, num_sequences: int, in_flight_tokens: int) -> None:
         self.sequences -= num_sequences

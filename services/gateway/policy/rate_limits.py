@@ -14,6 +14,7 @@ tenant may then get up to the limit from each gateway, never an error caused by 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from services.gateway.policy.leases import LEASE_MS, Leases
@@ -107,7 +108,8 @@ end
 return 0
 """
 
-# KEYS: tokens bucket. ARGV: tokens/ms, tokens to take (never below empty).
+# KEYS: tokens bucket. ARGV: tokens/ms, tokens to take (never below empty). Returns the whole
+# tokens there were before.
 CHARGE_LUA = (
     BUCKET_LEVEL_LUA
     + """
@@ -116,7 +118,7 @@ local capacity = rate * 60000
 local left = level(KEYS[1], rate, capacity)
 redis.call('HSET', KEYS[1], 'level', math.max(0, left - cost), 'at', now)
 redis.call('PEXPIRE', KEYS[1], math.ceil(capacity / rate) + 1000)
-return 0
+return math.floor(left)
 """
 )
 
@@ -187,20 +189,34 @@ class RateLimiter:
                 self._leases.hold(redis_keys.tenant_in_flight(tenant.name), member)
         return grant
 
-    async def charge(self, tenant: Tenant, tokens: int) -> None:
-        """Prompt tokens the tenant had tokenized for a request refused before admission (too
-        long, or no room for its output): taken from its tokens per minute, never below empty,
-        so tokenizer time counts against its limit even when nothing is generated."""
+    async def charge(self, tenant: Tenant, tokens: int) -> float | None:
+        """Tokens the tenant had tokenized without a generation admitted (a prompt refused
+        before admission, a Tokenize call): taken from its tokens per minute, never below
+        empty, so tokenizer time counts against its limit. Returns the tokens it had before
+        (0 tokens: only asks), None for a tenant without that limit."""
         rate = tenant.limits.tokens_per_minute
-        if rate <= 0 or tokens <= 0:
-            return
+        if rate <= 0 or tokens < 0:
+            return None
         if self.link is not None:
             keys = [redis_keys.tenant_tokens_bucket(tenant.name)]
             args: list[float | int | str] = [rate / 60000, tokens]
-            done = await self.link.run(lambda client: self._charge_script(keys=keys, args=args))
-            if done is not None:
-                return
-        self._local_limits(tenant).charge(tokens)
+            left = await self.link.run(lambda client: self._charge_script(keys=keys, args=args))
+            if left is not None:
+                return float(left)
+        return self._local_limits(tenant).charge(tokens)
+
+    async def require_tokens_left(self, tenant: Tenant) -> None:
+        """RATE_LIMITED when the tenant's tokens per minute are spent: a call that only
+        tokenizes is refused before it costs the tokenizer anything."""
+        left = await self.charge(tenant, 0)
+        if left is not None and left < 1:
+            raise KvmeshError(
+                Reason.RATE_LIMITED,
+                f"tenant {tenant.name!r} is over its limit of tokens per minute (tokenizing "
+                f"counts against it)",
+                retryable=True,
+                retry_after_ms=max(1, math.ceil(60000 / tenant.limits.tokens_per_minute)),
+            )
 
     async def release(self, grant: Grant | None, tokens_used: int) -> None:
         if grant is None:
