@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-startup bench-kv-tiers bench-pd bench-overload bench-fairness bench-n test-multihost check-kernels test-gpu test-gpu-standin gpu-check-prepare gpu-check bench-kernels bench-gpu bench-peers bench-cpu bench-kquants bench-spec bench-host bench-mesh-ceiling profile-step perplexity eval-smoke soak clean
+.PHONY: setup demo up test lint docs docs-serve protos bench-engine bench-mesh bench-routing bench-tracing bench-structured bench-http bench-embed bench-rollout bench-startup bench-kv-tiers bench-pd bench-overload bench-fairness bench-tenant-flood bench-n test-multihost check-kernels test-gpu test-gpu-standin gpu-check-prepare gpu-check bench-kernels bench-gpu bench-peers bench-cpu bench-kquants bench-spec bench-host bench-mesh-ceiling profile-step perplexity eval-smoke soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -105,6 +105,10 @@ bench-overload: $(STAMP)
 # (fair share) and beside the same flood in its own tenant (FCFS), one run; about 3 minutes.
 bench-fairness: $(STAMP)
 	$(BIN)/python -m loadtest.fairness_bench
+
+# Tenant A floods with n = 16 past the watermarks; tenant B's TTFT and admissions beside it.
+bench-tenant-flood: $(STAMP)
+	$(BIN)/python -m loadtest.tenant_flood_bench
 
 # n = 8 completions as one request (forked from one prompt) against 8 separate requests with
 # the prefix cache on and off: seconds, output tok/s, prompt tokens computed, peak KV blocks.

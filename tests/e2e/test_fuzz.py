@@ -5,7 +5,8 @@ crashes, hangs or leaks: after the run every service still runs, the gateway ser
 request or KV block is left anywhere. Accepted requests are cancelled after their first event
 (the fuzz is about input, not generation). The default run is derandomized (the same
 examples every time, so CI is repeatable); `KVMESH_FUZZ_EXAMPLES` sets a run's size and draws
-fresh examples, as `make soak`'s long run does.
+fresh examples, as `make soak`'s long run does. Each example records how it ended (hypothesis
+`event`): `pytest --hypothesis-show-statistics` prints each outcome's share.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import urllib.request
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.mesh.launcher import Mesh
@@ -151,6 +152,7 @@ def public_stub(mesh: Mesh):
 def assert_refused_cleanly(error: grpc.RpcError) -> None:
     parsed = rich_error(error)  # type: ignore[arg-type]
     assert parsed.reason in KNOWN_REASONS, (parsed, error)
+    event(f"refused {parsed.reason}")
 
 
 @FUZZ
@@ -166,12 +168,14 @@ def test_any_generate_request_is_served_or_refused_with_a_reason(
         first = next(call)
     except grpc.RpcError as error:
         if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and request.timeout_ms:
-            return  # its own timeout_ms, before acceptance
+            event("its own timeout_ms passed before acceptance")
+            return
         assert_refused_cleanly(error)
         return
     finally:
         call.cancel()
     assert first.WhichOneof("event") == "accepted"
+    event("accepted")
 
 
 @FUZZ
@@ -182,6 +186,7 @@ def test_raw_bytes_on_the_grpc_method_never_break_the_gateway(mesh: Mesh, payloa
         call = generate(payload, timeout=60)
         try:
             next(call)  # bytes that happen to parse are a request like any other
+            event("parsed and accepted")
         except grpc.RpcError as error:
             assert_refused_cleanly(error)  # INVALID_ARGUMENT when they do not parse
         except StopIteration:
@@ -258,10 +263,12 @@ def test_any_http_body_gets_an_openai_error_or_a_completion(
 ) -> None:
     status, payload = post(mesh, path, body)
     if status == 200:
+        event("200")
         return
     assert status in (400, 404, 413, 429, 503, 504), (status, payload[:300])
     error = json.loads(payload)["error"]
     assert error["code"] in KNOWN_REASONS, error
+    event(f"{status} {error['code']}")
 
 
 async def test_after_the_fuzz_nothing_is_left_behind(mesh: Mesh) -> None:
