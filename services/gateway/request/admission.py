@@ -223,8 +223,9 @@ class Admission:
             raise error
         checked = Checked(failed.tenant, others, failed.model, failed.sampling)
         with call.telemetry.phase("route") as span:
+            ask = TenantAsk(failed.tenant.name, failed.tenant.weight, 1, len(failed.token_ids))
             route = await self.policy.router.route(
-                others, failed.token_ids, failed.tenant.cache_salt
+                others, failed.token_ids, failed.tenant.cache_salt, ask
             )
             span.set_attributes(route.span_attributes())
         return await submit(
@@ -255,7 +256,9 @@ class Admission:
         token_ids = prefilled.token_ids + first_ids
         checked = Checked(prefilled.tenant, decoding, prefilled.model, prefilled.sampling)
         with call.telemetry.phase("route") as span:
-            route = await self.policy.router.route(decoding, token_ids, prefilled.tenant.cache_salt)
+            tenant = prefilled.tenant
+            ask = TenantAsk(tenant.name, tenant.weight, 1, len(token_ids))
+            route = await self.policy.router.route(decoding, token_ids, tenant.cache_salt, ask)
             span.set_attributes(route.span_attributes())
         moved = await submit(
             call,
