@@ -2,8 +2,8 @@
 in the OpenAI error shape and the connection is let go within a second or two (aiohttp alone
 would read on for 10 s); with auth on, no key is 401 before the body is waited for; one client
 address holds at most its share of open requests; headers that never end are not waited for;
-a body declared past the size limit is 413 before it is read; a client leaving mid-body is
-not an error."""
+a body declared past the size limit is 413 before it is read; a header line past its bound
+is 431 as JSON; a client leaving mid-body is not an error."""
 
 from __future__ import annotations
 
@@ -135,3 +135,20 @@ async def test_a_client_leaving_mid_body_logs_no_error(caplog: pytest.LogCapture
         await front.close()
     errors = [record for record in caplog.records if record.levelno >= logging.WARNING]
     assert not errors, [record.getMessage() for record in errors]
+
+
+async def test_a_header_past_the_bound_is_431_in_the_openai_shape() -> None:
+    front, port = await front_on(ApiKeys())
+    try:
+        for size in (9_000, 60_000):  # past ours; past aiohttp's own default too
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * size + b"\r\n\r\n"
+            writer.write(head)
+            await writer.drain()
+            reply = await asyncio.wait_for(reader.read(65536), 10)
+            writer.close()
+            status, error = status_and_error(reply)
+            assert status.startswith(b"HTTP/1.1 431"), status
+            assert error["code"] == "REQUEST_TOO_LARGE" and "8190" in error["message"]
+    finally:
+        await front.close()

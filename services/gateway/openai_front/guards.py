@@ -6,7 +6,8 @@ client without a key, never 404), and `/metrics` needs an admin tenant's key or 
 token (`KVMESH_METRICS_TOKEN`). The body is then
 read within `body_timeout_s`: a client that holds a partial body holds a connection that long,
 no longer (408); one that declares more than the size limit is 413 at once. One client address
-has at most `max_per_client` requests open at once (429).
+has at most `max_per_client` requests open at once (429). A header past `MAX_HEADER_BYTES` is
+431, in the OpenAI error shape (aiohttp's parser is given room for it: server.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from shared.runtime.metrics import is_scrape_token
 from shared.tenants import ApiKeys
 
 OPEN_PATHS = frozenset({"/health"})  # probes: no key, no body
+# One header line (name and value): nginx's and aiohttp's own default bound (8 KiB).
+MAX_HEADER_BYTES = 8190
+# What aiohttp's parser is told to take: room past that, so a long header reaches the guards
+# and gets their JSON 431; only one past this gets aiohttp's own plain-text 400.
+PARSER_HEADER_BYTES = 64 * 1024
 ADMIN_PATHS = frozenset({"/metrics"})  # every tenant's series
 BODY_KEY = "kvmesh.body"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -34,6 +40,12 @@ def guards(api_keys: ApiKeys, body_timeout_s: float, max_per_client: int = 0) ->
 
     @web.middleware
     async def guarded(request: web.Request, handler: Handler) -> web.StreamResponse:
+        longest = max((len(k) + len(v) for k, v in request.raw_headers), default=0)
+        if longest > MAX_HEADER_BYTES:
+            raise web.HTTPRequestHeaderFieldsTooLarge(
+                text=f"a header line is {longest} bytes; this gateway takes at most "
+                f"{MAX_HEADER_BYTES}"
+            )
         client = request.remote or ""
         if max_per_client and open_requests[client] >= max_per_client:
             raise KvmeshError(

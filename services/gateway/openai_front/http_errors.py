@@ -80,8 +80,9 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
         return await handler(request)
     except KvmeshError as error:
         return error_response(error)
-    except web.HTTPRequestEntityTooLarge as error:
+    except (web.HTTPRequestEntityTooLarge, web.HTTPRequestHeaderFieldsTooLarge) as error:
         response = error_response(KvmeshError(Reason.REQUEST_TOO_LARGE, error.text or "too large"))
+        response.set_status(error.status)  # 413 for a body, 431 for a header
         response.force_close()  # its body is never read
         return response
     except ConnectionError:  # the client left mid-body: nobody reads this, nothing to log

@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.gateway.mesh.catalog import ModelCatalog
 from services.gateway.openai_front.batch import batch_events
 from services.gateway.openai_front.embeddings import parse_embeddings
-from services.gateway.openai_front.guards import body_of, guards
+from services.gateway.openai_front.guards import PARSER_HEADER_BYTES, body_of, guards
 from services.gateway.openai_front.http_errors import (
     bad_http_in_one_line,
     error_object,
@@ -104,6 +104,8 @@ class OpenAIFront:
             access_log=None,
             lingering_time=LINGER_S,
             keepalive_timeout=self.generate.policy.body_timeout_s,
+            max_line_size=PARSER_HEADER_BYTES,
+            max_field_size=PARSER_HEADER_BYTES,
         )
         await self._runner.setup()
         tls = tls_config()
