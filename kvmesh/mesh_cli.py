@@ -29,6 +29,7 @@ from shared.runtime.settings import (
     add_settings,
     env_default,
     port,
+    redis_url,
     whole,
 )
 from shared.tenants import ApiKeys
@@ -61,7 +62,9 @@ def add_up_parser(commands: argparse._SubParsersAction) -> None:
         help="tokenizer processes, gateway i detokenizing on tokenizer i mod this; default: one "
         f"per {gateways.GATEWAYS_PER_TOKENIZER} gateways",
     )
-    up.add_argument("--redis", help="use this Redis (redis://HOST:PORT) instead of starting one")
+    up.add_argument(
+        "--redis", type=redis_url, help="use this Redis (redis://HOST:PORT) instead of starting one"
+    )
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=port, default=50051, help="gateway port; 0 picks a free one")
     up.add_argument(

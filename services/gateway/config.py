@@ -12,6 +12,7 @@ from shared.runtime.settings import (
     Setting,
     decimal,
     readable_file,
+    redis_url,
     whole,
 )
 
@@ -43,7 +44,10 @@ MESH_SETTINGS = (
         "the model of requests that name none (default: the first scheduler's)",
     ),
     Setting(
-        "redis", None, "shared load, prefix-cache and rate-limit state, e.g. redis://host:6379/0"
+        "redis",
+        None,
+        "shared load, prefix-cache and rate-limit state, e.g. redis://host:6379/0",
+        redis_url,
     ),
     Setting(
         "http-port",

@@ -14,6 +14,7 @@ from shared.runtime.settings import (
     SCHEDULER,
     Setting,
     decimal,
+    redis_url,
     whole,
 )
 from shared.step_limits import STEP_LIMIT_SETTINGS, step_limit_config
@@ -30,7 +31,12 @@ SERVICE_SETTINGS = (
         whole(1),
         takers=(SCHEDULER,),
     ),
-    Setting("redis", None, "publish load and prefix-cache contents here, e.g. redis://host:6379/0"),
+    Setting(
+        "redis",
+        None,
+        "publish load and prefix-cache contents here, e.g. redis://host:6379/0",
+        redis_url,
+    ),
     Setting(
         "advertise",
         None,

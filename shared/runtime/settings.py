@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from shared.config import parse_bytes
+from shared.config import is_redis_url, parse_bytes
 from shared.errors import KvmeshError
 
 # Who `kvmesh up` hands a setting to (Setting.takers); UP: it takes the flag and places the
@@ -202,6 +202,15 @@ def port(text: str) -> int:
     if not -1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a port (0-65535, or -1 for off)")
     return value
+
+
+def redis_url(text: str) -> str:
+    """A Redis URL redis-py can connect with, kept as written."""
+    if not is_redis_url(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a redis://, rediss:// or unix:// URL (e.g. redis://host:6379/0)"
+        )
+    return text
 
 
 def readable_file(text: str) -> str:

@@ -67,6 +67,7 @@ def up_refuses(tmp_path: Path, flags: list[str], words: str, env=None) -> None:
         (["--api-keys-file", "/no/keys.toml"], "argument --api-keys-file: no file at"),
         # the launcher's own
         (["--port", "99999"], "argument --port: 99999 is not a port (0-65535, or -1 for off)"),
+        (["--redis", "not-a-url"], "argument --redis: 'not-a-url' is not a redis://, rediss://"),
     ],
 )
 def test_up_refuses_a_bad_flag_before_starting_anything(tmp_path, flags, words) -> None:
@@ -102,6 +103,8 @@ def test_up_refuses_a_repository_entrys_bad_serving_value(
         ("scheduler", [], {"KVMESH_MAX_NUM_SEQS": "0"}, "argument --max-num-seqs: 0 is below 1"),
         ("gateway", ["--routing", "random"], {}, "argument --routing: invalid choice: 'random'"),
         ("tokenizer", ["--port", "http"], {}, "argument --port: 'http' is not a whole number"),
+        ("scheduler", [], {"KVMESH_REDIS": "localhost:6379"}, "argument --redis: 'localhost"),
+        ("gateway", ["--redis", "http://r"], {}, "argument --redis: 'http://r' is not a redis"),
         ("trace_collector", ["--max-memory", "lots"], {}, "argument --max-memory: cannot parse"),
     ],
 )
