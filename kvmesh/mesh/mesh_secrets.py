@@ -27,12 +27,13 @@ class MeshSecrets:
 
     def complete(self, auth_on: bool, own_redis: bool) -> None:
         """With auth on, what the operator did not give is made: a mesh token, and for the
-        redis-server the mesh starts itself, a password for an ACL user of its own."""
-        if not auth_on:
-            return
-        self.mesh_token = self.mesh_token or mesh_token.new_mesh_token()
-        if own_redis and not self.redis_password:
-            self.redis_password = redis_auth.new_password()
+        redis-server the mesh starts itself, a password. That server's password (made or
+        given) belongs to the ACL user it is started with, whom every child logs in as."""
+        if auth_on:
+            self.mesh_token = self.mesh_token or mesh_token.new_mesh_token()
+            if own_redis and not self.redis_password:
+                self.redis_password = redis_auth.new_password()
+        if own_redis and self.redis_password:
             self.redis_user = redis_auth.MESH_USER
 
     def env(self) -> dict[str, str]:

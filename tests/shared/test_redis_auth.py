@@ -56,6 +56,10 @@ def test_secrets_are_made_with_auth_on_and_only_what_was_not_given(
     external.complete(auth_on=True, own_redis=False)  # an operator's Redis: its URL says
     assert external.redis_password == "" and external.mesh_token
     monkeypatch.setenv(redis_auth.ENV_PASSWORD, "given")
-    given = MeshSecrets.from_env()
-    given.complete(auth_on=True, own_redis=True)
-    assert (given.redis_password, given.redis_user) == ("given", "")
+    for auth_on in (True, False):  # the server the mesh starts takes it, for its ACL user
+        given = MeshSecrets.from_env()
+        given.complete(auth_on=auth_on, own_redis=True)
+        assert (given.redis_password, given.redis_user) == ("given", redis_auth.MESH_USER)
+    theirs = MeshSecrets.from_env()
+    theirs.complete(auth_on=True, own_redis=False)  # the operator's server and user
+    assert (theirs.redis_password, theirs.redis_user) == ("given", "")
