@@ -31,7 +31,9 @@ from shared.step import (
 
 
 def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields take the dataclass defaults; raises KvmeshError when invalid."""
+    """Unset optional fields take the dataclass defaults. No range is checked here: the
+    gateway validated what it sent (`SamplingParams.validate`), and the rest of the mesh
+    trusts it."""
     defaults = SamplingParams()
     has = message.HasField
     return SamplingParams(

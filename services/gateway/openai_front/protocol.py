@@ -1,10 +1,11 @@
 """OpenAI request bodies -> GenerateRequest (the responses are responses.py).
 
 A thin translation: everything past parsing (admission, auth, tokenization, sampling checks,
-stop strings) is the gRPC path's own code. Parsing checks only the JSON shapes, so a wrong
-type is a 400 naming the field, never a protobuf TypeError. Beyond OpenAI's fields, the
+stop strings) is the gRPC path's own code. Parsing checks the JSON shapes (a wrong type is a 400
+naming the field, never a protobuf TypeError) and where OpenAI's ranges differ from the mesh's:
+a completion's `max_tokens` is 0 only with `echo`, `top_p` 0 means `top_k` 1. It also takes the
 sampling extensions vLLM users know (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`stop_token_ids`) plus `priority`, `timeout_ms` and `disable_speculation` are accepted.
+`stop_token_ids`), `priority`, `timeout_ms` and `disable_speculation`.
 """
 
 from __future__ import annotations
