@@ -126,6 +126,28 @@ async def b_beside_flood(
     return b, await flooding
 
 
+TABLE_HEAD = (
+    "| tenant B's requests | completed | TTFT p50 ms | TTFT p99 ms | p99 / alone "
+    "| queue p50 / p99 ms | prefill p50 / p99 ms |\n| --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
+def two_tenant_config(
+    directory: str, kv_memory: str, scheduler_args: list[str], gateway_args: list[str]
+) -> MeshConfig:
+    """A mesh of the default model whose gateway knows tenants a and b (KEYS)."""
+    keys = Path(directory) / "keys.toml"
+    keys.write_text(KEYS)
+    return MeshConfig(
+        worker_threads=2,
+        worker_args=["--kv-memory", kv_memory],
+        scheduler_args=scheduler_args,
+        gateway_args=["--api-keys-file", str(keys), *gateway_args],
+        log_dir=directory,
+        drain_seconds=2,
+    )
+
+
 def row(name: str, results: list[FirstToken | None], alone_p99: float) -> str:
     done = [r for r in results if r is not None]
     ttft = [r.ttft for r in done]
@@ -141,17 +163,9 @@ def row(name: str, results: list[FirstToken | None], alone_p99: float) -> str:
 
 async def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as directory:
-        keys = Path(directory) / "keys.toml"
-        keys.write_text(KEYS)
-        config = MeshConfig(
-            worker_threads=2,
-            worker_args=["--kv-memory", "128MiB"],
-            scheduler_args=["--max-num-seqs", str(args.max_num_seqs), "--max-waiting", "100000"],
-            # Watermarks off: nothing is refused, the whole flood queues at the scheduler.
-            gateway_args=[*("--api-keys-file", str(keys)), *NO_WATERMARKS],
-            log_dir=directory,
-            drain_seconds=2,
-        )
+        scheduler_args = ["--max-num-seqs", str(args.max_num_seqs), "--max-waiting", "100000"]
+        # Watermarks off: nothing is refused, the whole flood queues at the scheduler.
+        config = two_tenant_config(directory, "128MiB", scheduler_args, list(NO_WATERMARKS))
         with Mesh(config) as mesh:
             async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
                 stub = inference_pb2_grpc.InferenceStub(channel)
@@ -168,11 +182,7 @@ async def run(args: argparse.Namespace) -> None:
         f"= {flood_rate:.1f} req/s ({sent_a} and {sent_same} sent), queued from "
         f"{args.warm_seconds:.0f} s before B starts"
     )
-    print(
-        "| tenant B's requests | completed | TTFT p50 ms | TTFT p99 ms | p99 / alone "
-        "| queue p50 / p99 ms | prefill p50 / p99 ms |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(TABLE_HEAD)
     print(row("alone", alone, alone_p99))
     print(row("beside tenant A's flood (fair share)", fair, alone_p99))
     print(row("beside the same flood in B's own tenant (FCFS)", fcfs, alone_p99))

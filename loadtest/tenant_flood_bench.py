@@ -14,12 +14,11 @@ import asyncio
 import collections
 import contextlib
 import tempfile
-from pathlib import Path
 
 import grpc
 
-from kvmesh.mesh.launcher import Mesh, MeshConfig
-from loadtest.fairness_bench import KEYS, row, steady
+from kvmesh.mesh.launcher import Mesh
+from loadtest.fairness_bench import TABLE_HEAD, row, steady, two_tenant_config
 from loadtest.overload_bench import percentile
 from shared import grpc_errors
 from shared.pb.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -61,15 +60,11 @@ async def flood(
 
 async def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as directory:
-        keys = Path(directory) / "keys.toml"
-        keys.write_text(KEYS)
-        config = MeshConfig(
-            worker_threads=2,
-            worker_args=["--kv-memory", "256MiB"],
-            scheduler_args=["--max-num-seqs", str(args.max_num_seqs)],
-            gateway_args=["--api-keys-file", str(keys), "--max-queue-ms", str(args.max_queue_ms)],
-            log_dir=directory,
-            drain_seconds=2,
+        config = two_tenant_config(
+            directory,
+            "256MiB",
+            ["--max-num-seqs", str(args.max_num_seqs)],
+            ["--max-queue-ms", str(args.max_queue_ms)],
         )
         with Mesh(config) as mesh:
             async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
@@ -88,11 +83,7 @@ async def run(args: argparse.Namespace) -> None:
         f"B: {args.b_rate} req/s for {args.seconds:.0f} s; --max-num-seqs {args.max_num_seqs}, "
         f"--max-queue-ms {args.max_queue_ms:g}"
     )
-    print(
-        "| tenant B's requests | completed | TTFT p50 ms | TTFT p99 ms | p99 / alone "
-        "| queue p50 / p99 ms | prefill p50 / p99 ms |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(TABLE_HEAD)
     print(row("alone", alone, alone_p99))
     print(row("beside tenant A's n = 16 flood", beside, alone_p99))
     print("A's requests: " + ", ".join(f"{kind}: {count}" for kind, count in ended.items()))

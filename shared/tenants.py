@@ -30,7 +30,7 @@ import hashlib
 import hmac
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import tomllib
 
@@ -58,13 +58,8 @@ class TenantLimits:
         )
 
 
-# A tenant's limits in the keys file, each its own or [defaults]'s.
-_LIMIT_FIELDS = {
-    "requests_per_second": float,
-    "tokens_per_minute": float,
-    "max_concurrent": int,
-    "max_in_flight_tokens": int,
-}
+# A tenant's limits in the keys file, each its own or [defaults]'s: name -> type.
+_LIMIT_FIELDS: dict[str, type] = {f.name: type(f.default) for f in fields(TenantLimits)}
 
 
 @dataclass(frozen=True)
@@ -139,8 +134,8 @@ class ApiKeys:
                 )
             limits = TenantLimits(
                 **{
-                    field: kind(table.get(field, defaults.get(field, 0)))
-                    for field, kind in _LIMIT_FIELDS.items()
+                    limit: kind(table.get(limit, defaults.get(limit, 0)))
+                    for limit, kind in _LIMIT_FIELDS.items()
                 }
             )
             admin = table.get("admin", False) is True

@@ -87,7 +87,7 @@ class RedisPublisher:
             # cached on any worker as loadable there.
             "kv_shared_tier": int("redis" in self.loop.link.tiers.tiers),
             # name -> [weight, running, waiting, waiting tokens, blocks]: each tenant's hold,
-            # which a gateway weighs its fair share against (fair_admission.py).
+            # which a gateway weighs its fair share against (watermarks.py).
             "tenants": json.dumps(
                 {
                     t.tenant: [

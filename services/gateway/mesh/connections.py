@@ -23,6 +23,7 @@ from shared.pb.kvmesh.v1 import (
 )
 from shared.runtime.service import CHANNEL_OPTIONS
 from shared.runtime.tls import aio_channel
+from shared.tenants import Tenant
 
 log = logging.getLogger("kvmesh.gateway.connections")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -131,8 +132,9 @@ class SchedulerBackend(ModelBackend):
         self.tenant_sequences: collections.Counter[str] = collections.Counter()
         self.tenant_weights: dict[str, float] = {}
 
-    def count_tenant(self, name: str, weight: float, sequences: int) -> None:
-        self.tenant_weights[name] = weight
+    def count_tenant(self, tenant: Tenant, sequences: int) -> None:
+        name = tenant.name
+        self.tenant_weights[name] = tenant.weight
         self.tenant_sequences[name] += sequences
         if self.tenant_sequences[name] <= 0:
             del self.tenant_sequences[name], self.tenant_weights[name]

@@ -74,7 +74,7 @@ class Routed:
     gateway adds there before the scheduler's own report can show it."""
 
     route: RouteDecision
-    tenant: Tenant | None = None  # whose sequence it is there
+    tenant: Tenant  # whose sequence it is there
     in_transit: bool = True  # not yet accepted by the scheduler
     pending: bool = True  # no first token yet
 
@@ -83,8 +83,7 @@ class Routed:
         backend.in_flight += 1
         backend.in_transit += 1
         backend.pending_tokens += self.route.uncached_tokens
-        if self.tenant is not None:
-            backend.count_tenant(self.tenant.name, self.tenant.weight, 1)
+        backend.count_tenant(self.tenant, 1)
 
     def accepted(self) -> None:
         if self.in_transit:
@@ -101,8 +100,7 @@ class Routed:
         self.started()
         backend = self.route.backend
         backend.in_flight -= 1
-        if self.tenant is not None:
-            backend.count_tenant(self.tenant.name, self.tenant.weight, -1)
+        backend.count_tenant(self.tenant, -1)
 
 
 class Router:

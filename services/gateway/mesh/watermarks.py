@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from services.gateway.mesh.worker_load import TenantHold, WorkerLoad
 from shared.errors import KvmeshError, Reason
+from shared.tenants import Tenant
 
 MIN_RETRY_MS = 100
 MAX_RETRY_MS = 60_000
@@ -38,6 +39,10 @@ class TenantAsk:
     weight: float = 1.0
     num_sequences: int = 1  # its n completions
     prompt_tokens: int = 0
+
+    @classmethod
+    def of(cls, tenant: Tenant, prompt_tokens: int, num_sequences: int = 1) -> TenantAsk:
+        return cls(tenant.name, tenant.weight, num_sequences, prompt_tokens)
 
 
 @dataclass(frozen=True)

@@ -142,7 +142,6 @@ class Grant:
     """One admitted request's charge, to release when it ends."""
 
     tenant: Tenant
-    request_id: str
     tokens_charged: int
     shared: bool  # admitted through Redis (else by this gateway's local buckets)
     members: list[str]  # its leases in the tenant's in-flight set (lease_members)
@@ -183,7 +182,7 @@ class RateLimiter:
                 retry_after_ms=max(retry_ms, CONCURRENCY_RETRY_MS if waits else 1),
             )
         charged = min(token_cost, int(limits.tokens_per_minute)) or token_cost
-        grant = Grant(tenant, request_id, charged, shared, members, token_cost)
+        grant = Grant(tenant, charged, shared, members, token_cost)
         if shared and _leased(tenant) and self._leases is not None:
             for member in members:
                 self._leases.hold(redis_keys.tenant_in_flight(tenant.name), member)

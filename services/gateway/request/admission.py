@@ -175,7 +175,7 @@ class Admission:
         """Where the request goes, and whether that is a prefill pair (the decode pair it would
         have gone to has enough of the prompt to compute: handed over after the first token)."""
         router, tenant = self.policy.router, checked.tenant
-        ask = TenantAsk(tenant.name, tenant.weight, num_completions(call.request.n), len(token_ids))
+        ask = TenantAsk.of(tenant, len(token_ids), num_completions(call.request.n))
         prefill, decoding = split_roles(checked.candidates)
         route = await router.route(decoding, token_ids, tenant.cache_salt, ask)
         if not prefill or not splittable(call.request, checked.sampling):
@@ -223,7 +223,7 @@ class Admission:
             raise error
         checked = Checked(failed.tenant, others, failed.model, failed.sampling)
         with call.telemetry.phase("route") as span:
-            ask = TenantAsk(failed.tenant.name, failed.tenant.weight, 1, len(failed.token_ids))
+            ask = TenantAsk.of(failed.tenant, len(failed.token_ids))
             route = await self.policy.router.route(
                 others, failed.token_ids, failed.tenant.cache_salt, ask
             )
@@ -257,7 +257,7 @@ class Admission:
         checked = Checked(prefilled.tenant, decoding, prefilled.model, prefilled.sampling)
         with call.telemetry.phase("route") as span:
             tenant = prefilled.tenant
-            ask = TenantAsk(tenant.name, tenant.weight, 1, len(token_ids))
+            ask = TenantAsk.of(tenant, len(token_ids))
             route = await self.policy.router.route(decoding, token_ids, tenant.cache_salt, ask)
             span.set_attributes(route.span_attributes())
         moved = await submit(
